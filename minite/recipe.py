@@ -1,0 +1,112 @@
+"""Frozen descriptions of the numerics a model runs with.
+
+A `Recipe` says how each operand of a linear layer is quantized (`QuantSpec`: scaling policy, block
+shape, rounding, scale chain, Hadamard), how the GEMM epilogue applies the global scales, how the
+backward pass is computed, which layers stay bf16, and which backend executes it. Named recipes:
+
+- `bf16`: no quantization (the baseline).
+- `aligned` (project default for RL): per-token activation scale, 1x16 weight blocks with a per-tensor
+  weight scale, RNE, no RHT; epilogue `acc * (S_dec_row[m] * S_dec_w)` in fp32.
+- `te`: Transformer Engine's NVFP4BlockScaling forward: dynamic per-tensor activation amax (so a
+  token's codes depend on its batch), 16x16 weight blocks, epilogue alpha = amax_a*amax_w/7225344.
+- `vllm`: a vLLM/FlashInfer-style sampler: static calibrated activation scale, 1x16 weights, the
+  `vllm` scale chain.
+- `torchao`: torchao's NVFP4Tensor chain (2^-6 floor on block scales, bf16 output scaling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+SCALINGS = ("tensor", "row", "static")
+BLOCKS = ((1, 16), (16, 16))
+ROUNDINGS = ("rne", "stochastic")
+CHAINS = ("te", "vllm", "torchao")
+EPILOGUES = ("sdec", "alpha", "bf16_scalar")
+BACKWARDS = ("dequantized", "nvfp4")
+BACKENDS = ("ref", "triton")
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How one GEMM operand is quantized; the keyword arguments of `minite.nvfp4.quantize`."""
+
+    scaling: str = "row"
+    block: tuple[int, int] = (1, 16)
+    rounding: str = "rne"
+    chain: str = "te"
+    hadamard: bool = False
+
+    def __post_init__(self):
+        _check("scaling", self.scaling, SCALINGS)
+        _check("block", tuple(self.block), BLOCKS)
+        _check("rounding", self.rounding, ROUNDINGS)
+        _check("chain", self.chain, CHAINS)
+
+    def kwargs(self) -> dict:
+        return dict(scaling=self.scaling, block=tuple(self.block), rounding=self.rounding,
+                    chain=self.chain, hadamard=self.hadamard)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    fp4: bool = True
+    activation: QuantSpec = field(default_factory=lambda: QuantSpec(scaling="row"))
+    weight: QuantSpec = field(default_factory=lambda: QuantSpec(scaling="tensor"))
+    epilogue: str = "sdec"
+    backward: str = "dequantized"
+    backend: str = "ref"
+    bf16_first_layers: int = 0
+    bf16_last_layers: int = 0
+
+    def __post_init__(self):
+        _check("epilogue", self.epilogue, EPILOGUES)
+        _check("backward", self.backward, BACKWARDS)
+        _check("backend", self.backend, BACKENDS)
+        if self.bf16_first_layers < 0 or self.bf16_last_layers < 0:
+            raise ValueError("bf16_first_layers and bf16_last_layers must be >= 0")
+
+    def replace(self, **changes) -> Recipe:
+        return dataclasses.replace(self, **changes)
+
+
+RECIPES: dict[str, Recipe] = {
+    "bf16": Recipe("bf16", fp4=False),
+    "aligned": Recipe("aligned"),
+    "te": Recipe(
+        "te",
+        activation=QuantSpec(scaling="tensor"),
+        weight=QuantSpec(scaling="tensor", block=(16, 16)),
+        epilogue="alpha",
+    ),
+    "vllm": Recipe(
+        "vllm",
+        activation=QuantSpec(scaling="static", chain="vllm"),
+        weight=QuantSpec(scaling="tensor", chain="vllm"),
+        epilogue="alpha",
+    ),
+    "torchao": Recipe(
+        "torchao",
+        activation=QuantSpec(scaling="tensor", chain="torchao"),
+        weight=QuantSpec(scaling="tensor", chain="torchao"),
+        epilogue="bf16_scalar",
+    ),
+}
+
+
+def get_recipe(recipe: str | Recipe, **overrides) -> Recipe:
+    """A named recipe (or the given one) with field overrides, e.g. `get_recipe("aligned", backend="triton")`."""
+    if isinstance(recipe, Recipe):
+        base = recipe
+    elif recipe in RECIPES:
+        base = RECIPES[recipe]
+    else:
+        raise ValueError(f"unknown recipe {recipe!r}; choose one of {sorted(RECIPES)}")
+    return base.replace(**overrides) if overrides else base
+
+
+def _check(what: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{what}={value!r} is not supported; choose one of {list(allowed)}")
