@@ -97,7 +97,7 @@ RECIPES: dict[str, Recipe] = {
 
 
 def get_recipe(recipe: str | Recipe, **overrides) -> Recipe:
-    """A named recipe (or the given one) with field overrides, e.g. `get_recipe("aligned", backend="triton")`."""
+    """A named recipe (or the given one) with overrides: `get_recipe("aligned", backend="triton")`."""
     if isinstance(recipe, Recipe):
         base = recipe
     elif recipe in RECIPES:
