@@ -1,5 +1,7 @@
 """Modules and autograd Functions built on the recipe-driven numerics (no kernel code here)."""
 
+from minite.nn.calibrate import calibrate
 from minite.nn.linear import Linear
+from minite.nn.quantized_weight import QuantizedWeight, quantize_weight, refresh_quantized_weights
 
-__all__ = ["Linear"]
+__all__ = ["Linear", "QuantizedWeight", "calibrate", "quantize_weight", "refresh_quantized_weights"]

@@ -33,11 +33,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minite.nn.nvfp4_matmul import nvfp4_matmul
+from minite.nn.quantized_weight import QuantizedWeight, quantize_weight, weight_key
 from minite.recipe import Recipe, get_recipe
+
+TE_AMAX_TO_SCALE = 2688.0  # 6 * 448: calibrated input_scale = amax / 2688 (ModelOpt's convention)
 
 
 class Linear(nn.Module):
-    """`y = x W^T (+ b)` with `.weight` [out, in] (HF naming) executed under `recipe`."""
+    """`y = x W^T (+ b)` with `.weight` [out, in] (HF naming) executed under `recipe`.
+
+    `input_scale` (fp32 [], non-persistent buffer, None until `minite.nn.calibrate` sets it) is the
+    static activation decode scale used by recipes with `activation.scaling == "static"`.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  recipe: str | Recipe = "aligned", dtype=None, device=None):
@@ -49,6 +57,9 @@ class Linear(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device))
         else:
             self.register_parameter("bias", None)
+        self.register_buffer("input_scale", None, persistent=False)
+        self._qweight: QuantizedWeight | None = None
+        self._calib_amax: torch.Tensor | None = None
         self.set_recipe(recipe)
         self.reset_parameters()
 
@@ -60,11 +71,49 @@ class Linear(nn.Module):
 
     def set_recipe(self, recipe: str | Recipe) -> None:
         self.recipe = get_recipe(recipe)
+        self._qweight = None
+
+    def quantized_weight(self) -> QuantizedWeight:
+        """The shared quantized weight, re-quantized only when the weight or the recipe changed."""
+        if not self.recipe.fp4:
+            raise RuntimeError(f"recipe {self.recipe.name!r} does not quantize weights")
+        if self._qweight is None or self._qweight.key != weight_key(self.weight, self.recipe.weight):
+            self._qweight = quantize_weight(self.weight, self.recipe.weight)
+        return self._qweight
+
+    def refresh_quantized_weight(self) -> None:
+        self._qweight = None
+        if self.recipe.fp4:
+            self.quantized_weight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._calib_amax is not None:
+            self._calib_amax = torch.maximum(self._calib_amax, x.detach().abs().amax().float())
+            return F.linear(x, self.weight, self.bias)
         if not self.recipe.fp4:
             return F.linear(x, self.weight, self.bias)
-        raise NotImplementedError("NVFP4 forward lands with minite.nvfp4")
+        x3 = x.reshape(1, -1, self.in_features)  # [1, M, K]
+        y = nvfp4_matmul(x3, self.weight, self.quantized_weight(), self.recipe, self._static_scale())
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _static_scale(self) -> torch.Tensor | None:
+        if self.recipe.activation.scaling != "static":
+            return None
+        if self.input_scale is None:
+            raise RuntimeError(
+                f"{self!r} uses static activation scaling (recipe {self.recipe.name!r}) but was never "
+                "calibrated: run `with minite.nn.calibrate(model): model(batch)` first")
+        return self.input_scale.reshape(1)
+
+    def start_calibration(self) -> None:
+        self._calib_amax = torch.zeros((), dtype=torch.float32, device=self.weight.device)
+
+    def finish_calibration(self, commit: bool = True) -> None:
+        """Store input_scale = amax / 2688 (if any nonzero input was seen) and leave calibration."""
+        amax, self._calib_amax = self._calib_amax, None
+        if commit and amax is not None and amax > 0:
+            self.input_scale = amax / TE_AMAX_TO_SCALE
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

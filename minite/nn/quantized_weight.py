@@ -1,0 +1,96 @@
+"""Weights quantized once per update into an object both engines share.
+
+`QuantizedWeight` holds the NVFP4 container of a weight ([N, K] for a Linear, or [E, N, K] for MoE
+experts, each expert quantized as its own tensor: per-expert global scale [E, 1, 1]) together with
+the exact unscaled dequantized copy `e2m1 * s_b` in bf16 that the compute-bound GEMM multiplies
+(exact by FACTS.md 1). The learner's forward and the sampler use the very same object.
+
+Invalidation: a module caches its `QuantizedWeight` keyed on the parameter's autograd version
+counter (`weight._version`, bumped by every in-place update: optimizer steps, `copy_`,
+`load_state_dict`), its storage, dtype and the recipe's weight spec. Writes through `.data` bypass
+the version counter: after those call `refresh_quantized_weights(model)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minite.nvfp4 import NVFP4Tensor, quantize
+from minite.recipe import QuantSpec
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    q: NVFP4Tensor  # codes [..., N, K // 2], block scales [..., N, K // 16], global [] or [E, 1, 1]
+    unscaled: torch.Tensor  # [..., N, K] bf16, e2m1 * s_b (exact)
+    spec: QuantSpec
+    key: tuple  # what the cache was keyed on
+
+    @property
+    def global_scale(self) -> torch.Tensor:
+        return self.q.global_scale
+
+    @property
+    def amax(self) -> torch.Tensor:
+        return self.q.amax
+
+    def batched(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(unscaled [B, N, K] bf16, S_dec [B, 1, 1], amax [B, 1, 1]); B = 1 for a Linear."""
+        n, k = self.unscaled.shape[-2:]
+        u = self.unscaled.reshape(-1, n, k)
+        b = u.shape[0]
+        return u, self.q.global_scale.reshape(b, 1, 1), self.q.amax.reshape(b, 1, 1)
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 e2m1 * s_b * S_dec, the weight's shape."""
+        gs = self.q.global_scale
+        if gs.ndim:
+            gs = gs.reshape(-1, 1, 1)
+        return self.unscaled.float() * gs
+
+
+def weight_key(weight: torch.Tensor, spec: QuantSpec) -> tuple:
+    return (weight._version, weight.data_ptr(), weight.dtype, weight.device, tuple(weight.shape), spec)
+
+
+@torch.no_grad()
+def quantize_weight(weight: torch.Tensor, spec: QuantSpec) -> QuantizedWeight:
+    """weight [N, K] or [E, N, K] (one global scale per expert) -> QuantizedWeight."""
+    if weight.ndim not in (2, 3):
+        raise ValueError(f"weights are [N, K] or [E, N, K]; got shape {tuple(weight.shape)}")
+    key = weight_key(weight, spec)
+    w = weight.detach()
+    if weight.ndim == 2:
+        q = quantize(w, pad=spec.block == (16, 16), **spec.kwargs())
+    else:
+        q = _stack([quantize(we, pad=spec.block == (16, 16), **spec.kwargs()) for we in w])
+    n, k = weight.shape[-2:]
+    unscaled = q.unscaled()[..., :n, :].to(torch.bfloat16)  # drop rows padded to a 16x16 tile
+    if unscaled.shape[-1] != k:
+        raise ValueError(f"weight in_features {k} must be divisible by 16")
+    return QuantizedWeight(q, unscaled, spec, key)
+
+
+def refresh_quantized_weights(model: torch.nn.Module) -> int:
+    """Re-quantize every cached weight in `model` now; returns how many modules were refreshed."""
+    n = 0
+    for m in model.modules():
+        if hasattr(m, "refresh_quantized_weight"):
+            m.refresh_quantized_weight()
+            n += 1
+    return n
+
+
+def _stack(qs: list[NVFP4Tensor]) -> NVFP4Tensor:
+    q0 = qs[0]
+    return NVFP4Tensor(
+        codes=torch.stack([q.codes for q in qs]),
+        block_scales=torch.stack([q.block_scales for q in qs]),
+        global_scale=torch.stack([q.global_scale for q in qs]).reshape(-1, 1, 1),
+        amax=torch.stack([q.amax for q in qs]).reshape(-1, 1, 1),
+        shape=(len(qs), *q0.shape), block=q0.block, scaling=q0.scaling, chain=q0.chain,
+        hadamard=q0.hadamard,
+    )
+
