@@ -1,0 +1,255 @@
+"""Hugging Face checkpoints (config.json + safetensors, single file or sharded) to and from `Qwen3`.
+
+Tensor names map one to one (`model.` + our name, `lm_head.weight` as is) except the MoE experts:
+Hugging Face stores each expert's `gate_proj`, `up_proj`, `down_proj` weights
+(`model.layers.{l}.mlp.experts.{e}.gate_proj.weight` [I, H], ...), we keep them fused per layer as
+`gate_up_proj` [E, 2I, H] (gate rows, then up rows) and `down_proj` [E, H, I]. Loading also accepts
+the fused names transformers 5 uses in memory (`model.layers.{l}.mlp.experts.gate_up_proj`); saving
+writes per-expert tensors, the format of published Qwen3-MoE checkpoints.
+
+Saving writes into a temporary sibling directory and renames it into place, so a crash never leaves
+a half-written checkpoint at `path`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from minite.models.config import ModelConfig
+from minite.models.qwen3 import Qwen3
+from minite.recipe import Recipe
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+EXPERT_PARAM = re.compile(r"^layers\.(\d+)\.mlp\.(gate_up_proj|down_proj)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match the model its config.json describes."""
+
+
+def hf_name(name: str) -> str:
+    """Our parameter name -> the Hugging Face tensor name (for non-expert tensors)."""
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def expert_pieces(name: str, shape: torch.Size) -> list[tuple[str, tuple[int, ...]]]:
+    """The per-expert Hugging Face tensors `(name, shape)` that make up our fused expert tensor `name`."""
+    layer, kind = EXPERT_PARAM.match(name).groups()
+    prefix = f"model.layers.{layer}.mlp.experts"
+    if kind == "gate_up_proj":
+        E, I2, H = shape
+        return [(f"{prefix}.{e}.{proj}.weight", (I2 // 2, H))
+                for e in range(E) for proj in ("gate_proj", "up_proj")]
+    E, H, I = shape
+    return [(f"{prefix}.{e}.down_proj.weight", (H, I)) for e in range(E)]
+
+
+def fused_expert_name(name: str) -> str:
+    """Our fused expert tensor name -> transformers 5's in-memory name for it."""
+    layer, kind = EXPERT_PARAM.match(name).groups()
+    return f"model.layers.{layer}.mlp.experts.{kind}"
+
+
+def to_hf_tensors(model: Qwen3, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The model's weights under Hugging Face names (experts split per expert), contiguous, on CPU."""
+    out = {}
+    for name, tensor in model.state_dict().items():
+        tensor = tensor.detach().to("cpu", dtype or tensor.dtype)
+        if EXPERT_PARAM.match(name):
+            pieces = expert_pieces(name, tensor.shape)
+            split = (lambda t: t.chunk(2, dim=0)) if "gate_up" in name else (lambda t: (t,))
+            flat = [t for expert in tensor for t in split(expert)]
+            out.update({piece: t.clone() for (piece, _), t in zip(pieces, flat)})
+        else:
+            out[hf_name(name)] = tensor.contiguous()
+    return out
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """Parse `path/config.json`."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise CheckpointError(f"{file} does not exist")
+    return ModelConfig.from_hf(json.loads(file.read_text()))
+
+
+def load_pretrained(path: str | Path, recipe: str | Recipe = "aligned", dtype: torch.dtype | None = None,
+                    device: str | torch.device = "cpu") -> Qwen3:
+    """Build a `Qwen3` from a Hugging Face model directory; `dtype` defaults to config.json's (else bf16)."""
+    path = Path(path)
+    hf_config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else None
+    config = read_config(path)
+    dtype = dtype or _config_dtype(hf_config)
+    files = _tensor_files(path)
+    with torch.device("meta"):
+        model = Qwen3(config, recipe)
+    expected = model.state_dict()
+    state = _read_state(path, files, expected, config, dtype, device)
+    model.load_state_dict(state, strict=True, assign=True)
+    return model
+
+
+def save_pretrained(model: Qwen3, path: str | Path, max_shard_size: int | str = "5GB",
+                    dtype: torch.dtype | None = None, overwrite: bool = False) -> None:
+    """Write config.json and safetensors (sharded above `max_shard_size`, with an index) atomically."""
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
+    tensors = to_hf_tensors(model, dtype)
+    shards = _shard(tensors, _parse_size(max_shard_size))
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        config = model.config.to_hf(dtype or next(iter(tensors.values())).dtype)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if len(shards) == 1:
+            save_file(shards[0], tmp / SINGLE, metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, tmp / file, metadata={"format": "pt"})
+                weight_map.update({name: file for name in shard})
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        _swap_into_place(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """Hugging Face tensor name -> the safetensors file holding it."""
+    if (path / INDEX).is_file():
+        weight_map = json.loads((path / INDEX).read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{path / INDEX} has no weight_map")
+        files = {name: path / file for name, file in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not file.is_file():
+                raise CheckpointError(f"shard {file.name} named in {INDEX} does not exist")
+        return files
+    if (path / SINGLE).is_file():
+        with safe_open(path / SINGLE, "pt") as f:
+            return {name: path / SINGLE for name in f.keys()}  # noqa: SIM118
+    raise CheckpointError(f"{path} has neither {SINGLE} nor {INDEX}")
+
+
+def _read_state(path: Path, files: dict[str, Path], expected: dict, config: ModelConfig,
+                dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+    """Read, check and assemble every tensor of `expected` (our names) from the checkpoint `files`."""
+    plan = {}  # our name -> list of (hf name, expected shape)
+    for name, meta in expected.items():
+        if EXPERT_PARAM.match(name) and fused_expert_name(name) in files:
+            plan[name] = [(fused_expert_name(name), tuple(meta.shape))]
+        elif EXPERT_PARAM.match(name):
+            plan[name] = expert_pieces(name, meta.shape)
+        else:
+            plan[name] = [(hf_name(name), tuple(meta.shape))]
+    wanted = {hf for pieces in plan.values() for hf, _ in pieces}
+    tied_head = config.tie_word_embeddings and "lm_head.weight" in files
+    missing = sorted(wanted - files.keys())
+    extra = sorted(files.keys() - wanted - ({"lm_head.weight"} if tied_head else set()))
+    if missing:
+        raise CheckpointError(f"checkpoint {path} lacks tensor {missing[0]}" + _more(missing))
+    if extra:
+        raise CheckpointError(f"checkpoint {path} has unexpected tensor {extra[0]}" + _more(extra))
+    reader = _Reader(files)
+    try:
+        state = {}
+        for name, pieces in plan.items():
+            parts = [reader.get(hf, shape) for hf, shape in pieces]
+            if len(parts) > 1:
+                per_expert = 2 if name.endswith("gate_up_proj") else 1
+                experts = [torch.cat(parts[e:e + per_expert]) for e in range(0, len(parts), per_expert)]
+                parts = [torch.stack(experts)]
+            state[name] = parts[0].to(device=device, dtype=dtype)
+        if tied_head:
+            head = reader.get("lm_head.weight", tuple(expected["embed_tokens.weight"].shape))
+            if not torch.equal(head.to(dtype), state["embed_tokens.weight"].cpu()):
+                raise CheckpointError("tie_word_embeddings is true but tensor lm_head.weight differs from "
+                                      "model.embed_tokens.weight")
+    finally:
+        reader.close()
+    return state
+
+
+class _Reader:
+    """Lazily opened safetensors files; `get` checks the tensor's shape."""
+
+    def __init__(self, files: dict[str, Path]):
+        self.files, self.open = files, {}
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        file = self.files[name]
+        if file not in self.open:
+            self.open[file] = safe_open(file, "pt")
+        handle = self.open[file]
+        if name not in handle.keys():  # noqa: SIM118
+            raise CheckpointError(f"tensor {name} is listed in {INDEX} but missing from {file.name}")
+        tensor = handle.get_tensor(name)
+        if tuple(tensor.shape) != tuple(shape):
+            raise CheckpointError(f"tensor {name} has shape {list(tensor.shape)}, expected {list(shape)}")
+        return tensor
+
+    def close(self) -> None:
+        self.open.clear()
+
+
+def _more(names: list[str]) -> str:
+    return f" (and {len(names) - 1} more: {names[1:4]}...)" if len(names) > 1 else ""
+
+
+def _config_dtype(hf_config: dict | None) -> torch.dtype:
+    name = (hf_config or {}).get("dtype") or (hf_config or {}).get("torch_dtype") or "bfloat16"
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"config.json dtype={name!r} is not a torch dtype")
+    return dtype
+
+
+def _parse_size(size: int | str) -> int:
+    """Bytes from an int or a string like '5GB' (10^9) or '500MiB' (2^20)."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B\s*", size.upper().replace("IB", "iB"))
+    if not match:
+        raise ValueError(f"max_shard_size={size!r}: use bytes or a string like '5GB' / '500MiB'")
+    number, unit, binary = match.groups()
+    base = 1024 if binary else 1000
+    return int(float(number) * base ** " KMGT".index(unit or " "))
+
+
+def _shard(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """Greedy split in order; a tensor larger than `max_bytes` gets a shard of its own."""
+    shards, current, size = [], {}, 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > max_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = tensor
+        size += nbytes
+    return shards + [current] if current or not shards else shards
+
+
+def _swap_into_place(tmp: Path, path: Path) -> None:
+    """Rename `tmp` to `path`; an existing `path` is moved aside first and removed after."""
+    old = None
+    if path.exists():
+        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(path, old)
+    os.rename(tmp, path)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

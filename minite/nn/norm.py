@@ -1,0 +1,36 @@
+"""RMSNorm, computed the Qwen3 way: `weight * (x / sqrt(mean(x^2) + eps))`.
+
+The normalization runs in fp32 whatever the input dtype, the result is cast back to the input dtype
+and only then scaled by the weight (in the weight's dtype), as transformers' Qwen3RMSNorm does.
+Norms are never quantized. The reduction is over the last dimension of one row, so a token's
+output does not depend on the other rows of the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS-normalize `x [..., D]` over its last dimension and scale by `weight [D]`."""
+    if x.shape[-1] != weight.shape[0]:
+        raise ValueError(f"rms_norm: x has last dimension {x.shape[-1]}, weight has {weight.shape[0]}")
+    xf = x.float()
+    inv_rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1] fp32
+    return weight * (xf * inv_rms).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension with a learned scale initialized to ones."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
