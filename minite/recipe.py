@@ -28,6 +28,11 @@ BACKWARDS = ("dequantized", "nvfp4")
 BACKENDS = ("ref", "triton")
 
 
+def _check(what: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{what}={value!r} is not supported; choose one of {list(allowed)}")
+
+
 @dataclass(frozen=True)
 class QuantSpec:
     """How one GEMM operand is quantized; the keyword arguments of `minite.nvfp4.quantize`."""
@@ -105,8 +110,3 @@ def get_recipe(recipe: str | Recipe, **overrides) -> Recipe:
     else:
         raise ValueError(f"unknown recipe {recipe!r}; choose one of {sorted(RECIPES)}")
     return base.replace(**overrides) if overrides else base
-
-
-def _check(what: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ValueError(f"{what}={value!r} is not supported; choose one of {list(allowed)}")
