@@ -1,0 +1,95 @@
+"""`minite quantize`: quantize a tensor or a safetensors weight file under a recipe and report."""
+
+import fnmatch
+import json
+import sys
+
+import torch
+
+from minite.diagnostics.quant_stats import quant_stats, quantize_with_spec
+from minite.recipe import RECIPES, QuantSpec, get_recipe
+
+HELP = "quantize a random tensor or a safetensors file under a recipe; report SQNR, codes, scales"
+
+
+def add_parser(sub, name):
+    p = sub.add_parser(name, help=HELP, description=HELP)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--file", help="a .safetensors file (each floating-point tensor is quantized)")
+    src.add_argument("--random", metavar="R,K", help="a random tensor of this shape, e.g. 4096,4096")
+    p.add_argument("--dist", choices=["gaussian", "heavy"], default="gaussian",
+                   help="random data: gaussian, or heavy-tailed (x^3 with rare 50x outliers)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--recipe", default="aligned", choices=[r for r in RECIPES if r != "bf16"])
+    p.add_argument("--operand", choices=["weight", "activation"], default="weight",
+                   help="quantize as the recipe's weight or activation operand")
+    p.add_argument("--chain", choices=["te", "vllm", "torchao"], help="override the recipe's chain")
+    p.add_argument("--rounding", choices=["rne", "stochastic"], help="override the recipe's rounding")
+    p.add_argument("--hadamard", action="store_true", help="apply the 16-point RHT first")
+    p.add_argument("--name", default="*", help="only tensors whose name matches this glob")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run(args) -> int:
+    spec = _spec(args)
+    rows = []
+    for name, x in _tensors(args):
+        q = quantize_with_spec(x, spec)
+        rows.append({"name": name, **quant_stats(x, q)})
+    if not rows:
+        raise ValueError(f"no floating-point tensor matches --name {args.name!r}")
+    report = {"recipe": args.recipe, "operand": args.operand, "spec": spec.kwargs(), "tensors": rows}
+    if args.json:
+        json.dump(report, sys.stdout, indent=1)
+        print()
+    else:
+        _print_table(report)
+    return 0
+
+
+def _spec(args) -> QuantSpec:
+    recipe = get_recipe(args.recipe)
+    spec = recipe.weight if args.operand == "weight" else recipe.activation
+    changes = {k: v for k, v in (("chain", args.chain), ("rounding", args.rounding)) if v}
+    if args.hadamard:
+        changes["hadamard"] = True
+    return QuantSpec(**{**spec.kwargs(), **changes})
+
+
+def _tensors(args):
+    if args.random:
+        try:
+            shape = tuple(int(s) for s in args.random.split(","))
+        except ValueError:
+            raise ValueError(f"--random expects a shape like 4096,4096, got {args.random!r}") from None
+        g = torch.Generator().manual_seed(args.seed)
+        x = torch.randn(shape, generator=g)
+        if args.dist == "heavy":
+            outliers = torch.rand(shape, generator=g) < 1e-3
+            x = x**3 * torch.where(outliers, 50.0, 1.0)
+        yield f"random_{args.dist}", x
+        return
+    from safetensors.torch import load_file
+
+    for name, x in load_file(args.file).items():
+        if x.is_floating_point() and x.ndim >= 1 and fnmatch.fnmatch(name, args.name):
+            if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                x = x.float()
+            yield name, x
+
+
+def _print_table(report):
+    s = report["spec"]
+    print(f"recipe {report['recipe']} ({report['operand']}): scaling={s['scaling']} block={s['block']} "
+          f"rounding={s['rounding']} chain={s['chain']} hadamard={s['hadamard']}")
+    head = f"{'tensor':40s} {'shape':>14s} {'SQNR dB':>8s} {'rel err':>8s} {'scale=0':>8s} {'=448':>7s}"
+    print(head)
+    for r in report["tensors"]:
+        shape = "x".join(map(str, r["shape"]))
+        print(f"{r['name'][:40]:40s} {shape:>14s} {r['sqnr_db']:8.2f} {r['rel_error']:8.4f} "
+              f"{100 * r['blocks_at_scale_0']:7.2f}% {100 * r['blocks_at_scale_448']:6.2f}%")
+    hist = {}
+    for r in report["tensors"]:
+        for v, f in r["code_histogram"].items():
+            hist[v] = hist.get(v, 0.0) + f / len(report["tensors"])
+    print("E2M1 magnitude use: " + "  ".join(f"{v}:{100 * f:.1f}%" for v, f in hist.items()))
