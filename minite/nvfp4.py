@@ -148,4 +148,4 @@ def _pad_or_raise(x: torch.Tensor, block, pad: bool) -> torch.Tensor:
                          "(dequantize trims back to the original shape)")
     if not (pad_k or pad_r):
         return x
-    return torch.nn.functional.pad(x, (0, pad_k, 0, pad_r))
+    return torch.nn.functional.pad(x, (0, pad_k, 0, pad_r) if block == (16, 16) else (0, pad_k))
