@@ -88,8 +88,13 @@ def quantize(x: torch.Tensor, scaling: str = "tensor", block=(1, 16), rounding: 
     if check_finite:
         _check_finite(x)
     xp = _pad_or_raise(x, block, pad)
-    codes, sb, s_dec, amax = ref.quantize_ref(xp, scaling, block, rounding, chain, static_scale,
+    x2 = xp if xp.ndim >= 2 else xp.unsqueeze(0)
+    codes, sb, s_dec, amax = ref.quantize_ref(x2, scaling, block, rounding, chain, static_scale,
                                               hadamard, generator)
+    if xp.ndim == 1:
+        codes, sb = codes[0], sb[0]
+        if scaling == "row":
+            s_dec, amax = s_dec[0], amax[0]
     return NVFP4Tensor(pack(codes), sb, s_dec, amax, tuple(x.shape), block, scaling, chain, hadamard)
 
 
