@@ -55,6 +55,13 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size, recipe)
 
+    def quantizable_modules(self) -> list[nn.Module]:
+        """The modules that follow the recipe: attention and MLP projections, or the MoE experts
+        (whose router stays bf16)."""
+        attn = self.self_attn
+        mlp = [self.mlp] if self.is_moe else [self.mlp.gate_proj, self.mlp.up_proj, self.mlp.down_proj]
+        return [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, *mlp]
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor | None = None):
         """x `[B, T, H]`, positions `[B, T]` -> `[B, T, H]`."""
         h = x + self.self_attn(self.input_layernorm(x), positions, cu_seqlens)
@@ -90,10 +97,8 @@ class Qwen3(nn.Module):
         """Run every quantizable layer under `recipe` from now on (weights are not touched)."""
         self.recipe = get_recipe(recipe)
         for i, layer in enumerate(self.layers):
-            layer_recipe = self.layer_recipe(i)
-            for module in layer.modules():
-                if isinstance(module, Linear | MoEExperts):
-                    _set_module_recipe(module, layer_recipe)
+            for module in layer.quantizable_modules():
+                module.set_recipe(self.layer_recipe(i))
 
     def default_positions(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
         """0, 1, 2, ... per row, or per packed sequence when `cu_seqlens` is given; `[B, T]` int64."""
@@ -142,10 +147,3 @@ class Qwen3(nn.Module):
                 param.fill_(1.0)
             else:
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
-
-
-def _set_module_recipe(module: nn.Module, recipe: Recipe) -> None:
-    if hasattr(module, "set_recipe"):
-        module.set_recipe(recipe)
-    else:
-        module.recipe = recipe
