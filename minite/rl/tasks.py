@@ -85,16 +85,17 @@ class Task(ABC):
         size = self.size("test")
         if size is not None:
             return [self.example("test", i) for i in range(min(n, size))]
+        # A generator may have fewer than n distinct held-out problems: stop after a long run of repeats.
         seen: dict[str, Example] = {}
-        misses = 0
-        i = 0
-        while len(seen) < n and misses < 20 * n + 100:
+        misses = i = 0
+        while len(seen) < n and misses < 100 + 10 * len(seen):
             ex = self.example("test", i)
             i += 1
             if ex.prompt in seen:
                 misses += 1
             else:
                 seen[ex.prompt] = ex
+                misses = 0
         return list(seen.values())
 
 
