@@ -156,3 +156,13 @@ def test_plain_coefficient_correction_matches_no_correction():
 def test_config_errors_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         LossConfig(**{field: value})
+
+
+def test_minibatch_rows_of_batch_and_correction():
+    batch = make_batch([[1.1, 0.7], [1.3], [0.9, 1.0]], [1.0, -2.0, 0.5], sampler_gap=0.2)
+    correction = apply_correction(batch, CorrectionConfig(name="tis", tis_cap=1.1))
+    idx = torch.tensor([0, 2])
+    loss, _ = policy_loss(batch.rows(idx), LossConfig(), correction.rows(idx))
+    # rows 0 and 2: ratios [1.1, 0.7] (A = 1) and [0.9, 1.0] (A = 0.5); every weight min(exp(0.2), 1.1) = 1.1
+    expected = -1.1 * (1.1 + 0.7 + 0.5 * 0.9 + 0.5 * 1.0) / 4
+    assert float(loss.detach()) == pytest.approx(expected, rel=1e-6)
