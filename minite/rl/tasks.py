@@ -74,7 +74,7 @@ class Task(ABC):
         return [self.example(split, i) for i in range(start, start + n)]
 
     def examples(self, split: str, start: int = 0) -> Iterator[Example]:
-        """Endless stream of `split` from index `start` (finite splits wrap around, reshuffled)."""
+        """Endless stream of `split` from index `start` (finite splits wrap around; train reshuffled)."""
         i = start
         while True:
             yield self.example(split, i)

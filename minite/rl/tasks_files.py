@@ -101,7 +101,7 @@ class QATask(Task):
         if test_records is not None:
             test = [self._to_example(r, f"{source} test row {i}") for i, r in enumerate(test_records)]
         else:
-            test = [ex for ex in train if split_of(ex.prompt, heldout_fraction, name) == "test"]
+            test = [ex for ex in train if split_of(ex.prompt, heldout_fraction, "qa") == "test"]
         held = {ex.prompt for ex in test}
         self._splits = {"train": [ex for ex in train if ex.prompt not in held], "test": test}
         if not self._splits["train"]:

@@ -118,7 +118,7 @@ def test_qa_task_gsm8k_jsonl():
     task = QATask.from_files(GSM8K, heldout_fraction=0.5)
     rows = [task.example("train", i) for i in range(task.size("train"))] + task.heldout(100)
     assert sorted(ex.answer for ex in rows) == sorted(["27", "135", "8", "82", "1,240", "42"])
-    assert task.size("train") + task.size("test") == 6
+    assert task.size("train") + task.size("test") == 6 and task.size("test") > 0
     assert {ex.prompt for ex in task.heldout(100)}.isdisjoint(ex.prompt for ex in rows[: task.size("train")])
     ex = next(ex for ex in rows if ex.answer == "1,240")
     assert "<<" not in ex.solution and ex.solution.endswith("#### 1,240")
