@@ -118,6 +118,9 @@ class Qwen3(nn.Module):
         if cu_seqlens is not None and input_ids.shape[0] != 1:
             raise ValueError(
                 f"packed input (cu_seqlens) needs input_ids of shape [1, N], got {tuple(input_ids.shape)}")
+        if cu_seqlens is not None and (cu_seqlens[0] != 0 or cu_seqlens[-1] != input_ids.shape[1]):
+            raise ValueError(f"cu_seqlens must run from 0 to the packed length {input_ids.shape[1]}, "
+                             f"got {cu_seqlens.tolist()}")
         if position_ids is None:
             position_ids = self.default_positions(input_ids, cu_seqlens)
         position_ids = position_ids.expand(input_ids.shape)
