@@ -1,0 +1,195 @@
+"""Mixture-of-experts FFN of Qwen3-MoE: a bf16 top-k router and SwiGLU experts as NVFP4 linears.
+
+Routing (as HF Qwen3-MoE): logits = gate(x) [T, E] (bf16 Linear, never quantized); p = softmax of
+the logits in fp32; the top-k of p, renormalized to sum 1 if `norm_topk_prob`, cast to x.dtype.
+Expert e computes down_e(silu(x W_gate,e^T) * (x W_up,e^T)) with gate_up_proj[e] = [W_gate,e; W_up,e].
+
+Grouped execution (one path for all experts; no Python loop over tokens): the T*k token-expert
+assignments are sorted by expert (stable) and laid out as [A, C, H] (A = experts that received
+tokens, C = the largest expert's token count, zero rows below), and each projection is one batched
+W4A4 matmul (`nvfp4_matmul`) over the A experts. Activation quantization is one call for per-token
+('row') scaling and one call per active expert for per-tensor or static scaling (TE and vLLM give
+each expert its own activation tensor). Expert outputs return to [T, k, H], are multiplied by the
+routing weights and summed over k in top-k order, so a token's result never depends on the batch
+through the combine. `moe_reference` is the same computation as a Python loop over experts.
+
+Static calibration gives one input scale per projection shared by all experts (amax over all experts'
+tokens / 2688), as vLLM's NVFP4 MoE does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minite.nn.linear import TE_AMAX_TO_SCALE, Linear
+from minite.nn.nvfp4_matmul import nvfp4_matmul
+from minite.nn.quantized_weight import QuantizedWeight, quantize_weight, weight_key
+from minite.recipe import Recipe, get_recipe
+
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+class Routing(NamedTuple):
+    logits: torch.Tensor  # [T, E] in x.dtype (for an aux loss)
+    weights: torch.Tensor  # [T, k] in x.dtype
+    experts: torch.Tensor  # [T, k] int64, top-k order
+
+
+class Grouping(NamedTuple):
+    """Where each token-expert assignment sits in the [A, C, H] grouped layout (sorted order)."""
+
+    tokens: torch.Tensor  # [R] token of each sorted assignment, R = T * k
+    slot: torch.Tensor  # [R] index into the active experts
+    rank: torch.Tensor  # [R] row within its expert
+    inverse: torch.Tensor  # [R] sorted position of assignment t * k + j
+    experts: torch.Tensor  # [A] active expert ids, ascending
+    capacity: int  # C
+
+
+def group_by_expert(topk_ids: torch.Tensor, num_experts: int) -> Grouping:
+    flat = topk_ids.reshape(-1)  # [R]
+    order = torch.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    slot_of = torch.cumsum(counts > 0, 0) - 1
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(flat.numel(), device=flat.device) - starts[sorted_e]
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(flat.numel(), device=flat.device)
+    return Grouping(order // topk_ids.shape[-1], slot_of[sorted_e], rank, inverse,
+                    torch.nonzero(counts).squeeze(1), int(counts.max()) if flat.numel() else 0)
+
+
+class MoEExperts(nn.Module):
+    """Router `gate` [E, H] plus experts `gate_up_proj` [E, 2I, H] (gate rows, then up) and
+    `down_proj` [E, H, I]; `forward(x [..., H]) -> [..., H]`."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, top_k: int,
+                 recipe: str | Recipe = "aligned", norm_topk_prob: bool = True, dtype=None, device=None):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+        self.num_experts, self.hidden_size = num_experts, hidden_size
+        self.intermediate_size, self.top_k, self.norm_topk_prob = intermediate_size, top_k, norm_topk_prob
+        self.gate = Linear(hidden_size, num_experts, recipe="bf16", dtype=dtype, device=device)
+        e, h, i = num_experts, hidden_size, intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype, device=device))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i, dtype=dtype, device=device))
+        self.register_buffer("gate_up_input_scale", None, persistent=False)
+        self.register_buffer("down_input_scale", None, persistent=False)
+        self._qweights: dict[str, QuantizedWeight] = {}
+        self._calib_amax: dict[str, torch.Tensor] | None = None
+        self.last_topk_ids: torch.Tensor | None = None  # [T, k], detached, for diagnostics
+        self.set_recipe(recipe)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for p in (self.gate_up_proj, self.down_proj):
+            bound = 1 / math.sqrt(p.shape[-1])
+            nn.init.uniform_(p, -bound, bound)
+
+    def set_recipe(self, recipe: str | Recipe) -> None:
+        """Set the experts' recipe; the router `gate` stays bf16."""
+        self.recipe = get_recipe(recipe)
+        self._qweights = {}
+
+    def quantized_weight(self, name: str) -> QuantizedWeight:
+        """The shared quantized `gate_up_proj` or `down_proj` (one global scale per expert)."""
+        if name not in EXPERT_WEIGHTS:
+            raise ValueError(f"unknown expert weight {name!r}; choose one of {EXPERT_WEIGHTS}")
+        if not self.recipe.fp4:
+            raise RuntimeError(f"recipe {self.recipe.name!r} does not quantize weights")
+        w, qw = getattr(self, name), self._qweights.get(name)
+        if qw is None or qw.key != weight_key(w, self.recipe.weight):
+            qw = self._qweights[name] = quantize_weight(w, self.recipe.weight)
+        return qw
+
+    def refresh_quantized_weight(self) -> None:
+        self._qweights = {}
+        if self.recipe.fp4:
+            for name in EXPERT_WEIGHTS:
+                self.quantized_weight(name)
+
+    def route(self, x2: torch.Tensor) -> Routing:
+        """x2 [T, H] -> Routing (HF Qwen3-MoE's softmax / top-k / renormalize)."""
+        logits = self.gate(x2)  # [T, E]
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return Routing(logits, weights.to(logits.dtype), ids)
+
+    def forward(self, x: torch.Tensor, return_router: bool = False):
+        x2 = x.reshape(-1, self.hidden_size)  # [T, H]
+        r = self.route(x2)
+        if x2.shape[0] == 0:
+            return (torch.zeros_like(x), r) if return_router else torch.zeros_like(x)
+        self.last_topk_ids = r.experts.detach()
+        g = group_by_expert(r.experts, self.num_experts)
+        xg = x2.new_zeros(len(g.experts), g.capacity, self.hidden_size).index_put(
+            (g.slot, g.rank), x2[g.tokens])  # [A, C, H]
+        yg = self.experts_forward(xg, g.experts)  # [A, C, H]
+        rows = yg[g.slot, g.rank][g.inverse].reshape(*r.weights.shape, self.hidden_size)  # [T, k, H]
+        out = (rows * r.weights.unsqueeze(-1)).sum(dim=1).reshape(x.shape)
+        return (out, r) if return_router else out
+
+    def experts_forward(self, xg: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """SwiGLU experts on grouped tokens: xg [A, C, H], experts [A] -> [A, C, H]."""
+        gate, up = self.expert_matmul(xg, "gate_up_proj", experts).chunk(2, dim=-1)  # [A, C, I] each
+        return self.expert_matmul(F.silu(gate) * up, "down_proj", experts)
+
+    def expert_matmul(self, xg: torch.Tensor, name: str, experts: torch.Tensor) -> torch.Tensor:
+        """xg [A, C, K] times expert weight `name` [E, N, K] of `experts` [A] -> [A, C, N]."""
+        w = getattr(self, name)
+        if self._calib_amax is not None:
+            self._calib_amax[name] = torch.maximum(self._calib_amax[name], xg.detach().abs().amax().float())
+        if self._calib_amax is not None or not self.recipe.fp4:
+            return torch.bmm(xg, w[experts].transpose(1, 2))
+        return nvfp4_matmul(xg, w, self.quantized_weight(name), self.recipe,
+                            self._static_scale(name, len(experts)), experts)
+
+    def _static_scale(self, name: str, n: int) -> torch.Tensor | None:
+        if self.recipe.activation.scaling != "static":
+            return None
+        s = getattr(self, f"{name.removesuffix('_proj')}_input_scale")
+        if s is None:
+            raise RuntimeError(
+                f"MoEExperts uses static activation scaling (recipe {self.recipe.name!r}) but was never "
+                "calibrated: run `with minite.nn.calibrate(model): model(batch)` first")
+        return s.expand(n)
+
+    def start_calibration(self) -> None:
+        zero = torch.zeros((), dtype=torch.float32, device=self.down_proj.device)
+        self._calib_amax = {name: zero for name in EXPERT_WEIGHTS}
+
+    def finish_calibration(self, commit: bool = True) -> None:
+        amax, self._calib_amax = self._calib_amax, None
+        if not commit or amax is None:
+            return
+        for name, a in amax.items():
+            if a > 0:
+                setattr(self, f"{name.removesuffix('_proj')}_input_scale", a / TE_AMAX_TO_SCALE)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, top_k={self.top_k}, recipe={self.recipe.name}")
+
+
+def moe_reference(moe: MoEExperts, x: torch.Tensor) -> torch.Tensor:
+    """The same MoE forward with a Python loop over experts (HF-style); the spec of the grouped path."""
+    x2 = x.reshape(-1, moe.hidden_size)  # [T, H]
+    r = moe.route(x2)
+    out = torch.zeros_like(x2)
+    for e in range(moe.num_experts):
+        token_idx, pos = torch.nonzero(r.experts == e, as_tuple=True)
+        if token_idx.numel() == 0:
+            continue
+        ids = torch.tensor([e], device=x.device)
+        ye = moe.experts_forward(x2[token_idx].unsqueeze(0), ids)[0]  # [n_e, H]
+        out = out.index_add(0, token_idx, ye * r.weights[token_idx, pos, None])
+    return out.reshape(x.shape)
