@@ -80,13 +80,11 @@ class TriageConfig:
 
 def regions(g: Tensor, a: Tensor, mask: Tensor, eps: float) -> Tensor:
     """Region code per token (PAD off the response); g, a, mask [B, T]."""
-    out = torch.full(g.shape, NEUTRAL, dtype=torch.int8, device=g.device)
-    big = g.abs() > eps
-    out[big & (a * g < 0)] = CONTRACTING
-    out[(a > 0) & (g > eps)] = AMP_POS
-    out[(a < 0) & (g < -eps)] = AMP_NEG
-    out[~mask] = PAD
-    return out  # [B, T] int8
+    code = lambda c: torch.tensor(c, dtype=torch.int8, device=g.device)
+    out = torch.where((g.abs() > eps) & (a * g < 0), code(CONTRACTING), code(NEUTRAL))
+    out = torch.where((a > 0) & (g > eps), code(AMP_POS), out)
+    out = torch.where((a < 0) & (g < -eps), code(AMP_NEG), out)
+    return torch.where(mask, out, code(PAD))  # [B, T] int8
 
 
 def tail_threshold(abs_g: Tensor, mask: Tensor, q: float, floor: float) -> Tensor:
@@ -111,9 +109,9 @@ def segment_index(mask: Tensor, segment_len: int) -> tuple[Tensor, int]:
 
 def segment_sums(values: Tensor, seg: Tensor, n_total: int) -> Tensor:
     """Sum of values per flat segment id (ids < 0 ignored)."""
-    keep = seg >= 0
+    v = torch.where(seg >= 0, values.float(), 0.0)
     out = torch.zeros(n_total, dtype=torch.float32, device=values.device)
-    return out.index_add_(0, seg[keep], values[keep].float())  # [B * S]
+    return out.index_add_(0, seg.clamp(min=0).flatten(), v.flatten())  # [B * S]
 
 
 def triage(batch: RLBatch, cfg: TriageConfig = TriageConfig()) -> Correction:
@@ -122,8 +120,7 @@ def triage(batch: RLBatch, cfg: TriageConfig = TriageConfig()) -> Correction:
     region = regions(g, a, mask, cfg.eps)
     amp = (region == AMP_POS) | (region == AMP_NEG)
     mass = (a * g).abs()
-    m_pos, m_neg = mass[region == AMP_POS].sum(), mass[region == AMP_NEG].sum()
-    m_con = mass[region == CONTRACTING].sum()
+    m_pos, m_neg, m_con = (torch.where(region == r, mass, 0.0).sum() for r in (AMP_POS, AMP_NEG, CONTRACTING))
 
     tau = tail_threshold(g.abs(), mask, cfg.tail_quantile, cfg.tail_floor)
     tail = mask & (g.abs() >= tau)

@@ -166,3 +166,20 @@ def test_minibatch_rows_of_batch_and_correction():
     # rows 0 and 2: ratios [1.1, 0.7] (A = 1) and [0.9, 1.0] (A = 0.5); every weight min(exp(0.2), 1.1) = 1.1
     expected = -1.1 * (1.1 + 0.7 + 0.5 * 0.9 + 0.5 * 1.0) / 4
     assert float(loss.detach()) == pytest.approx(expected, rel=1e-6)
+
+
+def test_batch_validation():
+    batch = make_batch([[1.1, 0.7]], [1.0])
+    batch.check_finite()  # garbage in the padded position is allowed
+    with pytest.raises(ValueError, match="old_logprobs"):
+        RLBatch(batch.logprobs, batch.old_logprobs[:, :1], batch.sampler_logprobs, batch.mask,
+                batch.advantages)
+    with pytest.raises(ValueError, match="advantages"):
+        RLBatch(batch.logprobs, batch.old_logprobs, batch.sampler_logprobs, batch.mask, torch.zeros(3))
+    bad = batch.sampler_logprobs.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="sampler_logprobs"):
+        RLBatch(batch.logprobs, batch.old_logprobs, bad, batch.mask, batch.advantages).check_finite()
+    as_float = RLBatch(batch.logprobs, batch.old_logprobs, batch.sampler_logprobs, batch.mask.float(),
+                       batch.advantages)
+    assert as_float.mask.dtype == torch.bool
