@@ -1,0 +1,80 @@
+"""Sampling parameters and the one definition of "the distribution sampled from", shared by engines.
+
+The sampler draws token y_t from, and reports log mu(y_t) under, the *processed* distribution:
+
+1. scale: z = logits (fp32) / temperature;
+2. top-k (k > 0): keep the k largest z (ties broken by lower token id);
+3. top-p (p < 1): of what remains, sorted by z descending (ties by lower id), keep the shortest
+   prefix whose softmax mass reaches p (the token that crosses p is kept);
+4. log-softmax over the kept tokens; dropped tokens get -inf.
+
+temperature == 0 means greedy: the distribution is one-hot on the argmax (lowest id among ties), so
+the sampled token's log-prob is 0. The learner recomputes its log-probs with this same function on
+its own logits (FACTS.md 4 lists "truncation not mirrored on the learner" as a classic bug).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise ValueError(f"n={self.n} must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+def processed_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
+                       top_p: float = 1.0) -> torch.Tensor:
+    """logits [..., V] -> fp32 log-probs [..., V] of the processed distribution (-inf where dropped)."""
+    z = logits.float()
+    vocab = z.shape[-1]
+    if temperature == 0:
+        hot = torch.nn.functional.one_hot(z.argmax(-1), vocab).bool()
+        return torch.where(hot, 0.0, float("-inf"))
+    z = z / temperature
+    if (top_k <= 0 or top_k >= vocab) and top_p >= 1:
+        return torch.log_softmax(z, dim=-1)
+    # Stable sort of -z: descending z, ties in ascending token id.
+    order = torch.sort(-z, dim=-1, stable=True).indices
+    zs = torch.gather(z, -1, order)
+    keep = torch.ones_like(zs, dtype=torch.bool)
+    if 0 < top_k < vocab:
+        keep[..., top_k:] = False
+    if top_p < 1:
+        probs = torch.softmax(zs.masked_fill(~keep, float("-inf")), dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        keep &= mass_before < top_p
+    kept = torch.zeros_like(keep).scatter(-1, order, keep)
+    return torch.log_softmax(z.masked_fill(~kept, float("-inf")), dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
+                   top_k: int = 0, top_p: float = 1.0, chunk: int = 1024) -> torch.Tensor:
+    """log-probs of `tokens` [N] under the processed distribution of logits [N, V], in row chunks so
+    that no more than `chunk` rows of fp32 [., V] exist at once. Returns fp32 [N]."""
+    out = torch.empty(tokens.shape, dtype=torch.float32, device=logits.device)
+    for s in range(0, tokens.shape[0], chunk):
+        lp = processed_logprobs(logits[s: s + chunk], temperature, top_k, top_p)
+        out[s: s + chunk] = lp.gather(-1, tokens[s: s + chunk, None].long())[:, 0]
+    return out

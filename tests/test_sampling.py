@@ -1,0 +1,55 @@
+import math
+
+import pytest
+import torch
+
+from minite.sampling import SamplingParams, processed_logprobs, token_logprobs
+
+
+def test_temperature_and_no_truncation_is_log_softmax():
+    z = torch.randn(3, 10)
+    torch.testing.assert_close(processed_logprobs(z, 0.7), torch.log_softmax(z / 0.7, -1))
+
+
+def test_top_k_keeps_k_largest_with_ties_to_lower_id():
+    z = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0]])
+    lp = processed_logprobs(z, 1.0, top_k=2)
+    assert torch.isfinite(lp).tolist() == [[False, True, True, False, False]]
+    assert torch.allclose(lp[0, 1], torch.tensor(math.log(0.5)))
+
+
+def test_top_p_keeps_the_token_that_crosses_p():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    lp = processed_logprobs(probs.log(), 1.0, top_p=0.7)
+    assert torch.isfinite(lp).tolist() == [[True, True, False, False]]
+    torch.testing.assert_close(lp.exp()[0, :2], torch.tensor([0.625, 0.375]))
+    lp = processed_logprobs(probs.log(), 1.0, top_p=0.8)  # 0.5 + 0.3 reaches 0.8: stop there
+    assert torch.isfinite(lp).sum() == 2
+
+
+def test_top_k_then_top_p():
+    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
+    lp = processed_logprobs(probs.log(), 1.0, top_k=3, top_p=0.5)
+    # after top-k the masses are 4/9, 3/9, 2/9: 4/9 < 0.5 so the second token is kept too
+    assert torch.isfinite(lp).tolist() == [[True, True, False, False]]
+
+
+def test_greedy_is_one_hot():
+    z = torch.tensor([[0.0, 2.0, 2.0, 1.0]])
+    lp = processed_logprobs(z, 0.0)
+    assert lp.tolist() == [[float("-inf"), 0.0, float("-inf"), float("-inf")]]
+
+
+def test_token_logprobs_chunks_agree():
+    z = torch.randn(37, 50)
+    t = torch.randint(0, 50, (37,))
+    a = token_logprobs(z, t, 0.9, top_k=20, top_p=0.9, chunk=5)
+    b = processed_logprobs(z, 0.9, 20, 0.9).gather(-1, t[:, None])[:, 0]
+    assert torch.equal(a, b)
+
+
+def test_bad_params_name_the_field():
+    for kw, field in [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
+                      ({"n": 0}, "n"), ({"top_k": -2}, "top_k"), ({"max_tokens": 0}, "max_tokens")]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kw)
