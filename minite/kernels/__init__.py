@@ -1,0 +1,27 @@
+"""Triton kernels: the fast counterparts of `minite.ref` (same names, same arguments where one exists).
+
+- `nvfp4.quantize_packed` / `nvfp4.quantize`: NVFP4 quantization, bitwise equal to the reference (RNE).
+- `nvfp4.quantize_unscaled`: the fused activation form for the compute-bound GEMM (row scaling).
+- `gemm.w4a4_gemm` / `gemm.nvfp4_gemm`: W4A4 GEMM (compute-bound and decode regimes, aligned config).
+- `grouped_gemm.grouped_w4a4_gemm`: MoE grouped GEMM over experts in one launch.
+
+Nothing here imports Triton at package import time: `available()` says whether the kernels can run
+(Triton importable and CUDA present, or the CPU interpreter requested with TRITON_INTERPRET=1).
+"""
+
+import importlib.util
+import os
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def available() -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    if interpreted():
+        return True
+    import torch
+
+    return torch.cuda.is_available()

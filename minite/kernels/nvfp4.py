@@ -1,0 +1,317 @@
+"""Triton NVFP4 quantizer, bitwise equal to `minite.ref.nvfp4` for RNE (codes, block scales, S_dec).
+
+Every fp32 step is the reference's, in its order, with IEEE division (`tl.div_rn`), and no step is a
+multiply-add that fp-fusion could contract. E4M3 rounding is done on the fp32 bits (RNE to 3 mantissa
+bits for normals; `(u + 2^23) - 2^23` for the subnormal range), so no fp8 conversion of Triton is
+trusted and the kernel runs unchanged in the CPU interpreter. Tensor and static scaling get their
+global scales from the reference's own `global_scales` (torch, a handful of scalars); row scaling
+computes them in the kernel (pass 1: row amax; pass 2: quantize). The RHT, when asked for, is the
+reference's fp32 `apply_rht` applied first, so even RHT outputs match. Stochastic rounding uses
+Triton's Philox stream: matched in distribution, not bitwise.
+
+`quantize_unscaled` is the fused activation form of the compute-bound GEMM: row amax -> codes ->
+the exact values e2m1 * s_b (bf16 or fp16) and the fp32 row decode scales, in one pass.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from minite.ref import nvfp4 as ref
+from minite.ref.hadamard import apply_rht
+
+CONFIGS = {
+    # rows per program, K chunk (power of two, multiple of 16), warps
+    "1x16": dict(BLOCK_R=4, BLOCK_K=1024, num_warps=4),
+    "16x16": dict(BLOCK_R=16, BLOCK_K=256, num_warps=4),
+    "amax": dict(BLOCK=8192, num_warps=8),
+}
+CHAIN_IDS = {"te": 0, "vllm": 1, "torchao": 2}
+FLT_MAX = 3.4028234663852886e38
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _to_e4m3(v):
+    """fp32 >= 0 -> (E4M3 byte as int32, its exact fp32 value): RNE, saturating at 448."""
+    v = tl.minimum(v, 448.0)
+    bits = v.to(tl.int32, bitcast=True)
+    r = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # RNE to 3 mantissa bits
+    normal_byte = ((((r >> 23) & 0xFF) - 120) << 3) | ((r >> 20) & 7)
+    # subnormal range: multiples of 2^-9; u < 8 so u + 2^23 rounds it to an integer (RNE) exactly once
+    k = ((v * 512.0) + 8388608.0) - 8388608.0
+    sub = v < 0.015625
+    byte = tl.where(sub, k.to(tl.int32), normal_byte)
+    value = tl.where(sub, k * 0.001953125, r.to(tl.float32, bitcast=True))
+    return byte, value
+
+
+@triton.jit
+def _global_scales(amax, CHAIN: tl.constexpr):
+    """Row amax (fp32) -> (S_enc, S_dec), the reference's `global_scales` (dynamic scaling)."""
+    safe = tl.where(amax == 0.0, 1.0, amax)
+    if CHAIN == 0:
+        s_enc = tl.div_rn(tl.full(amax.shape, 2688.0, tl.float32), safe)
+        s_enc = tl.where(s_enc > 3.4028234663852886e38, 3.4028234663852886e38, s_enc)
+        s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
+        s_dec = tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), s_enc)
+    else:
+        s_dec = tl.div_rn(amax, tl.full(amax.shape, 2688.0, tl.float32))
+        s_enc = tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), tl.where(s_dec == 0.0, 1.0, s_dec))
+        s_enc = tl.where(s_enc > 3.4028234663852886e38, 3.4028234663852886e38, s_enc)
+        bad = (amax == 0.0) | (s_enc == 0.0) | (s_dec == 0.0)
+        s_enc = tl.where(bad, 1.0, s_enc)
+        s_dec = tl.where(bad, 1.0, s_dec)
+    return s_enc, s_dec
+
+
+@triton.jit
+def _e2m1_value(idx):
+    """Magnitude code 0..7 -> fp32 value 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
+    big = tl.where(idx == 5, 3.0, tl.where(idx == 6, 4.0, 6.0))
+    return tl.where(idx < 5, idx.to(tl.float32) * 0.5, big)
+
+
+@triton.jit
+def _quantize_chunk(x, s_enc, s_dec, rows, cols, seed, K,
+                    CHAIN: tl.constexpr, TILE16: tl.constexpr, STOCHASTIC: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x [BLOCK_R, BLOCK_K] fp32 and broadcastable S_enc/S_dec [BLOCK_R, 1] ->
+    (codes int32 [BLOCK_R, BLOCK_K], scale bytes int32 [BLOCK_R, NB], scale values fp32 [BLOCK_R, NB])."""
+    NB: tl.constexpr = BLOCK_K // 16
+    blocks = tl.reshape(x, [BLOCK_R, NB, 16])
+    bamax = tl.max(tl.abs(blocks), axis=2)  # [BLOCK_R, NB]
+    if TILE16:
+        bamax = tl.broadcast_to(tl.max(bamax, axis=0)[None, :], [BLOCK_R, NB])
+    if CHAIN == 0:
+        raw = bamax * (s_enc * 0.16666666666666666)
+    elif CHAIN == 1:
+        raw = s_enc * (bamax * 0.16666666666666666)
+    else:
+        raw = tl.div_rn(tl.div_rn(bamax, tl.full(bamax.shape, 6.0, tl.float32)),
+                        tl.broadcast_to(s_dec, bamax.shape))
+        raw = tl.maximum(raw, 0.015625)
+    sb_byte, sb = _to_e4m3(raw)
+    one = tl.full(sb.shape, 1.0, tl.float32)
+    if CHAIN == 0:
+        d = sb * s_dec
+        e = tl.div_rn(one, tl.where(d == 0.0, 1.0, d))
+        e = tl.where(d == 0.0, 3.4028234663852886e38, tl.minimum(e, 3.4028234663852886e38))
+    elif CHAIN == 1:
+        d = sb * tl.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc)
+        e = tl.where(sb == 0.0, 0.0, tl.div_rn(one, tl.where(d == 0.0, 1.0, d)))
+        e = tl.where((sb != 0.0) & (d == 0.0), float("inf"), e)
+    else:
+        e = tl.div_rn(tl.broadcast_to(tl.div_rn(tl.full(s_dec.shape, 1.0, tl.float32), s_dec), sb.shape),
+                      sb)
+    v = tl.reshape(blocks * e[:, :, None], [BLOCK_R, BLOCK_K])
+    a = tl.abs(v)
+    if STOCHASTIC:
+        a = tl.minimum(a, 6.0)
+        lo = ((a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32)
+              + (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32)
+              + (a >= 6.0).to(tl.int32))
+        hi = tl.minimum(lo + 1, 7)
+        lo_v = _e2m1_value(lo)
+        gap = _e2m1_value(hi) - lo_v
+        p = tl.where(gap > 0.0, tl.div_rn(a - lo_v, tl.where(gap > 0.0, gap, 1.0)), 0.0)
+        u = tl.rand(seed, rows[:, None] * K + cols[None, :])
+        idx = tl.where(u < p, hi, lo)
+    else:
+        idx = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+               + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+               + (a > 5.0).to(tl.int32))
+    sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
+    return idx | (sign << 3), sb_byte, sb
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, vals_ptr, sdec_out_ptr, amax_out_ptr, gs_ptr,
+                     R, stride_xr, seed, K: tl.constexpr,
+                     ROW: tl.constexpr, CHAIN: tl.constexpr, TILE16: tl.constexpr,
+                     STOCHASTIC: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    NB: tl.constexpr = BLOCK_K // 16
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xr
+    if ROW:
+        amax = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            m = row_ok[:, None] & (cols < K)[None, :]
+            x = tl.load(x_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        s_enc, s_dec = _global_scales(amax, CHAIN)
+        tl.store(sdec_out_ptr + rows, s_dec, mask=row_ok)
+        tl.store(amax_out_ptr + rows, amax, mask=row_ok)
+        s_enc = s_enc[:, None]
+        s_dec = s_dec[:, None]
+    else:
+        s_enc = tl.load(gs_ptr + tl.zeros([BLOCK_R, 1], dtype=tl.int32))
+        s_dec = tl.load(gs_ptr + 1 + tl.zeros([BLOCK_R, 1], dtype=tl.int32))
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        m = row_ok[:, None] & (cols < K)[None, :]
+        x = tl.load(x_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        codes, sb_byte, sb = _quantize_chunk(x, s_enc, s_dec, rows, cols, seed, K, CHAIN, TILE16,
+                                             STOCHASTIC, BLOCK_R, BLOCK_K)
+        bcols = k0 // 16 + tl.arange(0, NB)
+        bm = row_ok[:, None] & (bcols < K // 16)[None, :]
+        tl.store(scales_ptr + rows.to(tl.int64)[:, None] * (K // 16) + bcols[None, :],
+                 sb_byte.to(tl.uint8), mask=bm)
+        if WRITE_CODES:
+            even, odd = tl.split(tl.reshape(codes, [BLOCK_R, BLOCK_K // 2, 2]))
+            pcols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            pm = row_ok[:, None] & (pcols < K // 2)[None, :]
+            tl.store(codes_ptr + rows.to(tl.int64)[:, None] * (K // 2) + pcols[None, :],
+                     (even | (odd << 4)).to(tl.uint8), mask=pm)
+        if WRITE_VALUES:
+            mag = _e2m1_value(codes & 7)
+            mag = tl.where((codes & 8) != 0, -mag, mag)
+            vals = tl.reshape(tl.reshape(mag, [BLOCK_R, NB, 16]) * sb[:, :, None], [BLOCK_R, BLOCK_K])
+            tl.store(vals_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :],
+                     vals.to(vals_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _amax_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(partial_ptr + pid, tl.max(tl.abs(x), axis=0))
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| over the whole (contiguous) tensor: fp32 []."""
+    _check_device(x)
+    flat = x.contiguous().reshape(-1)
+    cfg = CONFIGS["amax"]
+    n_prog = triton.cdiv(flat.numel(), cfg["BLOCK"])
+    partial = torch.empty(n_prog, dtype=torch.float32, device=x.device)
+    _amax_kernel[(n_prog,)](flat, partial, flat.numel(), BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"])
+    return partial.amax()
+
+
+def quantize_packed(x: torch.Tensor, scaling: str = "tensor", block=(1, 16), rounding: str = "rne",
+                    chain: str = "te", static_scale=None, hadamard: bool = False, generator=None):
+    """The kernel counterpart of `ref.quantize_ref` on validated, padded x [..., R, K] (K % 16 == 0;
+    R % 16 == 0 for 16x16 blocks), returning *packed* codes: (codes uint8 [..., K // 2], block scales
+    e4m3 [..., K // 16], S_dec, amax), S_dec and amax fp32 [] (tensor, static) or [..., R, 1] (row).
+    With rounding="stochastic", the Philox seed is drawn from `generator` (torch's default if None)."""
+    block = tuple(block)
+    _check_device(x)
+    _check_input(x, block)
+    xf = apply_rht(x) if hadamard else x
+    lead, k = xf.shape[:-1], xf.shape[-1]
+    x2 = xf.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    r = x2.shape[0]
+    dev = x.device
+    codes = torch.empty(r, k // 2, dtype=torch.uint8, device=dev)
+    scales = torch.empty(r, k // 16, dtype=torch.uint8, device=dev)
+    row = scaling == "row"
+    sdec = torch.empty(r if row else 1, dtype=torch.float32, device=dev)
+    amx = torch.empty_like(sdec)
+    if scaling == "static":
+        s = torch.as_tensor(static_scale, dtype=torch.float32, device=dev).reshape(())
+        amx = s * torch.tensor(ref.TE_AMAX_TO_SCALE, dtype=torch.float32, device=dev)
+        s_enc, sdec = ref.global_scales(s, chain, static=True)
+    elif scaling == "tensor":
+        amx = amax(x2)
+        s_enc, sdec = ref.global_scales(amx, chain)
+    gs = torch.stack([s_enc, sdec]) if not row else sdec
+    seed = _seed(generator, dev) if rounding == "stochastic" else 0
+    _launch(x2, codes, scales, codes, sdec, amx, gs, seed, row, chain, block, rounding == "stochastic",
+            write_codes=True, vals=None)
+    sb = scales.view(torch.float8_e4m3fn).reshape(*lead, k // 16)
+    codes = codes.reshape(*lead, k // 2)
+    if row:
+        return codes, sb, sdec.reshape(*lead, 1), amx.reshape(*lead, 1)
+    return codes, sb, sdec, amx
+
+
+def quantize(x: torch.Tensor, scaling: str = "tensor", block=(1, 16), rounding: str = "rne",
+             chain: str = "te", static_scale=None, hadamard: bool = False, generator=None,
+             check_finite: bool = True, pad: bool = False):
+    """`minite.nvfp4.quantize` run by the kernel: same arguments, same checks, an NVFP4Tensor."""
+    from minite import nvfp4
+
+    block = tuple(block)
+    nvfp4._check_args(x, scaling, block, rounding, chain, static_scale)
+    if check_finite:
+        nvfp4._check_finite(x)
+    xp = nvfp4._pad_or_raise(x, block, pad)
+    codes, sb, s_dec, amx = quantize_packed(xp, scaling, block, rounding, chain, static_scale, hadamard,
+                                            generator)
+    return nvfp4.NVFP4Tensor(codes, sb, s_dec, amx, tuple(x.shape), block, scaling, chain, hadamard)
+
+
+def quantize_unscaled(x: torch.Tensor, out_dtype=torch.bfloat16, chain: str = "te",
+                      return_codes: bool = False):
+    """Fused activation quantizer (row scaling, 1x16 blocks, RNE): x [..., K] ->
+    (values e2m1 * s_b in out_dtype [..., K] (exact), S_dec fp32 [..., 1]), and with return_codes=True
+    also (packed codes uint8 [..., K // 2], block scales e4m3 [..., K // 16], amax fp32 [..., 1]).
+    The values equal `quantize(x, scaling="row").unscaled()` bit for bit."""
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"quantize_unscaled writes bf16 or fp16 values, not {out_dtype}")
+    _check_device(x)
+    _check_input(x, (1, 16))
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    r, dev = x2.shape[0], x.device
+    vals = torch.empty(r, k, dtype=out_dtype, device=dev)
+    scales = torch.empty(r, k // 16, dtype=torch.uint8, device=dev)
+    codes = torch.empty(r, k // 2, dtype=torch.uint8, device=dev) if return_codes else scales
+    sdec = torch.empty(r, dtype=torch.float32, device=dev)
+    amx = torch.empty_like(sdec)
+    _launch(x2, codes, scales, vals, sdec, amx, sdec, 0, True, chain, (1, 16), False,
+            write_codes=return_codes, vals=vals)
+    out = (vals.reshape(*lead, k), sdec.reshape(*lead, 1))
+    if return_codes:
+        sb = scales.view(torch.float8_e4m3fn).reshape(*lead, k // 16)
+        return (*out, codes.reshape(*lead, k // 2), sb, amx.reshape(*lead, 1))
+    return out
+
+
+def _launch(x2, codes, scales, vals_buf, sdec, amx, gs, seed, row, chain, block, stochastic,
+            write_codes, vals):
+    r, k = x2.shape
+    cfg = CONFIGS["16x16" if block == (16, 16) else "1x16"]
+    block_k = min(cfg["BLOCK_K"], max(16, triton.next_power_of_2(k)))
+    grid = (triton.cdiv(r, cfg["BLOCK_R"]),)
+    _quantize_kernel[grid](x2, codes, scales, vals if vals is not None else vals_buf, sdec, amx, gs,
+                           r, x2.stride(0), seed, K=k,
+                           ROW=row, CHAIN=CHAIN_IDS[chain], TILE16=block == (16, 16),
+                           STOCHASTIC=stochastic, WRITE_CODES=write_codes, WRITE_VALUES=vals is not None,
+                           BLOCK_R=cfg["BLOCK_R"], BLOCK_K=block_k, num_warps=cfg["num_warps"])
+
+
+def _seed(generator, device) -> int:
+    g = generator
+    if g is None:
+        return int(torch.randint(0, 2**31 - 1, (1,)).item())
+    return int(torch.randint(0, 2**31 - 1, (1,), generator=g, device=g.device).item())
+
+
+def _check_device(x: torch.Tensor) -> None:
+    from minite.kernels import interpreted
+
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if x.device.type != "cuda" and not interpreted():
+        raise ValueError(f"Triton kernels need a CUDA tensor (or TRITON_INTERPRET=1); got {x.device}")
+
+
+def _check_input(x: torch.Tensor, block) -> None:
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"the NVFP4 quantize kernel reads float32, bfloat16 or float16, not {x.dtype}")
+    if x.ndim == 0 or x.shape[-1] % 16:
+        raise ValueError(f"the last dimension must be a positive multiple of 16, got shape {tuple(x.shape)}"
+                         " (pad first: minite.nvfp4.quantize(pad=True))")
+    if block == (16, 16) and (x.ndim < 2 or x.shape[-2] % 16):
+        raise ValueError(f"16x16 blocks need a row count divisible by 16, got shape {tuple(x.shape)}")
