@@ -1,0 +1,229 @@
+"""Triton W4A4 GEMM: out = (a @ w^T) * scale, the kernel counterpart of `minite.ref.gemm`.
+
+Operands are the exact unscaled values e2m1 * s_b (bf16 on the GPU, fp16 in the CPU interpreter):
+the activation from `kernels.nvfp4.quantize_unscaled`, the weight either as its dequantized copy
+[N, K] (refreshed once per update; compute-bound regime) or packed (codes uint8 [N, K // 2] + E4M3
+block scales [N, K // 16]) and dequantized in registers (decode regime). Products and 16-term sums
+are exact, the tensor-core accumulation is fp32, and the global scales are applied in the fp32
+epilogue exactly as the reference does (`sdec`: acc * (S_dec_x[m] * S_dec_w); `alpha`:
+acc * ((amax_x[m] * amax_w) * fl32(1/7225344)); `bf16_scalar`: bf16(acc) * bf16(S_dec_x * S_dec_w)).
+
+Configurations (CONFIGS, fixed; no autotuning):
+- `aligned`: one tile shape for every M and both weight representations, M padded up to the tile, the
+  same K order everywhere and no split-K, so an output row never depends on M, on the other rows, or
+  on whether the weight was packed: the batch-invariant path.
+- `prefill`: the fastest tile for large M (dequantized weight copy).
+- `decode`: small M (<= 64): M padded to 16/32/64, narrow N tiles so the grid covers the GPU, packed
+  weights. It is exact wherever the fp32 accumulation is (nearly all outputs) but its bits are only
+  guaranteed equal to the aligned path's where the reference's are.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+CONFIGS = {
+    "aligned": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
+    "prefill": dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
+    # BM is M padded to 16, 32 or 64; BN narrows when N is small so that the grid fills the GPU
+    "decode": dict(BN=64, BN_SMALL_N=32, BK=256, GROUP_M=1, num_warps=4, num_stages=4),
+    # the CPU interpreter: small tiles, any M
+    "interpret": dict(BM=16, BN=32, BK=32, GROUP_M=2, num_warps=4, num_stages=1),
+}
+EPILOGUES = {"sdec": 0, "alpha": 1, "bf16_scalar": 2}
+
+
+@triton.jit
+def _e2m1_to_float(c, DOT_F16: tl.constexpr):
+    """Unpacked E2M1 codes (integers 0..15) -> fp16 / bf16 values, built from their bits."""
+    c = c.to(tl.uint16)
+    mag = c & 7
+    if DOT_F16:
+        bits = tl.where(mag >= 2, (mag << 9) + 0x3800, mag * 0x3800) | ((c & 8) << 12)
+        return bits.to(tl.float16, bitcast=True)
+    bits = tl.where(mag >= 2, (mag << 6) + 0x3F00, mag * 0x3F00) | ((c & 8) << 12)
+    return bits.to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _e4m3_to_float(b):
+    """Unsigned E4M3 bytes -> fp32 values (exact)."""
+    b = b.to(tl.int32)
+    normal = ((b << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    return tl.where(b < 8, (b & 7).to(tl.float32) * 0.001953125, normal)
+
+
+@triton.jit
+def packed_w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, stride_cn, stride_sn,
+                  BN: tl.constexpr, BK: tl.constexpr, DOT_F16: tl.constexpr):
+    """Rows offs_n, columns k0 .. k0 + BK of a packed NVFP4 weight -> [BN, BK] e2m1 * s_b."""
+    offs_b = k0 // 2 + tl.arange(0, BK // 2)
+    p = tl.load(codes_ptr + offs_n.to(tl.int64)[:, None] * stride_cn + offs_b[None, :],
+                mask=mask_n[:, None], other=0)  # [BN, BK // 2] uint8
+    v = tl.reshape(tl.join(_e2m1_to_float(p & 15, DOT_F16), _e2m1_to_float(p >> 4, DOT_F16)), [BN, BK])
+    offs_s = k0 // 16 + tl.arange(0, BK // 16)
+    sb = tl.load(scales_ptr + offs_n.to(tl.int64)[:, None] * stride_sn + offs_s[None, :],
+                 mask=mask_n[:, None], other=0)  # [BN, BK // 16] e4m3 bytes
+    sb = _e4m3_to_float(sb).to(v.dtype)
+    return tl.reshape(tl.reshape(v, [BN, BK // 16, 16]) * sb[:, :, None], [BN, BK])
+
+
+@triton.jit
+def epilogue(acc, sa, sw, EPILOGUE: tl.constexpr):
+    """fp32 accumulator [BM, BN], per-row sa [BM], scalar sw -> the scaled fp32 (or bf16) output."""
+    if EPILOGUE == 1:
+        scale = (sa * sw) * 1.3840171485260771e-07  # fl32(1 / 7225344)
+    else:
+        scale = sa * sw
+    if EPILOGUE == 2:
+        prod = acc.to(tl.bfloat16).to(tl.float32) * scale.to(tl.bfloat16).to(tl.float32)[:, None]
+        return prod.to(tl.bfloat16)
+    return acc * scale[:, None]
+
+
+@triton.jit
+def _w4a4_kernel(a_ptr, w_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, M, N,
+                 stride_am, stride_wn, stride_wsn, stride_om, stride_sa,
+                 K: tl.constexpr, EPILOGUE: tl.constexpr, W_PACKED: tl.constexpr, DOT_F16: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BM)
+    grid_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * grid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BK)
+    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        a = tl.load(a_rows + (k0 + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
+        if W_PACKED:
+            w = packed_w_tile(w_ptr, ws_ptr, offs_n, mask_n, k0, stride_wn, stride_wsn, BN, BK, DOT_F16)
+        else:
+            w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k0 + offs_k)[None, :],
+                        mask=mask_n[:, None], other=0.0)
+        acc = tl.dot(a, tl.trans(w), acc)
+    sa = tl.load(sa_ptr + offs_m * stride_sa, mask=mask_m, other=1.0)
+    out = epilogue(acc, sa, tl.load(sw_ptr), EPILOGUE)
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def pick_config(config, m: int, n: int) -> dict:
+    """A CONFIGS name (or a dict) -> the tile dict used for this (M, N); only `decode` looks at M."""
+    from minite.kernels import interpreted
+
+    if isinstance(config, dict):
+        return config
+    if config not in CONFIGS:
+        raise ValueError(f"config={config!r} is not one of {list(CONFIGS)}")
+    if interpreted():
+        return CONFIGS["interpret"]
+    cfg = dict(CONFIGS[config])
+    if config == "decode":
+        if m > 64:
+            raise ValueError(f"the decode config serves M <= 64, got M={m}; use 'aligned' or 'prefill'")
+        cfg["BM"] = 16 if m <= 16 else (32 if m <= 32 else 64)
+        if n // cfg["BN"] < 132:
+            cfg["BN"] = cfg["BN_SMALL_N"]
+    return cfg
+
+
+def w4a4_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+              w_block_scales: torch.Tensor | None = None, epilogue: str = "sdec",
+              out_dtype=torch.bfloat16, config="aligned") -> torch.Tensor:
+    """a [M, K] bf16/fp16 (e2m1 * s_b, unscaled), a_scale fp32 [M], [M, 1] or [] (S_dec_x, or amax_x
+    for epilogue="alpha"); w either the unscaled copy [N, K] (same dtype as a) or packed codes uint8
+    [N, K // 2] with w_block_scales float8_e4m3fn [N, K // 16]; w_scale fp32 [] (S_dec_w or amax_w).
+    Returns out [M, N] in out_dtype."""
+    packed = w.dtype == torch.uint8
+    _check(a, a_scale, w, w_scale, w_block_scales, packed, epilogue)
+    m, k = a.shape
+    n = w.shape[0]
+    cfg = pick_config(config, m, n)
+    if k % cfg["BK"]:
+        raise ValueError(f"K={k} must be a multiple of the config's BK={cfg['BK']}")
+    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    sa = a_scale.reshape(-1)
+    ws = w_block_scales.view(torch.uint8) if packed else w
+    grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
+    _w4a4_kernel[grid](a, w, ws, sa, w_scale, out, m, n,
+                       a.stride(0), w.stride(0), ws.stride(0), out.stride(0), 0 if sa.numel() == 1 else 1,
+                       K=k, EPILOGUE=EPILOGUES[epilogue], W_PACKED=packed,
+                       DOT_F16=a.dtype == torch.float16, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
+                       GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
+
+
+def operand_dtype(device) -> torch.dtype:
+    """bf16 on the GPU; fp16 in the CPU interpreter (bf16 tl.dot is broken there, FACTS.md 2)."""
+    return torch.float16 if torch.device(device).type == "cpu" else torch.bfloat16
+
+
+def nvfp4_gemm(xq, wq, epilogue: str = "sdec", out_dtype=torch.float32, config="aligned") -> torch.Tensor:
+    """`ref.gemm.nvfp4_gemm` run by the kernel: x_q [..., M, K] (any scaling), w_q [N, K] (tensor or
+    static scaling, read packed) -> [..., M, N]."""
+    if wq.global_scale.numel() != 1:
+        raise ValueError("the weight operand needs one global scale (scaling='tensor' or 'static')")
+    if xq.padded_shape[-1] != wq.padded_shape[-1]:
+        raise ValueError(f"K mismatch: x has {xq.shape[-1]}, w has {wq.shape[-1]}")
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue={epilogue!r} is not supported; choose one of {list(EPILOGUES)}")
+    a = xq.unscaled()
+    if xq.block == (16, 16):
+        a = a[..., : xq.shape[-2], :]
+    lead = a.shape[:-1]
+    a = a.reshape(-1, a.shape[-1]).to(operand_dtype(a.device))
+    use_amax = epilogue == "alpha"
+    sa = (xq.amax if use_amax else xq.global_scale).float()
+    sa = sa.expand(*lead, 1).reshape(-1) if sa.numel() > 1 else sa.reshape(())
+    sw = (wq.amax if use_amax else wq.global_scale).float().reshape(())
+    n = wq.shape[0]
+    out = w4a4_gemm(a, sa, wq.codes[:n], sw, wq.block_scales[:n], epilogue, out_dtype, config)
+    return out.reshape(*lead, n)
+
+
+def unscaled_copy(wq, dtype=None) -> torch.Tensor:
+    """The dequantized weight copy e2m1 * s_b [N, K] (exact in bf16 / fp16) for the compute-bound GEMM."""
+    dtype = dtype or operand_dtype(wq.codes.device)
+    return wq.unscaled()[: wq.shape[0]].to(dtype)
+
+
+def _check(a, a_scale, w, w_scale, w_block_scales, packed, epilogue):
+    from minite.kernels import interpreted
+
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue={epilogue!r} is not supported; choose one of {list(EPILOGUES)}")
+    if a.ndim != 2 or w.ndim != 2:
+        raise ValueError(f"a and w must be 2-D, got shapes {tuple(a.shape)} and {tuple(w.shape)}")
+    if a.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"a must hold bf16 or fp16 values e2m1 * s_b, got {a.dtype}")
+    if a.device.type != "cuda" and not interpreted():
+        raise ValueError(f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1); got {a.device}")
+    k = a.shape[1]
+    if packed:
+        if w.shape[1] * 2 != k:
+            raise ValueError(f"packed w has {w.shape[1]} bytes per row; a has K={k} (needs K // 2)")
+        if w_block_scales is None or w_block_scales.dtype != torch.float8_e4m3fn:
+            raise TypeError("packed w needs w_block_scales as float8_e4m3fn [N, K // 16]")
+        if tuple(w_block_scales.shape) != (w.shape[0], k // 16) or w_block_scales.stride(-1) != 1:
+            raise ValueError(f"w_block_scales must be [N, K // 16] = {(w.shape[0], k // 16)} with unit "
+                             f"stride along K, got {tuple(w_block_scales.shape)}")
+    elif w.dtype != a.dtype or w.shape[1] != k:
+        raise ValueError(f"w must be [N, K={k}] in {a.dtype} (or packed uint8), got {tuple(w.shape)} "
+                         f"{w.dtype}")
+    if a.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError("a and w need unit stride along K (call .contiguous())")
+    if a_scale.dtype != torch.float32 or a_scale.numel() not in (1, a.shape[0]):
+        raise ValueError(f"a_scale must be fp32 with 1 or M={a.shape[0]} elements, got "
+                         f"{a_scale.dtype} {tuple(a_scale.shape)}")
+    if a_scale.numel() > 1 and a_scale.reshape(-1).stride(0) != 1:
+        raise ValueError("a_scale must be contiguous")
+    if w_scale.dtype != torch.float32 or w_scale.numel() != 1:
+        raise ValueError(f"w_scale must be one fp32 number, got {w_scale.dtype} {tuple(w_scale.shape)}")

@@ -1,0 +1,139 @@
+"""Triton MoE grouped W4A4 GEMM: one launch over all experts, tokens grouped (sorted) by expert.
+
+    out[t] = (a[t] @ w[e]^T) * (S_dec_x[t] * S_dec_w[e])    for rows t in [offsets[e], offsets[e + 1])
+
+with the same operands, fp32 accumulation and epilogues as `kernels.gemm` (whose docstring states the
+numerics): `a` the unscaled activation values e2m1 * s_b, `w` each expert's unscaled weight copy or its
+packed codes + E4M3 block scales. Each program finds its expert from the offsets in registers (a
+cumulative sum of per-expert tile counts), so there is no host sync and no index tensor to build;
+the grid is sized by the upper bound cdiv(T, BM) + E row tiles and surplus programs exit at once.
+With the `aligned` config the tile shape and K order are those of `kernels.gemm`'s aligned path, so an
+expert's rows get the bits a dense aligned GEMM with that expert's weight would give them.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from minite.kernels.gemm import EPILOGUES, epilogue, packed_w_tile
+
+CONFIGS = {
+    "aligned": dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4),
+    "prefill": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
+    "interpret": dict(BM=16, BN=32, BK=32, num_warps=4, num_stages=1),
+}
+
+
+@triton.jit
+def _grouped_kernel(a_ptr, w_ptr, ws_ptr, sa_ptr, sw_ptr, offsets_ptr, out_ptr, N, E,
+                    stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_sa,
+                    K: tl.constexpr, EPILOGUE: tl.constexpr, W_PACKED: tl.constexpr,
+                    DOT_F16: tl.constexpr, E_P2: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid = tl.program_id(0)
+    grid_n = tl.cdiv(N, BN)
+    pid_m = pid // grid_n
+    pid_n = pid % grid_n
+    experts = tl.arange(0, E_P2)
+    start = tl.load(offsets_ptr + experts, mask=experts < E, other=0).to(tl.int32)
+    end = tl.load(offsets_ptr + experts + 1, mask=experts < E, other=0).to(tl.int32)
+    tiles = (end - start + BM - 1) // BM
+    cum = tl.cumsum(tiles, 0)
+    e = tl.sum((cum <= pid_m).to(tl.int32), 0)
+    if e >= E:
+        return
+    here = experts == e
+    first_tile = tl.sum(tl.where(here, cum - tiles, 0), 0)
+    row0 = tl.sum(tl.where(here, start, 0), 0) + (pid_m - first_tile) * BM
+    row_end = tl.sum(tl.where(here, end, 0), 0)
+    offs_m = row0 + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_m = offs_m < row_end
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BK)
+    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
+    w_e = w_ptr + e.to(tl.int64) * stride_we
+    ws_e = ws_ptr + e.to(tl.int64) * stride_wse
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        a = tl.load(a_rows + (k0 + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
+        if W_PACKED:
+            w = packed_w_tile(w_e, ws_e, offs_n, mask_n, k0, stride_wn, stride_wsn, BN, BK, DOT_F16)
+        else:
+            w = tl.load(w_e + offs_n.to(tl.int64)[:, None] * stride_wn + (k0 + offs_k)[None, :],
+                        mask=mask_n[:, None], other=0.0)
+        acc = tl.dot(a, tl.trans(w), acc)
+    sa = tl.load(sa_ptr + offs_m * stride_sa, mask=mask_m, other=1.0)
+    out = epilogue(acc, sa, tl.load(sw_ptr + e), EPILOGUE)
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def grouped_w4a4_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                      offsets: torch.Tensor, w_block_scales: torch.Tensor | None = None,
+                      epilogue: str = "sdec", out_dtype=torch.bfloat16, config="prefill") -> torch.Tensor:
+    """a [T, K] bf16/fp16 unscaled values, rows sorted by expert; a_scale fp32 [T] (or [T, 1], or one
+    number); w [E, N, K] unscaled copies (a's dtype) or packed uint8 [E, N, K // 2] with
+    w_block_scales float8_e4m3fn [E, N, K // 16]; w_scale fp32 [E]; offsets int [E + 1], offsets[0] = 0,
+    offsets[E] = T, non-decreasing (expert e owns rows offsets[e] .. offsets[e + 1]). -> [T, N]."""
+    from minite.kernels import interpreted
+
+    packed = w.dtype == torch.uint8
+    _check(a, a_scale, w, w_scale, offsets, w_block_scales, packed, epilogue)
+    t, k = a.shape
+    e, n = w.shape[0], w.shape[1]
+    if isinstance(config, dict):
+        cfg = config
+    else:
+        if config not in CONFIGS:
+            raise ValueError(f"config={config!r} is not one of {list(CONFIGS)}")
+        cfg = CONFIGS["interpret" if interpreted() else config]
+    if k % cfg["BK"]:
+        raise ValueError(f"K={k} must be a multiple of the config's BK={cfg['BK']}")
+    out = torch.empty(t, n, dtype=out_dtype, device=a.device)
+    sa = a_scale.reshape(-1)
+    ws = w_block_scales.view(torch.uint8) if packed else w
+    grid = ((triton.cdiv(t, cfg["BM"]) + e) * triton.cdiv(n, cfg["BN"]),)
+    _grouped_kernel[grid](a, w, ws, sa, w_scale, offsets, out, n, e,
+                          a.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), out.stride(0),
+                          0 if sa.numel() == 1 else 1,
+                          K=k, EPILOGUE=EPILOGUES[epilogue], W_PACKED=packed,
+                          DOT_F16=a.dtype == torch.float16, E_P2=max(16, triton.next_power_of_2(e)),
+                          BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"],
+                          num_stages=cfg["num_stages"])
+    return out
+
+
+def _check(a, a_scale, w, w_scale, offsets, w_block_scales, packed, epilogue):
+    from minite.kernels import interpreted
+
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue={epilogue!r} is not supported; choose one of {list(EPILOGUES)}")
+    if a.ndim != 2 or w.ndim != 3:
+        raise ValueError(f"a must be [T, K] and w [E, N, K(/2)], got {tuple(a.shape)} and {tuple(w.shape)}")
+    if a.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"a must hold bf16 or fp16 values e2m1 * s_b, got {a.dtype}")
+    if a.device.type != "cuda" and not interpreted():
+        raise ValueError(f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1); got {a.device}")
+    t, k = a.shape
+    e = w.shape[0]
+    if packed:
+        if w.shape[2] * 2 != k:
+            raise ValueError(f"packed w has {w.shape[2]} bytes per row; a has K={k} (needs K // 2)")
+        if w_block_scales is None or w_block_scales.dtype != torch.float8_e4m3fn:
+            raise TypeError("packed w needs w_block_scales as float8_e4m3fn [E, N, K // 16]")
+        if tuple(w_block_scales.shape) != (e, w.shape[1], k // 16) or w_block_scales.stride(-1) != 1:
+            raise ValueError(f"w_block_scales must be [E, N, K // 16] = {(e, w.shape[1], k // 16)}, got "
+                             f"{tuple(w_block_scales.shape)}")
+    elif w.dtype != a.dtype or w.shape[2] != k:
+        raise ValueError(f"w must be [E, N, K={k}] in {a.dtype} (or packed uint8), got {tuple(w.shape)} "
+                         f"{w.dtype}")
+    if a.stride(1) != 1 or w.stride(2) != 1:
+        raise ValueError("a and w need unit stride along K (call .contiguous())")
+    if offsets.dtype not in (torch.int32, torch.int64) or tuple(offsets.shape) != (e + 1,):
+        raise ValueError(f"offsets must be int32/int64 [E + 1] = [{e + 1}], got {offsets.dtype} "
+                         f"{tuple(offsets.shape)}")
+    if a_scale.dtype != torch.float32 or a_scale.numel() not in (1, t):
+        raise ValueError(f"a_scale must be fp32 with 1 or T={t} elements, got {tuple(a_scale.shape)}")
+    if w_scale.dtype != torch.float32 or w_scale.numel() != e:
+        raise ValueError(f"w_scale must be fp32 [E={e}], got {w_scale.dtype} {tuple(w_scale.shape)}")
