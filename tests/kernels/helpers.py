@@ -1,0 +1,33 @@
+"""Inputs shared by the kernel tests: adversarial NVFP4 tensors and a device choice."""
+
+import torch
+
+# E2M1 ties and grid points (at unit element scale) and E4M3 ties (block amax / 6 on a midpoint)
+E2M1_TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 5.5, 7.0)
+E4M3_TIES = (1.0625, 1.1875, 2.125, 3.75, 0.5625, 0.017578125, 2.0**-10, 3 * 2.0**-10, 240.0, 464.0)
+
+
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def adversarial(rows: int, k: int, seed: int = 0) -> torch.Tensor:
+    """fp32 [rows, k] (rows >= 8, k >= 64, both multiples of 16): heavy-tailed random rows plus rows
+    with zeros, tiny (subnormal) amax, exact E2M1 ties at unit scale (a 2688 entry makes the row's
+    S_enc = 1), block amaxes on E4M3 midpoints, and one huge outlier."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g) ** 3
+    x[torch.rand(rows, k, generator=g) < 0.002] *= 50.0
+    x[0] = 0.0
+    x[1] = torch.randn(k, generator=g) * 1e-39
+    ties = torch.tensor(E2M1_TIES)
+    x[2, :16] = ties * torch.where(torch.arange(16) % 2 == 0, 1.0, -1.0)
+    x[2, 16:32] = 2688.0
+    x[3, :16] = -0.0
+    for j, t in enumerate(E4M3_TIES):
+        if 16 * (j + 2) <= k:
+            x[3, 16 * (j + 1): 16 * (j + 2)] = torch.linspace(-6 * t, 6 * t, 16)
+    x[3, -16:] = 2688.0
+    x[4, 5] = 3.0e4
+    x[5] = torch.linspace(-1.0, 1.0, k)
+    return x

@@ -1,0 +1,114 @@
+"""The W4A4 GEMM kernels against `minite.ref.gemm`, and the aligned path's batch invariance."""
+
+import pytest
+import torch
+
+from minite import nvfp4
+from minite.kernels import available
+from minite.kernels import gemm as kg
+from minite.kernels import nvfp4 as kq
+from minite.ref import gemm as rg
+from tests.kernels.helpers import device
+
+pytestmark = pytest.mark.skipif(not available(), reason="Triton kernels unavailable")
+
+# fp32 accumulation across 16-blocks in another order: relative to the output scale
+REL_TOL = 1e-5
+# Gaussian data: almost every fp32 sum is exact (FACTS.md 1.1), so almost every output is bitwise equal
+MIN_EXACT_FRACTION_GAUSSIAN = 0.99
+
+
+def heavy(m, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) ** 3
+    x[torch.rand(m, k, generator=g) < 0.001] *= 50.0
+    return x
+
+
+def operands(xq, wq, dev):
+    a = xq.unscaled().to(dev, kg.operand_dtype(dev))
+    return a, xq.global_scale.reshape(-1).to(dev), wq.to(dev), wq.global_scale.to(dev)
+
+
+@pytest.mark.parametrize("epilogue", ["sdec", "alpha"] + ["bf16_scalar"] * torch.cuda.is_available())
+@pytest.mark.parametrize("wblock", [(1, 16), (16, 16)])
+def test_matches_reference_small(epilogue, wblock):
+    x, w = torch.randn(20, 64), torch.randn(48, 64)
+    xq = nvfp4.quantize(x, "row")
+    wq = nvfp4.quantize(w, "tensor", block=wblock)
+    want = rg.nvfp4_gemm(xq, wq, epilogue)
+    got = kg.nvfp4_gemm(xq.to(device()), wq.to(device()), epilogue).cpu()
+    assert torch.equal(got, want)
+
+
+def test_both_weight_representations_and_every_m_give_the_same_rows():
+    x, w = heavy(40, 128, 0), heavy(64, 128, 1)
+    xq, wq = nvfp4.quantize(x, "row"), nvfp4.quantize(w, "tensor")
+    a, sa, wqd, sw = operands(xq, wq, device())
+    copy = kg.unscaled_copy(wqd)
+    full = kg.w4a4_gemm(a, sa, copy, sw, out_dtype=torch.float32)
+    for m in (1, 7, 40):
+        packed = kg.w4a4_gemm(a[:m], sa[:m], wqd.codes, sw, wqd.block_scales, out_dtype=torch.float32)
+        assert torch.equal(packed, full[:m])
+        assert torch.equal(kg.w4a4_gemm(a[-m:], sa[-m:], copy, sw, out_dtype=torch.float32), full[-m:])
+
+
+def test_output_is_fully_written():
+    a = torch.zeros(7, 64, dtype=kg.operand_dtype(device()), device=device())
+    w = torch.zeros(24, 64, dtype=a.dtype, device=device())
+    one = torch.ones((), device=device())
+    out = kg.w4a4_gemm(a, one.reshape(1), w, one, out_dtype=torch.float32)
+    assert out.shape == (7, 24) and torch.isfinite(out).all() and (out == 0).all()
+
+
+def test_bad_arguments_raise():
+    dt, dev = kg.operand_dtype(device()), device()
+    a = torch.zeros(4, 64, dtype=dt, device=dev)
+    s = torch.ones((), device=dev)
+    with pytest.raises(ValueError, match="K=64"):
+        kg.w4a4_gemm(a, s, torch.zeros(8, 32, dtype=dt, device=dev), s)
+    with pytest.raises(TypeError, match="bf16 or fp16"):
+        kg.w4a4_gemm(a.float(), s, a, s)
+    with pytest.raises(TypeError, match="w_block_scales"):
+        kg.w4a4_gemm(a, s, torch.zeros(8, 32, dtype=torch.uint8, device=dev), s)
+    with pytest.raises(ValueError, match="epilogue"):
+        kg.w4a4_gemm(a, s, a, s, epilogue="nope")
+    with pytest.raises(ValueError, match="w_scale"):
+        kg.w4a4_gemm(a, s, a, torch.ones(2, device=dev))
+
+
+@pytest.mark.gpu
+def test_gpu_error_bound_against_reference():
+    x, w = torch.randn(256, 4096), torch.randn(512, 4096)
+    xq, wq = nvfp4.quantize(x, "row"), nvfp4.quantize(w, "tensor")
+    want = rg.nvfp4_gemm(xq, wq, "sdec")
+    a, sa, wqd, sw = operands(xq, wq, "cuda")
+    for w_op, sb in ((kg.unscaled_copy(wqd), None), (wqd.codes, wqd.block_scales)):
+        for config in ("aligned", "prefill"):
+            got = kg.w4a4_gemm(a, sa, w_op, sw, sb, out_dtype=torch.float32, config=config).cpu()
+            err = (got - want).abs().max() / want.abs().max()
+            assert err <= REL_TOL, (config, float(err))
+            assert (got == want).float().mean() >= MIN_EXACT_FRACTION_GAUSSIAN
+    dec = kg.w4a4_gemm(a[:64], sa[:64], wqd.codes, sw, wqd.block_scales, out_dtype=torch.float32,
+                       config="decode").cpu()
+    assert (dec - want[:64]).abs().max() / want.abs().max() <= REL_TOL
+
+
+@pytest.mark.gpu
+def test_gpu_batch_invariance_aligned():
+    """Rows bitwise equal across M in {1, 7, 64, 300, 4096} and both weight representations, on
+    heavy-tailed data where accumulation order matters."""
+    k, n = 4096, 1024
+    x = heavy(4096, k, 2).cuda()
+    wq = kq.quantize(heavy(n, k, 3).cuda(), "tensor")
+    a, sa = kq.quantize_unscaled(x)
+    copy = kg.unscaled_copy(wq)
+    full = kg.w4a4_gemm(a, sa, copy, wq.global_scale)
+    assert torch.isfinite(full.float()).all()
+    for m in (1, 7, 64, 300, 4096):
+        for rows in (slice(0, m), slice(4096 - m, 4096)):
+            a_m, sa_m = kq.quantize_unscaled(x[rows])
+            assert torch.equal(a_m, a[rows]) and torch.equal(sa_m, sa[rows])
+            assert torch.equal(kg.w4a4_gemm(a_m, sa_m, copy, wq.global_scale), full[rows]), m
+            packed = kg.w4a4_gemm(a_m, sa_m, wq.codes, wq.global_scale, wq.block_scales)
+            assert torch.equal(packed, full[rows]), m
