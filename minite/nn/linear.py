@@ -27,6 +27,7 @@ The quantized weight is computed once per weight update and cached (see `quantiz
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -85,6 +86,12 @@ class Linear(nn.Module):
         self._qweight = None
         if self.recipe.fp4:
             self.quantized_weight()
+
+    def set_quantized_weight(self, qw: QuantizedWeight) -> None:
+        """Install a quantized weight made elsewhere (weight sync); used until `weight` changes."""
+        if qw.spec != self.recipe.weight or tuple(qw.unscaled.shape) != tuple(self.weight.shape):
+            raise ValueError(f"quantized weight {tuple(qw.unscaled.shape)} / {qw.spec} does not fit {self!r}")
+        self._qweight = dataclasses.replace(qw, key=weight_key(self.weight, self.recipe.weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._calib_amax is not None:

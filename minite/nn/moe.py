@@ -19,6 +19,7 @@ tokens / 2688), as vLLM's NVFP4 MoE does.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -114,6 +115,13 @@ class MoEExperts(nn.Module):
         if self.recipe.fp4:
             for name in EXPERT_WEIGHTS:
                 self.quantized_weight(name)
+
+    def set_quantized_weight(self, name: str, qw: QuantizedWeight) -> None:
+        """Install a quantized `name` weight made elsewhere (weight sync); used until it changes."""
+        w = getattr(self, name) if name in EXPERT_WEIGHTS else None
+        if w is None or qw.spec != self.recipe.weight or tuple(qw.unscaled.shape) != tuple(w.shape):
+            raise ValueError(f"quantized {name!r} {tuple(qw.unscaled.shape)} / {qw.spec} does not fit here")
+        self._qweights[name] = dataclasses.replace(qw, key=weight_key(w, self.recipe.weight))
 
     def route(self, x2: torch.Tensor) -> Routing:
         """x2 [T, H] -> Routing (HF Qwen3-MoE's softmax / top-k / renormalize)."""
