@@ -1,0 +1,217 @@
+"""Localization: where in the network two execution paths start to disagree, and how it grows with depth.
+
+An execution path (`Side`) is a recipe plus a batch composition: `"packed"` runs all sequences in one
+forward (packed back to back with `cu_seqlens`, as a learner micro-batch), `"alone"` runs every
+sequence in a forward of its own. Both sides use the same model (same master weights), switched
+between recipes with `Qwen3.set_recipe`. Until `minite.sampler` exists, the sampler's path for a
+given token sequence is the model's full forward under the sampler recipe.
+
+`localize` feeds the same sequences through both sides with forward hooks and records, for every op
+in execution order (per layer: input_layernorm, q_proj, k_proj, v_proj, attn (the attention output,
+o_proj's input), o_proj, post_attention_layernorm, mlp (the MLP or MoE block), output (the residual
+stream after the layer); then final norm and lm_head (logits)), the relative difference
+
+    rel_diff = ||a - b|| / ||b||      (Frobenius norm over all tokens, a = side A, b = side B, fp64)
+
+For MoE layers it also records router agreement: the share of tokens whose top-k expert set is the
+same on both sides (`router_topk_same`) and the mean overlap of the two sets (`router_topk_overlap`).
+`first_divergent` is the first op in execution order with rel_diff > tol.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from minite.nn.calibrate import calibrate
+from minite.recipe import Recipe, get_recipe
+from minite.sampling import token_logprobs
+
+BATCHINGS = ("packed", "alone")
+LAYER_OPS = ("input_layernorm", "q_proj", "k_proj", "v_proj", "attn", "o_proj",
+             "post_attention_layernorm", "mlp", "output")
+
+
+@dataclass(frozen=True)
+class Side:
+    """One execution path: a recipe and how sequences are batched (see the module docstring)."""
+
+    recipe: Recipe
+    batching: str = "packed"
+    name: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "recipe", get_recipe(self.recipe))
+        if self.batching not in BATCHINGS:
+            raise ValueError(f"batching={self.batching!r} is not supported; choose one of {list(BATCHINGS)}")
+        if not self.name:
+            object.__setattr__(self, "name", f"{self.recipe.name}/{self.batching}")
+
+    def replace(self, **changes) -> Side:
+        fields = {"recipe": self.recipe, "batching": self.batching, "name": "", **changes}
+        return Side(**fields)
+
+
+@dataclass
+class Sequences:
+    """Token sequences (prompt + response) and where each response starts."""
+
+    tokens: list[list[int]]
+    prompt_lens: list[int]
+
+    def __post_init__(self):
+        if not self.tokens or len(self.tokens) != len(self.prompt_lens):
+            raise ValueError("Sequences needs one prompt length per (non-empty) list of sequences")
+        for s, p in zip(self.tokens, self.prompt_lens):
+            if not 1 <= p <= len(s):
+                raise ValueError(f"prompt length {p} outside [1, {len(s)}] for a sequence of {len(s)} tokens")
+
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target tokens `[B, T]` (T = longest sequence - 1; position t predicts token t + 1) and the
+        response mask `[B, T]` (True where the target is a response token)."""
+        T = max(len(s) for s in self.tokens) - 1
+        targets = torch.zeros(len(self.tokens), T, dtype=torch.long)
+        mask = torch.zeros(len(self.tokens), T, dtype=torch.bool)
+        for i, (s, p) in enumerate(zip(self.tokens, self.prompt_lens)):
+            targets[i, : len(s) - 1] = torch.tensor(s[1:])
+            mask[i, p - 1: len(s) - 1] = True
+        return targets, mask
+
+
+def needs_calibration(model: nn.Module) -> bool:
+    return any(getattr(m, "input_scale", 0) is None for m in model.modules()) or any(
+        getattr(m, "gate_up_input_scale", 0) is None for m in model.modules())
+
+
+@torch.no_grad()
+def prepare(model: nn.Module, seqs: Sequences, sides: list[Side]) -> None:
+    """Calibrate static activation scales on `seqs` if a side needs them and the model has none."""
+    if any(s.recipe.activation.scaling == "static" for s in sides) and needs_calibration(model):
+        with calibrate(model):
+            _forward_logits(model, seqs, "packed")
+
+
+def _forward_logits(model, seqs: Sequences, batching: str) -> list[torch.Tensor]:
+    device = model.embed_tokens.weight.device
+    if batching == "alone":
+        return [model(torch.tensor([s], device=device))[0] for s in seqs.tokens]
+    lens = [len(s) for s in seqs.tokens]
+    ids = torch.tensor([sum(seqs.tokens, [])], device=device)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=device)
+    return list(model(ids, cu_seqlens=cu)[0].split(lens))
+
+
+@contextmanager
+def recipe_of(model, side: Side):
+    """Run `model` under `side.recipe` inside the block, then restore its recipe."""
+    before = model.recipe
+    model.set_recipe(side.recipe)
+    try:
+        yield model
+    finally:
+        model.set_recipe(before)
+
+
+@torch.no_grad()
+def side_logprobs(model, side: Side, seqs: Sequences, temperature: float = 1.0) -> torch.Tensor:
+    """fp32 log-probs `[B, T]` of each next token (aligned with `Sequences.padded`; 0 past a sequence)."""
+    targets, _ = seqs.padded()
+    out = torch.zeros(targets.shape)
+    with recipe_of(model, side):
+        logits = _forward_logits(model, seqs, side.batching)
+    for i, (lg, s) in enumerate(zip(logits, seqs.tokens)):
+        out[i, : len(s) - 1] = token_logprobs(lg[:-1], torch.tensor(s[1:], device=lg.device),
+                                              temperature).cpu()
+    return out
+
+
+def _hook_points(model) -> list[tuple[str, nn.Module, bool]]:
+    """(op name, module, capture input instead of output) in execution order."""
+    points = []
+    for i, layer in enumerate(model.layers):
+        a = layer.self_attn
+        points += [(f"layers.{i}.input_layernorm", layer.input_layernorm, False),
+                   (f"layers.{i}.q_proj", a.q_proj, False), (f"layers.{i}.k_proj", a.k_proj, False),
+                   (f"layers.{i}.v_proj", a.v_proj, False), (f"layers.{i}.attn", a.o_proj, True),
+                   (f"layers.{i}.o_proj", a.o_proj, False),
+                   (f"layers.{i}.post_attention_layernorm", layer.post_attention_layernorm, False)]
+        if layer.is_moe:
+            points.append((f"layers.{i}.router", layer.mlp.gate, False))
+        points += [(f"layers.{i}.mlp", layer.mlp, False), (f"layers.{i}.output", layer, False)]
+    return points + [("norm", model.norm, False), ("lm_head", model, False)]
+
+
+@contextmanager
+def capture(model):
+    """Record every hook point's tensor as `[tokens, features]` rows (fp64), appended per call."""
+    store: dict[str, list[torch.Tensor]] = {}
+    handles = []
+    for name, module, use_input in _hook_points(model):
+        def hook(mod, args, out, name=name, use_input=use_input):
+            t = args[0] if use_input else (out[0] if isinstance(out, tuple) else out)
+            store.setdefault(name, []).append(t.detach().reshape(-1, t.shape[-1]).double().cpu())
+        handles.append(module.register_forward_hook(hook))
+    try:
+        yield store
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@dataclass
+class Localization:
+    ops: list[dict]  # execution order: {"op", "layer", "kind", "rel_diff"} (+ router agreement)
+    first_divergent: str | None
+    side_a: str
+    side_b: str
+
+    def layer_curve(self, kind: str = "output") -> list[float]:
+        """rel_diff of op `kind` per layer (the residual stream by default)."""
+        return [o["rel_diff"] for o in self.ops if o["kind"] == kind and o["layer"] is not None]
+
+    def to_dict(self) -> dict:
+        return {"side_a": self.side_a, "side_b": self.side_b, "first_divergent": self.first_divergent,
+                "ops": self.ops}
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in fp64 (0 when both are 0, inf when only b is)."""
+    num, den = (a - b).norm().item(), b.norm().item()
+    if den == 0:
+        return 0.0 if num == 0 else float("inf")
+    return num / den
+
+
+def _router_agreement(la: torch.Tensor, lb: torch.Tensor, k: int) -> dict:
+    ta, tb = la.topk(k, dim=-1).indices.sort(-1).values, lb.topk(k, dim=-1).indices.sort(-1).values
+    overlap = (ta[:, :, None] == tb[:, None, :]).any(-1).double().mean(-1)  # [T]
+    return {"router_topk_same": (ta == tb).all(-1).double().mean().item(),
+            "router_topk_overlap": overlap.mean().item()}
+
+
+@torch.no_grad()
+def localize(model, side_a: Side, side_b: Side, seqs: Sequences, tol: float = 0.0) -> Localization:
+    """Per-op relative differences of side A against side B on the same sequences."""
+    prepare(model, seqs, [side_a, side_b])
+    captured = []
+    for side in (side_a, side_b):
+        with recipe_of(model, side), capture(model) as store:
+            _forward_logits(model, seqs, side.batching)
+        captured.append({k: torch.cat(v) for k, v in store.items()})
+    a, b = captured
+    ops = []
+    for name, _, _ in _hook_points(model):
+        parts = name.split(".")
+        layer = int(parts[1]) if parts[0] == "layers" else None
+        kind = parts[-1]
+        if kind == "router":
+            k = model.layers[layer].mlp.top_k
+            ops.append({"op": name, "layer": layer, "kind": kind, "rel_diff": rel_diff(a[name], b[name]),
+                        **_router_agreement(a[name], b[name], k)})
+            continue
+        ops.append({"op": name, "layer": layer, "kind": kind, "rel_diff": rel_diff(a[name], b[name])})
+    first = next((o["op"] for o in ops if o["rel_diff"] > tol), None)
+    return Localization(ops, first, side_a.name, side_b.name)
