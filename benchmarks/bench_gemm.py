@@ -1,0 +1,57 @@
+"""Compute-bound W4A4 GEMM (learner / prefill) vs cuBLAS bf16 (torch.matmul), same process.
+
+Qwen3-8B layer shapes (N, K); M in {4096, 16384}. Ours: the fused activation quantizer (bf16 x ->
+exact values + row scales) and the GEMM on the weight's dequantized bf16 copy; reported with and
+without the quantizer, for the fastest (`prefill`) and the batch-invariant (`aligned`) configs.
+"""
+
+# ruff: noqa: B023  (lambdas are timed at once, inside the loop that binds them)
+import torch
+from bench_common import CUBLAS_BF16_TFLOPS, bench_ms, parse_args, report
+
+from minite.kernels import gemm as kg
+from minite.kernels import nvfp4 as kq
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate|up": (12288, 4096), "down": (4096, 12288)}
+SWEEP = [dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
+         dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
+         dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
+         dict(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3),
+         dict(BM=256, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3)]
+
+
+def main():
+    args = parse_args("benchmarks/results/kernels_gemm.json")
+    rows, sweep = [], []
+    ms_list = [4096] if args.quick else [4096, 16384]
+    for m in ms_list:
+        for layer, (n, k) in SHAPES.items():
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            wq = kq.quantize(w, "tensor")
+            wc = kg.unscaled_copy(wq)
+            a, sa = kq.quantize_unscaled(x)
+            flop = 2 * m * n * k
+            base = bench_ms(lambda: torch.matmul(x, w.t()))
+            row = dict(layer=layer, M=m, N=n, K=k, cublas_tflops=flop / base / 1e9,
+                       cublas_frac_ceiling=flop / base / 1e9 / CUBLAS_BF16_TFLOPS)
+            for cfg in ("prefill", "aligned"):
+                g = bench_ms(lambda: kg.w4a4_gemm(a, sa, wc, wq.global_scale, config=cfg))
+                gq = bench_ms(lambda: kg.w4a4_gemm(*kq.quantize_unscaled(x), wc, wq.global_scale, config=cfg))
+                row[f"{cfg}_tflops"] = flop / g / 1e9
+                row[f"{cfg}_vs_cublas"] = base / g
+                row[f"{cfg}+quant_vs_cublas"] = base / gq
+            rows.append(row)
+            if m == 4096 and layer in ("gate|up", "down") and not args.quick:
+                for i, cfg in enumerate(SWEEP):
+                    t = bench_ms(lambda: kg.w4a4_gemm(a, sa, wc, wq.global_scale, config=cfg))
+                    sweep.append(dict(layer=layer, M=m, cfg=i, **cfg, tflops=flop / t / 1e9,
+                                      vs_cublas=base / t))
+    if sweep:
+        report("gemm config sweep", sweep, args.out.replace(".json", "_sweep.json"))
+    report("gemm (compute-bound)", rows, args.out,
+           dict(target="prefill+quant >= 0.9x cuBLAS bf16", configs=kg.CONFIGS, sweep=sweep))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""MoE grouped W4A4 GEMM vs a bf16 grouped baseline (torch._grouped_mm, else a per-expert loop).
+
+Qwen3-30B-A3B experts: 128 experts, top-8, hidden 2048, expert intermediate 768; gate|up is
+N = 1536, K = 2048 and down N = 2048, K = 768, over tokens * 8 routed rows sorted by expert.
+"""
+
+# ruff: noqa: B023  (lambdas are timed at once, inside the loop that binds them)
+import torch
+from bench_common import bench_ms, parse_args, report
+
+from minite.kernels import gemm as kg
+from minite.kernels import grouped_gemm as gg
+from minite.kernels import nvfp4 as kq
+
+E, TOPK, HIDDEN, INTER = 128, 8, 2048, 768
+OPS = {"gate|up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
+
+
+def torch_grouped(a, w_t, offs_end):
+    return torch._grouped_mm(a, w_t, offs=offs_end)
+
+
+def loop_grouped(a, w, offsets):
+    o = offsets.tolist()
+    return torch.cat([a[o[e]:o[e + 1]] @ w[e].t() for e in range(E)])
+
+
+def main():
+    args = parse_args("benchmarks/results/kernels_grouped_gemm.json")
+    rows = []
+    for tokens in (4096, 16384):
+        logits = torch.randn(tokens, E, device="cuda")
+        experts = logits.topk(TOPK, dim=-1).indices.reshape(-1)
+        counts = torch.bincount(experts, minlength=E)
+        offsets = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
+        offsets[1:] = counts.cumsum(0)
+        t = tokens * TOPK
+        for op, (n, k) in OPS.items():
+            x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(E, n, k, device="cuda", dtype=torch.bfloat16)
+            sw = torch.empty(E, device="cuda")
+            wc = torch.empty_like(w)
+            for e in range(E):
+                q = kq.quantize(w[e], "tensor")
+                wc[e], sw[e] = kg.unscaled_copy(q), q.global_scale
+            a, sa = kq.quantize_unscaled(x)
+            w_t = w.transpose(-2, -1)
+            try:
+                torch_grouped(x, w_t, offsets[1:])
+                base_name, base = "torch._grouped_mm", bench_ms(lambda: torch_grouped(x, w_t, offsets[1:]))
+            except (RuntimeError, AttributeError) as err:
+                print(f"torch._grouped_mm unavailable ({err}); baseline is a per-expert loop")
+                base_name, base = "per-expert matmul loop", bench_ms(lambda: loop_grouped(x, w, offsets))
+            flop = 2 * t * n * k
+            row = dict(tokens=tokens, op=op, rows=t, N=n, K=k, baseline=base_name,
+                       baseline_tflops=flop / base / 1e9)
+            for cfg in ("prefill", "aligned"):
+                g = bench_ms(lambda: gg.grouped_w4a4_gemm(a, sa, wc, sw, offsets, config=cfg))
+                gq = bench_ms(lambda: gg.grouped_w4a4_gemm(*kq.quantize_unscaled(x), wc, sw, offsets,
+                                                           config=cfg))
+                row[f"{cfg}_tflops"] = flop / g / 1e9
+                row[f"{cfg}_vs_base"] = base / g
+                row[f"{cfg}+quant_vs_base"] = base / gq
+            rows.append(row)
+    report("grouped gemm (MoE)", rows, args.out,
+           dict(target="prefill >= 0.9x bf16 grouped baseline", configs=gg.CONFIGS))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""NVFP4 quantize kernel throughput vs a device copy (the HBM ceiling), same process.
+
+Bytes counted: the input read once plus every output written once (codes, scales, values, scales).
+"""
+
+# ruff: noqa: B023  (lambdas are timed at once, inside the loop that binds them)
+import torch
+from bench_common import HBM_COPY_TBPS, bench_ms, parse_args, report
+
+from minite.kernels import nvfp4 as kq
+from minite.ref import nvfp4 as ref
+
+
+def main():
+    args = parse_args("benchmarks/results/kernels_quantize.json")
+    shapes = [(16384, 4096)] if args.quick else [(16384, 4096), (4096, 12288), (16384, 12288)]
+    rows = []
+    for r, k in shapes:
+        x = torch.randn(r, k, device="cuda", dtype=torch.bfloat16)
+        n = x.numel()
+        copy_ms = bench_ms(lambda: x.clone())
+        copy_tbps = 2 * 2 * n / copy_ms / 1e9
+        rows.append(dict(shape=f"{r}x{k}", op="copy (baseline)", ms=copy_ms, tb_s=copy_tbps,
+                         frac_copy=1.0, frac_facts=copy_tbps / HBM_COPY_TBPS))
+        codes_bytes = n // 2 + n // 16 + 8 * r
+        variants = [
+            ("row 1x16 te (codes)", lambda: kq.quantize_packed(x, "row"), 2 * n + codes_bytes),
+            ("row fused values+sdec", lambda: kq.quantize_unscaled(x), 2 * n + 2 * n + n // 16 + 4 * r),
+            ("tensor 1x16 te (amax+codes)", lambda: kq.quantize_packed(x, "tensor"), 2 * n + codes_bytes),
+            ("tensor 16x16 te", lambda: kq.quantize_packed(x, "tensor", (16, 16)), 2 * n + codes_bytes),
+            ("row 1x16 stochastic", lambda: kq.quantize_packed(x, "row", rounding="stochastic"),
+             2 * n + codes_bytes),
+        ]
+        if (r, k) == shapes[0]:
+            variants.append(("torch reference (row)", lambda: ref.quantize_ref(
+                x, "row", (1, 16), "rne", "te", None, False, None), 2 * n + codes_bytes))
+        for name, fn, nbytes in variants:
+            ms = bench_ms(fn)
+            tbps = nbytes / ms / 1e9
+            rows.append(dict(shape=f"{r}x{k}", op=name, ms=ms, tb_s=tbps, frac_copy=tbps / copy_tbps,
+                             frac_facts=tbps / HBM_COPY_TBPS))
+    report("quantize", rows, args.out,
+           dict(target="codes+scales >= 0.85 of HBM copy bandwidth, 16384x4096 bf16"))
+
+
+if __name__ == "__main__":
+    main()
