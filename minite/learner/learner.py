@@ -1,0 +1,125 @@
+"""The learner: log-probs of sampled tokens and one optimizer step per call, on the model it is given.
+
+    learner = Learner(model, lr=1e-6, micro_batch_tokens=8192)
+    old = learner.logprobs(batch)                                  # [S, T] fp32, theta_old
+    metrics = learner.step(replace(batch, old_logprobs=old), partial(policy_loss, cfg=LossConfig()))
+
+`step` splits the batch into micro-batches of whole sequences holding at most `micro_batch_tokens`
+packed tokens each (a longer sequence gets a micro-batch of its own), runs forward + backward on each
+and accumulates gradients, then takes one `MasterAdamW` step and re-quantizes the model's weights
+once (`minite.learner.weight_sync.sync_weights`), so the next forward of the learner, and a sampler
+running the same model object, use the same fresh `QuantizedWeight`s.
+
+The loss: `loss_fn(rl_batch) -> (loss, metrics)` on each micro-batch converted to
+`minite.rl.batch.RLBatch` (e.g. `partial(policy_loss, cfg=cfg)`). With `correction=` (a
+`Correction` computed once on the whole batch, as batch-level statistics such as TRIAGE's need),
+it is called as `loss_fn(rl_batch, correction=correction.rows(rows))`. Each micro-batch's loss is
+weighted by its share of the batch's response tokens (`aggregation="token_mean"`) or of its
+non-empty sequences (`"seq_mean"`), so that the accumulated gradient equals the one-batch gradient.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from minite.learner.batch import SequenceBatch
+from minite.learner.logprobs import DEFAULT_CHUNK_ROWS, sequence_logprobs
+from minite.learner.optimizer import MasterAdamW
+from minite.learner.weight_sync import sync_weights
+from minite.rl.batch import Correction
+from minite.rl.losses import AGGREGATIONS
+
+LossFn = Callable[..., tuple[torch.Tensor, dict]]
+
+
+def micro_batches(batch: SequenceBatch, max_tokens: int) -> list[list[int]]:
+    """Consecutive groups of sequence indices with at most `max_tokens` packed tokens (L - 1 each)."""
+    groups, current, used = [], [], 0
+    for i, seq in enumerate(batch.sequences):
+        n = seq.numel() - 1
+        if current and used + n > max_tokens:
+            groups.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    return groups + [current]
+
+
+class Learner:
+    def __init__(self, model: nn.Module, lr: float = 1e-6, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.999), max_grad_norm: float | None = 1.0,
+                 micro_batch_tokens: int = 8192, activation_checkpointing: bool = False, eps: float = 1e-8,
+                 logprob_chunk_rows: int = DEFAULT_CHUNK_ROWS, sync_weights_after_step: bool = True):
+        if micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens={micro_batch_tokens} must be >= 1")
+        self.model = model
+        self.micro_batch_tokens = micro_batch_tokens
+        self.activation_checkpointing = activation_checkpointing
+        self.logprob_chunk_rows = logprob_chunk_rows
+        self.sync_weights_after_step = sync_weights_after_step
+        self.optimizer = MasterAdamW(model.parameters(), lr=lr, betas=betas, eps=eps,
+                                     weight_decay=weight_decay, max_grad_norm=max_grad_norm)
+        self.steps = 0
+
+    @torch.no_grad()
+    def logprobs(self, batch: SequenceBatch) -> torch.Tensor:
+        """log pi of the batch's response tokens, fp32 [S, T], 0 off the response (micro-batched)."""
+        out = torch.zeros(batch.num_sequences, batch.width, dtype=torch.float32,
+                          device=self.model.embed_tokens.weight.device)
+        for rows in micro_batches(batch, self.micro_batch_tokens):
+            if all(batch.response_lens[i] == 0 for i in rows):
+                continue
+            out[rows] = sequence_logprobs(self.model, batch.rows(rows), self.logprob_chunk_rows)
+        return out
+
+    def step(self, batch: SequenceBatch, loss_fn: LossFn, correction: Correction | None = None,
+             aggregation: str = "token_mean") -> dict[str, float]:
+        """Forward/backward over micro-batches, one AdamW step, weight sync; returns metrics
+        (the loss_fn's metrics averaged with the micro-batch weights, plus grad_norm, lr, tokens/s)."""
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation={aggregation!r} is not supported; choose one of {AGGREGATIONS}")
+        start = time.perf_counter()
+        self.model.train()
+        self.optimizer.zero_grad()
+        lens = torch.tensor(batch.response_lens)
+        total = lens.sum() if aggregation == "token_mean" else (lens > 0).sum()
+        if total == 0:
+            raise ValueError("the batch has no response tokens to train on")
+        groups = micro_batches(batch, self.micro_batch_tokens)
+        sums: dict[str, float] = {}
+        for rows in groups:
+            part = lens[rows].sum() if aggregation == "token_mean" else (lens[rows] > 0).sum()
+            if part == 0:
+                continue
+            weight = (part / total).item()
+            mb = batch.rows(rows)
+            lp = sequence_logprobs(self.model, mb, self.logprob_chunk_rows, self.activation_checkpointing)
+            rl = mb.to_rl_batch(lp)
+            if correction is None:
+                loss, metrics = loss_fn(rl)
+            else:
+                loss, metrics = loss_fn(rl, correction=correction.rows(torch.tensor(rows)))
+            (loss * weight).backward()
+            for k, v in {"loss": loss, **metrics}.items():
+                sums[k] = sums.get(k, 0.0) + weight * float(v)
+        result = self.optimizer.step()
+        if self.sync_weights_after_step:
+            sync_weights(self.model)
+        self.steps += 1
+        seconds = time.perf_counter() - start
+        tokens = sum(s.numel() - 1 for s in batch.sequences)
+        return {**sums, **result, "lr": self.optimizer.lr, "micro_batches": float(len(groups)),
+                "tokens": float(tokens), "step_seconds": seconds, "tokens_per_s": tokens / seconds}
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = int(state["steps"])
+        if self.sync_weights_after_step:
+            sync_weights(self.model)

@@ -1,0 +1,89 @@
+"""AdamW on fp32 master weights, with global gradient-norm clipping.
+
+The model may hold bf16 parameters (on the GPU, for speed and memory). The optimizer keeps an fp32
+master copy of each such parameter; a step is:
+
+1. master.grad = fp32(param.grad) (fp32 parameters are their own masters: no copy);
+2. total norm = ||all master grads||_2 (reported); if it is not finite the step is skipped;
+3. clip: grads *= max_grad_norm / (norm + 1e-6) when norm > max_grad_norm (torch's clip_grad_norm_);
+4. `torch.optim.AdamW` on the masters (decoupled weight decay on matrices only: parameters with fewer
+   than two dimensions, i.e. norms and biases, get none);
+5. param.copy_(master) (rounded to the parameter's dtype). The copy bumps the parameter's version
+   counter, which is what invalidates its cached quantized weight.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class MasterAdamW:
+    def __init__(self, params, lr: float = 1e-6, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, max_grad_norm: float | None = 1.0):
+        self.params: list[nn.Parameter] = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ValueError("the optimizer got no trainable parameters")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm={max_grad_norm} must be > 0 (or None for no clipping)")
+        self.max_grad_norm = max_grad_norm
+        self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
+        decay = [m for m in self.masters if m.dim() >= 2]
+        no_decay = [m for m in self.masters if m.dim() < 2]
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
+
+    def zero_grad(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            p.grad = None
+            m.grad = None
+
+    @torch.no_grad()
+    def step(self) -> dict[str, float]:
+        """One update from the parameters' accumulated grads; returns grad_norm (before clipping),
+        clip coefficient and whether the step was skipped (non-finite gradient)."""
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                m.grad = None if p.grad is None else p.grad.float()
+        grads = [m.grad for m in self.masters if m.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item() \
+            if grads else 0.0
+        if not math.isfinite(norm):
+            self.zero_grad()
+            return {"grad_norm": norm, "clip_coef": 0.0, "skipped": 1.0}
+        clip = 1.0
+        if self.max_grad_norm is not None:
+            clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
+            if clip < 1.0:
+                torch._foreach_mul_(grads, clip)
+        self.optimizer.step()
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                p.copy_(m)
+        return {"grad_norm": norm, "clip_coef": clip, "skipped": 0.0}
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = value
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(),
+                "masters": [m.detach().clone() for m in self.masters]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restore moments and masters (and write the masters back into the parameters)."""
+        if len(state["masters"]) != len(self.masters):
+            raise ValueError(f"state has {len(state['masters'])} masters, the optimizer {len(self.masters)}")
+        for p, m, saved in zip(self.params, self.masters, state["masters"]):
+            m.copy_(saved)
+            if m is not p:
+                p.copy_(m)
+        self.optimizer.load_state_dict(state["optimizer"])

@@ -1,0 +1,123 @@
+"""Weight sync: quantize once per update and share; or ship codes and scales to another model.
+
+Colocated (one process, one device): the sampler runs the *same model object* as the learner. After
+each optimizer step `sync_weights(model)` quantizes every NVFP4 weight once; each module caches its
+`QuantizedWeight` keyed on the parameter's version, so the learner's next forward and every sampler
+forward reuse that very object (no copy, no second quantizer) until the next step changes the weight.
+
+Elsewhere (another model instance, later another process): `export_quantized_weights(model)` returns
+a payload of plain tensors, the NVFP4 container of each quantized weight (codes, block scales, global
+scales, amax) plus every other tensor as is (embeddings, norms, router, LM head, unquantized layers,
+calibrated static input scales). `load_quantized_weights(model, payload)` installs it into a model
+built with the same config and recipe WITHOUT quantizing anything: the exact unscaled operand
+`e2m1 * s_b` is rebuilt from codes and scales (a decode, FACTS.md 1), the module's full-precision
+weight is set to the dequantized values, and the `QuantizedWeight` is pinned to that weight's
+version. Forward outputs of the two models are then bitwise equal.
+
+Payload layout: {"recipe": name, "quantized": {"<module>.<weight>": {codes, block_scales,
+global_scale, amax, shape, block, scaling, chain, hadamard}}, "tensors": {name: tensor}}.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minite.nn.linear import Linear
+from minite.nn.moe import EXPERT_WEIGHTS, MoEExperts
+from minite.nn.quantized_weight import QuantizedWeight, refresh_quantized_weights
+from minite.nvfp4 import NVFP4Tensor
+
+CONTAINER_TENSORS = ("codes", "block_scales", "global_scale", "amax")
+CONTAINER_META = ("shape", "block", "scaling", "chain", "hadamard")
+STATIC_SCALE_BUFFERS = ("input_scale", "gate_up_input_scale", "down_input_scale")
+
+
+def sync_weights(model: nn.Module) -> int:
+    """Quantize every NVFP4 weight of `model` once, now; returns the number of modules refreshed."""
+    return refresh_quantized_weights(model)
+
+
+def quantized_weights(model: nn.Module) -> dict[str, QuantizedWeight]:
+    """The `QuantizedWeight` objects the model's forward uses now, by "<module>.<weight>" name
+    (quantizing only those whose cache is stale)."""
+    return {name: module.quantized_weight() if leaf == "weight" else module.quantized_weight(leaf)
+            for name, (module, leaf) in _quantized_targets(model).items()}
+
+
+@torch.no_grad()
+def export_quantized_weights(model: nn.Module) -> dict:
+    """Payload of codes and scales (+ the unquantized tensors) for `load_quantized_weights`."""
+    quantized = {}
+    for name, qw in quantized_weights(model).items():
+        q = qw.q
+        quantized[name] = {**{k: getattr(q, k).detach().clone() for k in CONTAINER_TENSORS},
+                           **{k: getattr(q, k) for k in CONTAINER_META}}
+    tensors = {name: p.detach().clone() for name, p in model.named_parameters() if name not in quantized}
+    for name, b in model.named_buffers():
+        if name.rsplit(".", 1)[-1] in STATIC_SCALE_BUFFERS:
+            tensors[name] = b.detach().clone()
+    return {"recipe": getattr(getattr(model, "recipe", None), "name", None), "quantized": quantized,
+            "tensors": tensors}
+
+
+@torch.no_grad()
+def load_quantized_weights(model: nn.Module, payload: dict) -> None:
+    """Install a payload from `export_quantized_weights` into `model` (same config and recipe) without
+    quantizing. Raises ValueError when the model's quantized layers or shapes do not match."""
+    params = dict(model.named_parameters())
+    targets = _quantized_targets(model)
+    if set(targets) != set(payload["quantized"]):
+        missing, extra = set(targets) - set(payload["quantized"]), set(payload["quantized"]) - set(targets)
+        raise ValueError(f"the model's NVFP4 weights do not match the payload ({payload['recipe']!r}): "
+                         f"missing {sorted(missing)[:4]}, unexpected {sorted(extra)[:4]}")
+    for name, t in payload["tensors"].items():
+        if name in params:
+            _copy(params[name], t, name)
+        else:
+            prefix, _, leaf = name.rpartition(".")
+            module = model.get_submodule(prefix)
+            setattr(module, leaf, t.to(_device(model)).clone())
+    for name, fields in payload["quantized"].items():
+        module, leaf = targets[name]
+        param = getattr(module, leaf)
+        spec = module.recipe.weight
+        q = NVFP4Tensor(**{k: fields[k].to(param.device) for k in CONTAINER_TENSORS},
+                        **{k: fields[k] for k in CONTAINER_META})
+        if (tuple(q.shape) != tuple(param.shape) or q.block != tuple(spec.block) or q.scaling != spec.scaling
+                or q.chain != spec.chain or q.hadamard != spec.hadamard):
+            raise ValueError(f"{name}: payload {q.shape} {q.block}/{q.scaling}/{q.chain} does not match the "
+                             f"model's {tuple(param.shape)} under recipe {module.recipe.name!r}")
+        n = param.shape[-2]
+        unscaled = q.unscaled()[..., :n, :].to(torch.bfloat16)  # drop rows padded to a 16x16 tile
+        qw = QuantizedWeight(q, unscaled, spec, key=())
+        param.copy_(qw.dequantize())
+        if leaf == "weight":
+            module.set_quantized_weight(qw)
+        else:
+            module.set_quantized_weight(leaf, qw)
+
+
+def _quantized_targets(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    out = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, Linear) and module.recipe.fp4:
+            out[_join(prefix, "weight")] = (module, "weight")
+        elif isinstance(module, MoEExperts) and module.recipe.fp4:
+            for name in EXPERT_WEIGHTS:
+                out[_join(prefix, name)] = (module, name)
+    return out
+
+
+def _copy(param: torch.Tensor, t: torch.Tensor, name: str) -> None:
+    if param.shape != t.shape:
+        raise ValueError(f"{name}: payload shape {tuple(t.shape)} != model shape {tuple(param.shape)}")
+    param.copy_(t)
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
