@@ -1,0 +1,358 @@
+"""Run configuration of `minite train`: frozen dataclasses, TOML presets and dotted overrides.
+
+A `TrainConfig` is built from a nested dict (a TOML file from `configs/`, or nothing: the embedded
+default, identical to `configs/tiny_cpu.toml`) and overrides `"rl.lr=1e-6"`, whose values are read as
+TOML literals (`1e-6`, `true`, `[2, 3]`, `"text"`; a bare word is a string). Every section is a
+frozen dataclass; the loss, correction (TRIAGE included), and advantage sections *are* the configs of
+`minite.rl` (`rl.loss.eps_high`, `rl.correction.name`, `rl.correction.triage.beta`). Unknown keys,
+values of the wrong type and values a section rejects raise `ConfigError` naming the dotted key.
+`to_toml(cfg)` writes the resolved config back (what `--dry-run` prints and a run folder keeps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from minite.models.config import ModelConfig, tiny_qwen3, tiny_qwen3_moe
+from minite.recipe import get_recipe
+from minite.rl.advantages import AdvantageConfig
+from minite.rl.corrections import CorrectionConfig
+from minite.rl.losses import LossConfig
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def tiny_char(**changes) -> ModelConfig:
+    """~0.3M-parameter dense Qwen3 for the char tokenizer (its 100 ids; bos 1, eos 2, pad 0)."""
+    base = tiny_qwen3(vocab_size=100, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      eos_token_id=2, pad_token_id=0, bos_token_id=1)
+    return base.replace(**changes)
+
+
+MODEL_PRESETS = {"tiny_char": tiny_char, "tiny_qwen3": tiny_qwen3, "tiny_qwen3_moe": tiny_qwen3_moe}
+
+
+class ConfigError(ValueError):
+    """A config key that does not exist, or a value that is not allowed for its key."""
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """An HF model directory `path` (its weights; `tokenizer = ""` takes its tokenizer), or, when
+    `path` is empty, a randomly initialized `preset` of `MODEL_PRESETS` with `config` overriding
+    `ModelConfig` fields (`hidden_size = 256`)."""
+
+    preset: str = "tiny_char"
+    path: str = ""
+    config: dict[str, Any] = field(default_factory=dict)
+    tokenizer: str = "char"
+    dtype: str = "float32"
+    device: str = "cpu"
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        if not self.path and self.preset not in MODEL_PRESETS:
+            raise ValueError(f"preset={self.preset!r} is not a model preset; choose one of "
+                             f"{sorted(MODEL_PRESETS)} or set path")
+        if self.path and self.config:
+            raise ValueError("config shapes a preset; a model loaded from path keeps its config.json")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {list(DTYPES)}")
+
+    def model_config(self) -> ModelConfig:
+        """The preset's `ModelConfig` with `config` applied (only for presets)."""
+        return MODEL_PRESETS[self.preset](**self.config)
+
+
+@dataclass(frozen=True)
+class RecipeSection:
+    """A named recipe of `minite.recipe` and field overrides (e.g. `backend = "triton"`)."""
+
+    name: str = "aligned"
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TaskSection:
+    """`minite.rl.tasks.make_task(name, seed=seed, **args)`."""
+
+    name: str = "arithmetic"
+    seed: int = 0
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SamplingSection:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 8
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature} must be > 0 for RL (greedy is for eval)")
+        if not 0 < self.top_p <= 1 or self.top_k < 0 or self.max_tokens < 1:
+            raise ValueError("need 0 < top_p <= 1, top_k >= 0 and max_tokens >= 1")
+
+
+@dataclass(frozen=True)
+class RLSection:
+    """One RL step = `prompts` x `n` rollouts, then `minibatches` updates on them."""
+
+    steps: int = 40
+    lr: float = 3e-4
+    prompts: int = 16
+    n: int = 8
+    minibatches: int = 2
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    loss: LossConfig = field(default_factory=LossConfig)
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+
+    def __post_init__(self):
+        _positive(self, "steps", "prompts", "minibatches")
+        if self.n < 2:
+            raise ValueError(f"n={self.n} must be >= 2 (advantages are normalized within a group)")
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr} must be > 0")
+        if (self.prompts * self.n) % self.minibatches:
+            raise ValueError(f"minibatches={self.minibatches} must divide prompts * n "
+                             f"= {self.prompts * self.n}")
+
+
+@dataclass(frozen=True)
+class WarmupSection:
+    """Supervised warm start on `Example.solution` before RL (steps = 0 skips it)."""
+
+    steps: int = 0
+    lr: float = 3e-3
+    batch_size: int = 64
+
+    def __post_init__(self):
+        if self.steps < 0 or self.batch_size < 1 or not self.lr > 0:
+            raise ValueError("need steps >= 0, batch_size >= 1 and lr > 0")
+
+
+@dataclass(frozen=True)
+class LoggingSection:
+    progress: bool = True
+    tensorboard: bool = True
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    """Save every `every` RL steps (0: never), keeping the last `keep`."""
+
+    every: int = 10
+    keep: int = 2
+
+    def __post_init__(self):
+        if self.every < 0 or self.keep < 1:
+            raise ValueError("need every >= 0 and keep >= 1")
+
+
+@dataclass(frozen=True)
+class EvalSection:
+    """Greedy accuracy on `size` held-out examples every `every` RL steps (0: only before and after)."""
+
+    every: int = 10
+    size: int = 256
+
+    def __post_init__(self):
+        if self.every < 0 or self.size < 1:
+            raise ValueError("need every >= 0 and size >= 1")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    recipe: RecipeSection = field(default_factory=RecipeSection)
+    task: TaskSection = field(default_factory=TaskSection)
+    sampling: SamplingSection = field(default_factory=SamplingSection)
+    rl: RLSection = field(default_factory=RLSection)
+    warmup: WarmupSection = field(default_factory=WarmupSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    run_dir: str = ""
+    seed: int = 0
+
+
+def _positive(obj, *names: str) -> None:
+    for name in names:
+        if getattr(obj, name) < 1:
+            raise ValueError(f"{name}={getattr(obj, name)} must be >= 1")
+
+
+def build(cls: type, data: dict, prefix: str = "") -> Any:
+    """An instance of dataclass `cls` from a nested dict, checking keys and value types."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a table, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            raise ConfigError(f"unknown key {prefix}{key!s}; {prefix.rstrip('.') or 'the config'} "
+                              f"has {names}")
+        kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {e}") from None
+
+
+def _coerce(tp, value, key: str):
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, key + ".")
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(option, value, key)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key}={value!r} has the wrong type; expected {tp}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={value!r} must be a list")
+        inner = args[0] if args else Any
+        return tuple(_coerce(inner, v, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r} must be a table")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if tp in (int, float, str, bool) and (type(value) is not tp):
+        raise ConfigError(f"{key}={value!r} must be of type {tp.__name__}")
+    return value
+
+
+def parse_value(text: str):
+    """A TOML literal (`1e-6`, `true`, `[1, 2]`, `"s"`, `{a = 1}`); anything else is a plain string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """A copy of nested dict `data` with each `"a.b.c=value"` set (tables are created as needed)."""
+    out = _deepcopy(data)
+    for item in overrides:
+        key, sep, text = item.removeprefix("--").partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r} must look like --section.key=value")
+        node = out
+        *parents, leaf = key.split(".")
+        for i, part in enumerate(parents):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"{'.'.join(parents[:i + 1])} is a value, not a table (override {item!r})")
+            node = child
+        node[leaf] = parse_value(text)
+    return out
+
+
+def to_dict(obj) -> dict:
+    """The nested dict of a config dataclass (tuples become lists)."""
+    def plain(v):
+        if dataclasses.is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+    return plain(obj)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
+    """The config of a TOML file (None: the embedded default) with dotted overrides applied on top of
+    the resolved file (so `--model.config.hidden_size=256` keeps the file's other model.config keys)."""
+    data = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {path} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: {e}") from None
+    cfg = build(TrainConfig, data)
+    if overrides:
+        cfg = build(TrainConfig, apply_overrides(to_dict(cfg), list(overrides)))
+    check(cfg)
+    return cfg
+
+
+def check(cfg: TrainConfig) -> None:
+    """Check the free-form tables (model.config, recipe.overrides, task.args) by building what they
+    describe; errors name the table."""
+    from minite.rl.tasks import make_task
+
+    attempts = [("recipe", lambda: get_recipe(cfg.recipe.name, **cfg.recipe.overrides)),
+                ("task.args", lambda: make_task(cfg.task.name, seed=cfg.task.seed, **cfg.task.args))]
+    if not cfg.model.path:
+        attempts.append(("model.config", cfg.model.model_config))
+    for where, attempt in attempts:
+        try:
+            attempt()
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"{where}: {e}") from None
+
+
+def to_toml(cfg) -> str:
+    """TOML text of a config; `load_config` of it gives the same config back."""
+    lines: list[str] = []
+    _write_table(to_dict(cfg), [], lines)
+    return "\n".join(lines).strip() + "\n"
+
+
+def _write_table(table: dict, path: list[str], lines: list[str]) -> None:
+    scalars = {k: v for k, v in table.items() if not isinstance(v, dict)}
+    tables = {k: v for k, v in table.items() if isinstance(v, dict)}
+    if path and (scalars or not tables):
+        lines.append(f"\n[{'.'.join(path)}]")
+    lines.extend(f"{k} = {_literal(v)}" for k, v in scalars.items())
+    for k, v in tables.items():
+        _write_table(v, path + [k], lines)
+
+
+def _literal(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return repr(v) if math.isfinite(v) else ("nan" if v != v else ("inf" if v > 0 else "-inf"))
+    if isinstance(v, int):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_literal(x) for x in v) + "]"
+    if v is None:
+        raise ConfigError("TOML has no null; a None-valued key cannot be written")
+    raise ConfigError(f"cannot write {v!r} to TOML")
+
+
+def _deepcopy(data):
+    return {k: _deepcopy(v) for k, v in data.items()} if isinstance(data, dict) else data

@@ -1,0 +1,137 @@
+"""Atomic training checkpoints: save every N steps, resume as if never stopped.
+
+Layout of a run folder's `checkpoints/`:
+
+    step_000010/model/         the model in Hugging Face safetensors (`save_pretrained`)
+    step_000010/state.pt       {"step", "learner" (optimizer moments + fp32 masters), "rng", "data", ...}
+    latest                     the name of the newest complete checkpoint ("step_000010")
+
+A checkpoint is written into a hidden temporary sibling, every file fsynced, then renamed into place
+(atomic on POSIX); `latest` is rewritten (temp file, fsync, `os.replace`) only after that. A run
+killed at any moment therefore leaves either the previous `latest` or the new one, never a pointer to
+a half-written checkpoint; leftover temporaries are ignored and cleaned up by the next save. Only
+the last `keep` checkpoints are kept.
+
+RNG states: torch (CPU and, when present, CUDA), Python `random` and NumPy. The sampler draws from
+counter-based random numbers keyed by the per-step seed (`minite.sampler.rng`), so its state is the
+step number itself.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from minite.models import load_pretrained, save_pretrained
+
+LATEST = "latest"
+STEP_DIR = re.compile(r"^step_(\d{6,})$")
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def rng_state() -> dict:
+    """The global RNG states a training step may draw from."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(ckpt_dir: str | Path, step: int, model: torch.nn.Module, state: dict,
+                    keep: int = 2) -> Path:
+    """Write checkpoint `step` (model + `state`, to which "step" and "rng" are added) atomically,
+    point `latest` at it, and prune all but the newest `keep`. Returns its path."""
+    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    final = ckpt_dir / step_name(step)
+    tmp = ckpt_dir / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        save_pretrained(model, tmp / "model")
+        torch.save({**state, "step": step, "rng": rng_state()}, tmp / "state.pt")
+        _fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(ckpt_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _write_atomic(ckpt_dir / LATEST, final.name + "\n")
+    _prune(ckpt_dir, keep)
+    return final
+
+
+def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
+    """The checkpoint `latest` points to, or None when there is none yet."""
+    pointer = Path(ckpt_dir) / LATEST
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text().strip()
+    path = Path(ckpt_dir) / name
+    if not STEP_DIR.match(name) or not (path / "state.pt").is_file():
+        raise FileNotFoundError(f"{pointer} names {name!r}, which is not a complete checkpoint")
+    return path
+
+
+def load_checkpoint(path: str | Path, recipe, dtype: torch.dtype, device) -> tuple[torch.nn.Module, dict]:
+    """(model, state) of a checkpoint; the caller restores learner state and then `set_rng_state`."""
+    path = Path(path)
+    model = load_pretrained(path / "model", recipe=recipe, dtype=dtype, device=device)
+    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+    return model, state
+
+
+def _prune(ckpt_dir: Path, keep: int) -> None:
+    steps = sorted(p for p in ckpt_dir.iterdir() if p.is_dir() and STEP_DIR.match(p.name))
+    for old in steps[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    for leftover in ckpt_dir.glob(".step_*.tmp-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

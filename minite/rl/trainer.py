@@ -1,0 +1,250 @@
+"""The RL training loop of `minite train` (DESIGN.md, "Data flow of one RL step").
+
+One RL step on `rl.prompts` training prompts:
+
+1. the sampler draws `rl.n` responses per prompt from the model's current quantized weights, with the
+   sampling seed `seed * 1_000_003 + step` (counter-based RNG: a resumed run draws the same tokens);
+2. the task scores them; rewards -> group-normalized advantages (`rl.advantage`);
+3. the learner recomputes log pi_theta_old of the sampled tokens (same temperature / truncation);
+   the mismatch metrics compare them with the sampler's log mu;
+4. the correction (`rl.correction`: none, TIS, IcePop, ..., TRIAGE) is computed once on the whole
+   rollout batch (its batch statistics need all of it) and sliced per minibatch;
+5. the rollout batch is shuffled (seeded by the step) into `rl.minibatches` minibatches, one
+   clipped policy-gradient update each (`rl.loss`); after each update the learner quantizes the
+   weights once, and the sampler, running the same model object, uses them for the next rollout.
+
+Before RL, `warmup.steps` supervised steps on the task's worked solutions (`Example.solution` + eos)
+give a tiny randomly initialized model a policy worth reinforcing. Held-out greedy accuracy is
+measured after the warm start, every `eval.every` steps and at the end; checkpoints every
+`checkpoint.every` steps (`minite.rl.checkpointing`); metrics and report go to the run folder.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import replace
+from datetime import datetime
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from minite.config import TrainConfig, to_dict, to_toml
+from minite.diagnostics.metrics import mismatch_metrics
+from minite.learner import Learner, SequenceBatch
+from minite.models import Qwen3, load_pretrained
+from minite.recipe import get_recipe
+from minite.rl.advantages import advantage_metrics, group_advantages
+from minite.rl.batch import RLBatch, masked_mean
+from minite.rl.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
+from minite.rl.corrections import apply_correction
+from minite.rl.losses import policy_loss
+from minite.rl.run_logging import MetricsLog, Progress, write_report
+from minite.rl.tasks import make_task
+from minite.rl.tokenizer import load_tokenizer
+from minite.sampling import SamplingParams
+
+MISMATCH_KEYS = ("kl", "k3_kl", "chi2_token", "ess", "logprob_abs_diff_mean", "logprob_abs_diff_max",
+                 "logprob_abs_diff_p99", "bitwise_equal_frac", "prob_abs_diff_mean")
+
+
+def default_sampler(model):
+    from minite.sampler import Sampler
+
+    return Sampler(model)
+
+
+def sft_loss(batch: RLBatch) -> tuple[torch.Tensor, dict]:
+    """Mean negative log-likelihood of the response tokens (the supervised warm start)."""
+    nll = -batch.masked(batch.logprobs).sum() / batch.mask.sum().clamp(min=1)
+    return nll, {"sft/nll": nll.detach()}
+
+
+def new_run_dir() -> Path:
+    return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+class Trainer:
+    """`Trainer(cfg, run_dir).run()`; with `resume=True` it continues from the run's latest checkpoint.
+    `make_sampler(model)` builds the rollout engine on the learner's model object."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: str | Path | None = None, resume: bool = False,
+                 make_sampler=default_sampler, progress_stream=None):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir or cfg.run_dir or new_run_dir())
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for seed_fn in (torch.manual_seed, random.seed, np.random.seed):
+            seed_fn(cfg.seed)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+        self.task = make_task(cfg.task.name, seed=cfg.task.seed, **cfg.task.args)
+        self.recipe = get_recipe(cfg.recipe.name, **cfg.recipe.overrides)
+        self.dtype = getattr(torch, cfg.model.dtype)
+        ckpt = latest_checkpoint(self.ckpt_dir) if resume else None
+        state = None
+        if ckpt is not None:
+            self.model, state = load_checkpoint(ckpt, self.recipe, self.dtype, cfg.model.device)
+        else:
+            self.model = self._fresh_model()
+        self.sampler = make_sampler(self.model)
+        self.step, self.data_pos = 0, cfg.warmup.steps * cfg.warmup.batch_size
+        self.log = MetricsLog(self.run_dir, cfg.logging.tensorboard)
+        self.progress = Progress(cfg.rl.steps, cfg.logging.progress, progress_stream)
+        self.needs_warmup = ckpt is None
+        self.learner = None
+        if state is not None:
+            self._make_learner()
+            self.learner.load_state_dict(state["learner"])
+            set_rng_state(state["rng"])
+            self.step, self.data_pos = state["step"], state["data"]["position"]
+            self.log.truncate_after(self.step)
+            self.progress.message(f"resumed {ckpt} (step {self.step})")
+        elif not resume:
+            (self.run_dir / "config.toml").write_text(to_toml(cfg))
+
+    def _fresh_model(self) -> Qwen3:
+        m = self.cfg.model
+        if m.path:
+            return load_pretrained(m.path, recipe=self.recipe, dtype=self.dtype, device=m.device)
+        config = m.model_config()
+        if self.tokenizer.vocab_size > config.vocab_size:
+            raise ValueError(f"model.config.vocab_size={config.vocab_size} is smaller than the tokenizer's "
+                             f"{self.tokenizer.vocab_size} ids")
+        model = Qwen3(config, self.recipe)
+        model.init_weights(m.init_std, torch.Generator().manual_seed(self.cfg.seed))
+        return model.to(device=m.device, dtype=self.dtype)
+
+    def _make_learner(self) -> None:
+        rl = self.cfg.rl
+        self.learner = Learner(self.model, lr=rl.lr, weight_decay=rl.weight_decay,
+                               max_grad_norm=rl.max_grad_norm)
+
+    def run(self) -> dict:
+        """Warm start (fresh runs), RL steps up to `rl.steps` with eval and checkpoints, then the report."""
+        start = time.perf_counter()
+        cfg = self.cfg
+        if self.needs_warmup:
+            self.warmup()
+            self._make_learner()
+            self.evaluate()
+            if cfg.checkpoint.every:
+                self.save()
+        while self.step < cfg.rl.steps:
+            self.step += 1
+            record = self.rl_step()
+            if cfg.eval.every and self.step % cfg.eval.every == 0 or self.step == cfg.rl.steps:
+                record.update(self.evaluate())
+            self.progress.update(self.step, record)
+            if cfg.checkpoint.every and (self.step % cfg.checkpoint.every == 0 or self.step == cfg.rl.steps):
+                self.save()
+        self.log.close()
+        summary = write_report(self.run_dir, {"wall_seconds": time.perf_counter() - start,
+                                              "run_dir": str(self.run_dir)})
+        self.progress.message(f"report: {self.run_dir}/report.png, summary.json, metrics.jsonl")
+        return summary
+
+    def save(self) -> None:
+        state = {"learner": self.learner.state_dict(), "data": {"position": self.data_pos},
+                 "config": to_dict(self.cfg)}
+        save_checkpoint(self.ckpt_dir, self.step, self.model, state, self.cfg.checkpoint.keep)
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_bos=self.tokenizer.bos_token_id is not None)
+
+    def stop_ids(self) -> tuple[int, ...]:
+        return (self.tokenizer.eos_token_id,)
+
+    def warmup(self) -> None:
+        """Supervised steps on `Example.solution` + eos, with their own AdamW (not kept for RL)."""
+        w = self.cfg.warmup
+        if not w.steps:
+            return
+        sft = Learner(self.model, lr=w.lr, max_grad_norm=1.0)
+        t0 = time.perf_counter()
+        for i in range(w.steps):
+            examples = self.task.batch("train", i * w.batch_size, w.batch_size)
+            if any(ex.solution is None for ex in examples):
+                raise ValueError(f"task {self.cfg.task.name!r} has no worked solutions; set warmup.steps = 0")
+            prompts = [self.encode_prompt(ex.prompt) for ex in examples]
+            targets = [self.tokenizer.encode(ex.solution, add_eos=True) for ex in examples]
+            batch = SequenceBatch.from_samples(prompts, targets, advantages=torch.zeros(len(examples)))
+            m = sft.step(batch, sft_loss)
+            if (i + 1) % max(1, w.steps // 10) == 0 or i + 1 == w.steps:
+                self.log.log({"kind": "warmup", "step": i + 1, "nll": m["sft/nll"],
+                              "grad_norm": m["grad_norm"], "seconds": time.perf_counter() - t0})
+                self.progress.message(f"warm start {i + 1}/{w.steps}: nll {m['sft/nll']:.3f}")
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Greedy accuracy (reward >= 1) and mean reward on `eval.size` held-out examples."""
+        examples = self.task.heldout(self.cfg.eval.size)
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.sampling.max_tokens,
+                                stop_token_ids=self.stop_ids())
+        outs = self._generate([self.encode_prompt(ex.prompt) for ex in examples], params)
+        rewards = [self.task.reward(self.tokenizer.decode(o.samples[0].token_ids), ex)
+                   for ex, o in zip(examples, outs)]
+        metrics = {"eval/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
+                   "eval/reward": sum(rewards) / len(rewards), "eval/size": len(rewards)}
+        self.log.log({"kind": "eval", "step": self.step, **metrics})
+        if self.step == 0:
+            self.progress.message(f"held-out greedy accuracy before RL: {metrics['eval/accuracy']:.3f}")
+        return metrics
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list:
+        outs = self.sampler.generate(prompts, params)
+        return sorted(outs, key=lambda o: o.index)
+
+    def rl_step(self) -> dict:
+        cfg, rl, s = self.cfg, self.cfg.rl, self.cfg.sampling
+        t0 = time.perf_counter()
+        examples = self.task.batch("train", self.data_pos, rl.prompts)
+        prompts = [self.encode_prompt(ex.prompt) for ex in examples]
+        seed = cfg.seed * 1_000_003 + self.step
+        params = SamplingParams(n=rl.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                max_tokens=s.max_tokens, stop_token_ids=self.stop_ids(), seed=seed)
+        samples = [(ex, p, smp) for ex, p, o in zip(examples, prompts, self._generate(prompts, params))
+                   for smp in o.samples]
+        t_rollout = time.perf_counter() - t0
+        rewards = torch.tensor([self.task.reward(self.tokenizer.decode(smp.token_ids), ex)
+                                for ex, _, smp in samples])
+        advantages = group_advantages(rewards, rl.n, rl.advantage)
+        batch = SequenceBatch.from_samples([p for _, p, _ in samples], [smp.token_ids for *_, smp in samples],
+                                           [smp.logprobs for *_, smp in samples], advantages, params)
+        old = self.learner.logprobs(batch)
+        batch = replace(batch, old_logprobs=old)
+        mask = batch.mask(old.device)
+        correction = apply_correction(batch.to_rl_batch(old), rl.correction)
+        mismatch = mismatch_metrics(old, batch.sampler_logprobs.to(old.device), mask)
+        t_update = time.perf_counter()
+        order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed))
+        loss_fn = partial(policy_loss, cfg=rl.loss)
+        updates = [self.learner.step(batch.rows(rows.tolist()), loss_fn, correction=correction.rows(rows),
+                                     aggregation=rl.loss.aggregation) for rows in order.chunk(rl.minibatches)]
+        self.data_pos += rl.prompts
+        now = time.perf_counter()
+        generated = int(mask.sum())
+        record = {"kind": "rl", "step": self.step, "reward": rewards.mean().item(),
+                  "reward_std": rewards.std().item(), "response_len": generated / len(samples),
+                  "stop_frac": sum(smp.finish_reason == "stop" for *_, smp in samples) / len(samples),
+                  **{k: float(v) for k, v in advantage_metrics(rewards, rl.n).items()},
+                  **{f"mismatch/{k}": mismatch[k] for k in MISMATCH_KEYS},
+                  **{k: float(v) for k, v in correction.metrics.items()},
+                  "mismatch/gap_mean": float(masked_mean(old - batch.sampler_logprobs.to(old.device), mask)),
+                  **_mean_dicts(updates),
+                  "rollout/tokens_per_s": generated / max(t_rollout, 1e-9),
+                  "learner/tokens_per_s": sum(u["tokens"] for u in updates) / max(now - t_update, 1e-9),
+                  "time/rollout_s": t_rollout, "time/update_s": now - t_update, "time/step_s": now - t0}
+        self.log.log(record)
+        return record
+
+
+def _mean_dicts(dicts: list[dict]) -> dict:
+    keys = [k for k in dicts[0] if k not in ("tokens", "micro_batches", "step_seconds", "tokens_per_s")]
+    out = {}
+    for k in keys:
+        values = [float(d[k]) for d in dicts if k in d]
+        out[k if "/" in k else f"update/{k}"] = sum(values) / len(values) if values else math.nan
+    return out
