@@ -1,0 +1,154 @@
+"""`Sampler`: the rollout engine. `generate(prompts, params)` returns, per request, `n` samples with
+their tokens, sampler log-probs and finish reasons.
+
+One engine step = schedule (prefill or decode, see `scheduler`), a cached forward of the model
+(`runner.cached_forward`, or a captured CUDA graph of it for decode steps on the GPU), one draw per
+sequence (`sample`), then bookkeeping: a stop token ends a sample with "stop" (the token is kept),
+reaching `max_tokens` with "length"; finished samples free their blocks and leave the batch.
+
+Randomness: sample s of request r draws its t-th token from the uniform `rng.uniforms(key, t)` with
+`key = sample_key(seed, r, s)`; r is the request's index in the `generate` call. The tokens therefore
+do not depend on batch composition, scheduling or preemption (up to the floating-point effect of
+batch shapes on the logits, which in fp32 stays far below the draw's resolution). `seed=None` draws
+a seed from torch's global CPU generator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minite.sampler.graphs import DecodeGraphs
+from minite.sampler.kv_cache import BlockManager, KVCache, num_kv_blocks
+from minite.sampler.rng import key_tensor, sample_key
+from minite.sampler.runner import build_batch, cached_forward
+from minite.sampler.sample import sample
+from minite.sampler.scheduler import Scheduler, cdiv
+from minite.sampler.sequence import Group, RequestOutput, Sequence, request_output
+from minite.sampling import SamplingParams
+
+
+class Sampler:
+    """Rollout engine over a `minite.models.Qwen3` (any recipe; weights shared, not copied).
+
+    max_num_seqs: sequences decoded together; kv_cache_tokens: KV slots (None: `kv_memory_fraction` of
+    free GPU memory, or a fixed default on CPU); block_size: tokens per KV block;
+    max_num_batched_tokens: prefill token budget per step; prefix_sharing: share a group's prompt
+    blocks; cuda_graphs: None = on for CUDA models whose decode step can be captured (dense, no
+    NVFP4 layer: the MoE routing and the NVFP4 quantizer's finiteness check synchronize), False =
+    off, True = on (error on CPU).
+    """
+
+    def __init__(self, model, max_num_seqs: int = 256, kv_cache_tokens: int | None = None,
+                 block_size: int = 16, max_num_batched_tokens: int = 8192, prefix_sharing: bool = True,
+                 cuda_graphs: bool | None = None, kv_memory_fraction: float = 0.8):
+        param = next(model.parameters())
+        self.model, self.device, self.dtype = model, param.device, param.dtype
+        cfg = model.config
+        num_blocks = num_kv_blocks(cfg, block_size, self.dtype, self.device, kv_cache_tokens,
+                                   kv_memory_fraction)
+        self.cache = KVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
+                             cfg.head_dim, self.dtype, self.device)
+        self.blocks = BlockManager(num_blocks)
+        self.scheduler = Scheduler(self.blocks, block_size, max_num_seqs, max_num_batched_tokens,
+                                   prefix_sharing)
+        self.block_size, self.max_num_seqs = block_size, max_num_seqs
+        self.use_graphs = self._want_graphs(cuda_graphs)
+        self.graphs: DecodeGraphs | None = None
+        self._weights_seen = None
+        self.stats = dict(steps=0, prefill_steps=0, decode_steps=0, graph_steps=0, peak_blocks_used=0)
+
+    def _want_graphs(self, flag: bool | None) -> bool:
+        if self.device.type != "cuda":
+            if flag:
+                raise ValueError("cuda_graphs=True needs a model on a CUDA device")
+            return False
+        if flag is None:
+            return not self.model.config.is_moe and not any(
+                getattr(m, "recipe", None) is not None and m.recipe.fp4 for m in self.model.modules())
+        return flag
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    def add_request(self, prompt: list[int], params: SamplingParams, index: int) -> Group:
+        """Queue one request (`n` samples); `index` enters the samples' random keys."""
+        prompt = [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        if not prompt:
+            raise ValueError(f"request {index}: empty prompt")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"request {index}: token ids must be in [0, {vocab})")
+        seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()).item())
+        group = Group(index, prompt, params)
+        group.seqs = [Sequence(group, s, sample_key(seed, index, s), list(prompt), len(prompt))
+                      for s in range(params.n)]
+        self.scheduler.add(group)
+        return group
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @torch.no_grad()
+    def step(self) -> list[Sequence]:
+        """One prefill or decode step; returns the sequences that finished in it."""
+        kind, seqs, starts = self.scheduler.schedule()
+        self.stats["steps"] += 1
+        self.stats["peak_blocks_used"] = max(self.stats["peak_blocks_used"], self.blocks.num_used)
+        if not seqs:
+            if not self.scheduler.waiting:
+                raise RuntimeError("sampler step with nothing to run")
+            return []
+        self.stats[f"{kind}_steps"] += 1
+        logits = self._forward(kind, seqs, starts)
+        keys = key_tensor([s.key for s in seqs], self.device)
+        steps = torch.tensor([s.num_generated for s in seqs], dtype=torch.int64, device=self.device)
+        new, logprobs = sample(logits, [s.params for s in seqs], keys, steps)
+        finished = []
+        for seq, token, logprob in zip(seqs, new.tolist(), logprobs.tolist()):
+            seq.tokens.append(token)
+            seq.logprobs.append(logprob)
+            if token in seq.params.stop_token_ids:
+                self.scheduler.finish(seq, "stop")
+            elif seq.num_generated >= seq.params.max_tokens:
+                self.scheduler.finish(seq, "length")
+            else:
+                continue
+            finished.append(seq)
+        return finished
+
+    def _forward(self, kind: str, seqs: list[Sequence], starts: list[int]) -> torch.Tensor:
+        """Logits `[B, V]` at each sequence's last token, after computing its tokens from `starts`."""
+        tokens = [s.tokens for s in seqs]
+        tables = [s.block_table for s in seqs]
+        if kind == "decode":
+            starts = [len(t) - 1 for t in tokens]
+            if self.graphs is not None and self.graphs.fits(len(seqs), max(map(len, tables))):
+                self.stats["graph_steps"] += 1
+                return self.graphs.run(tokens, tables)
+        batch = build_batch(tokens, starts, tables, self.block_size, self.cache.scratch_block, self.device)
+        return cached_forward(self.model, self.cache, batch)
+
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Generate for every prompt; `params` is one SamplingParams for all or one per prompt."""
+        if self.has_unfinished():
+            raise RuntimeError("generate() needs an idle sampler; finish the requests added by hand first")
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        self._prepare_graphs(prompts, params)
+        groups = [self.add_request(p, sp, i) for i, (p, sp) in enumerate(zip(prompts, params))]
+        while self.has_unfinished():
+            self.step()
+        return [request_output(g) for g in groups]
+
+    def _prepare_graphs(self, prompts, params) -> None:
+        """(Re)build the decode graphs when the weights changed or longer sequences come."""
+        if not self.use_graphs or not prompts:
+            return
+        seen = (self.model.recipe, *((p.data_ptr(), p._version) for p in self.model.parameters()))
+        width = max(cdiv(len(p) + sp.max_tokens, self.block_size) for p, sp in zip(prompts, params))
+        if self.graphs is None or seen != self._weights_seen or not self.graphs.fits(1, width):
+            self.graphs = DecodeGraphs(self.model, self.cache, self.max_num_seqs, width)
+            self._weights_seen = seen

@@ -1,0 +1,113 @@
+"""Paged KV cache: fixed-size blocks of `block_size` token slots per layer, handed out by reference count.
+
+Storage per layer: `k[l]`, `v[l]` of shape `[num_blocks + 1, block_size, Hkv, D]` in the model dtype,
+zero-initialized (so a masked slot never holds NaN). Token position p of a sequence lives in slot
+`block_table[p // block_size] * block_size + p % block_size`. The extra last block is a scratch
+block: padding rows of a batch write there and padded block-table entries point there; it is never
+handed out. `gather` lays a sequence's blocks out in block-table order, i.e. in position order, so
+attention reads cached keys in the same order as a full-sequence forward.
+
+`BlockManager` owns the block ids: `allocate` takes free blocks (reference count 1), `share` adds a
+reference (the n samples of a request share their prompt's full blocks), `free` drops one reference
+and returns a block to the free list when none is left.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+CPU_DEFAULT_TOKENS = 16384
+
+
+class BlockManager:
+    """Reference-counted allocator of `num_blocks` KV blocks."""
+
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks={num_blocks} must be >= 1")
+        self.num_blocks = num_blocks
+        self.ref = [0] * num_blocks
+        self.free_ids: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_ids)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free_ids)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free_ids):
+            raise RuntimeError(f"asked for {n} KV blocks, {len(self.free_ids)} free")
+        blocks = [self.free_ids.popleft() for _ in range(n)]
+        for b in blocks:
+            self.ref[b] = 1
+        return blocks
+
+    def share(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if self.ref[b] <= 0:
+                raise RuntimeError(f"cannot share KV block {b}: it is not allocated")
+            self.ref[b] += 1
+
+    def free(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if self.ref[b] <= 0:
+                raise RuntimeError(f"KV block {b} freed more often than allocated")
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.free_ids.append(b)
+
+
+class KVCache:
+    """Key and value blocks of every layer: `k`, `v` `[L, num_blocks + 1, block_size, Hkv, D]`."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device):
+        shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.scratch_block = num_blocks
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v `[N, Hkv, D]` at flat slots `[N]` of layer `layer`."""
+        flat = (-1, *self.k.shape[-2:])
+        self.k[layer].view(flat)[slots] = k
+        self.v[layer].view(flat)[slots] = v
+
+    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """block_tables `[B, W]` -> k, v `[B, W * block_size, Hkv, D]` in position order."""
+        B, W = block_tables.shape
+        k = self.k[layer][block_tables].view(B, W * self.block_size, *self.k.shape[-2:])
+        v = self.v[layer][block_tables].view(B, W * self.block_size, *self.v.shape[-2:])
+        return k, v
+
+
+def num_kv_blocks(config, block_size: int, dtype: torch.dtype, device: torch.device,
+                  kv_cache_tokens: int | None, memory_fraction: float) -> int:
+    """Blocks for `kv_cache_tokens` tokens, or (None) `memory_fraction` of the free GPU memory, or a
+    fixed CPU default of CPU_DEFAULT_TOKENS tokens."""
+    if kv_cache_tokens is not None:
+        if kv_cache_tokens < block_size:
+            raise ValueError(f"kv_cache_tokens={kv_cache_tokens} is below one block ({block_size} tokens)")
+        return kv_cache_tokens // block_size
+    if device.type != "cuda":
+        return CPU_DEFAULT_TOKENS // block_size
+    free, _ = torch.cuda.mem_get_info(device)
+    per_block = KVCache.bytes_per_block(config.num_hidden_layers, block_size, config.num_key_value_heads,
+                                        config.head_dim, dtype)
+    blocks = int(free * memory_fraction) // per_block - 1
+    if blocks < 1:
+        raise RuntimeError(f"not enough free GPU memory for one KV block ({free} bytes free, "
+                           f"{per_block} bytes per block at memory_fraction={memory_fraction})")
+    return blocks

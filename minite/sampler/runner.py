@@ -1,0 +1,91 @@
+"""The model's forward over a batch of sequences whose keys and values live in the paged KV cache.
+
+It runs the model's own submodules (embedding, each layer's norms, `self_attn.project_qkv`, the
+shared `attention` function, `self_attn.o_proj`, the MLP or MoE block, final norm, LM head), so the
+sampler executes the very modules and quantized weights the learner's full-sequence forward does.
+Per layer, the new tokens' k and v are written into the cache first and every query then attends
+over its sequence's cached keys gathered in position order; fresh and cached keys are treated
+alike, the only difference from a full forward being trailing masked (empty) key slots.
+
+Token-wise ops (projections, norms, MLP) run on the `N` new tokens flattened, without padding.
+Attention takes them padded to `[B, Tq]` (pad queries have position -1, see `CachedBatch`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minite.nn.attention import attention
+from minite.sampler.kv_cache import KVCache
+
+
+@dataclass
+class CachedBatch:
+    input_ids: torch.Tensor  # [N] int64, the new tokens of all sequences back to back
+    positions: torch.Tensor  # [N] int64
+    slots: torch.Tensor  # [N] int64, flat cache slot of each new token
+    block_tables: torch.Tensor  # [B, W] int64 (padded with the scratch block)
+    context_lens: torch.Tensor  # [B] int64, cached positions after this step (0 for a padding row)
+    query_rows: torch.Tensor  # [B, Tq] int64 index into N (0 for padding)
+    query_pos: torch.Tensor  # [B, Tq] int64 position (-1 for padding)
+    unpad: torch.Tensor  # [N] int64 index into B * Tq
+    last: torch.Tensor  # [B] int64 index into N of each sequence's last token
+
+
+def build_batch(token_lists: list[list[int]], starts: list[int], block_tables: list[list[int]],
+                block_size: int, scratch_block: int, device, width: int | None = None,
+                rows: int | None = None) -> CachedBatch:
+    """Batch for computing `tokens[start:]` of each sequence; `width` / `rows` pad the block tables
+    and the batch (for CUDA graphs; padding rows compute nothing that is read)."""
+    B = len(token_lists)
+    rows = B if rows is None else rows
+    lens = [len(t) - s for t, s in zip(token_lists, starts)]
+    Tq = max(lens)
+    width = max(len(b) for b in block_tables) if width is None else width
+    ids, pos, slots, qrows, qpos, unpad, last = [], [], [], [], [], [], []
+    for b, (tokens, start, table) in enumerate(zip(token_lists, starts, block_tables)):
+        n0 = len(ids)
+        ids += tokens[start:]
+        pos += range(start, len(tokens))
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, len(tokens))]
+        qrows.append(list(range(n0, len(ids))) + [0] * (Tq - lens[b]))
+        qpos.append(list(range(start, len(tokens))) + [-1] * (Tq - lens[b]))
+        unpad += range(b * Tq, b * Tq + lens[b])
+        last.append(len(ids) - 1)
+    # Padding rows: one token each, at position 0, written to the scratch block, seeing no key.
+    for b in range(B, rows):
+        ids.append(0)
+        pos.append(0)
+        slots.append(scratch_block * block_size)
+        qrows.append([len(ids) - 1] + [0] * (Tq - 1))
+        qpos.append([-1] * Tq)
+        unpad.append(b * Tq)
+        last.append(len(ids) - 1)
+    pad = rows - B
+    tables = [t + [scratch_block] * (width - len(t)) for t in block_tables] + [[scratch_block] * width] * pad
+    ctx = [len(t) for t in token_lists] + [0] * pad
+    as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)
+    return CachedBatch(as_t(ids), as_t(pos), as_t(slots), as_t(tables), as_t(ctx), as_t(qrows), as_t(qpos),
+                       as_t(unpad), as_t(last))
+
+
+def cached_forward(model, cache: KVCache, batch: CachedBatch) -> torch.Tensor:
+    """Run the new tokens through `model`, writing their k/v into `cache`; -> logits `[B, V]` of
+    each sequence's last new token, in the model's dtype."""
+    B, Tq = batch.query_pos.shape
+    Tk = batch.block_tables.shape[1] * cache.block_size
+    key_pos = torch.arange(Tk, device=batch.positions.device).expand(B, Tk)
+    key_pos = torch.where(key_pos < batch.context_lens[:, None], key_pos, -1)  # [B, Tk]
+    x = model.embed_tokens(batch.input_ids)  # [N, H]
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        q, k, v = attn.project_qkv(layer.input_layernorm(x), batch.positions)  # [N, Hq | Hkv, D]
+        cache.write(i, batch.slots, k, v)
+        keys, values = cache.gather(i, batch.block_tables)  # [B, Tk, Hkv, D]
+        out = attention(q[batch.query_rows], keys, values, batch.query_pos, key_pos)  # [B, Tq, Hq, D]
+        out = out.reshape(B * Tq, -1)[batch.unpad]  # [N, Hq * D]
+        h = x + attn.o_proj(out)
+        x = h + layer.mlp(layer.post_attention_layernorm(h))
+    return model.logits(model.norm(x[batch.last]))  # [B, V]

@@ -1,0 +1,50 @@
+"""Draw tokens from `processed_logprobs` (the one definition in `minite.sampling`) with per-sample
+counter-based uniforms, and return each drawn token's log-prob under that same distribution.
+
+Inverse-CDF draw per row: `cdf = cumsum(exp(logp))` (fp32, token-id order), target `u * cdf[-1]`
+kept strictly below `cdf[-1]`, token = first index whose cdf exceeds the target. Only tokens with
+nonzero probability can be picked (the cdf rises only at them). temperature 0 takes the argmax
+(log-prob 0), as `processed_logprobs` defines.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minite.sampler.rng import uniforms
+from minite.sampling import SamplingParams, processed_logprobs
+
+
+def draw(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """logp [B, V] fp32 (-inf where dropped), u [B] in [0, 1) -> tokens [B] int64."""
+    cdf = torch.cumsum(logp.exp(), dim=-1)  # [B, V]
+    total = cdf[:, -1:]
+    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp(max=logp.shape[-1] - 1)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor,
+           steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V], one SamplingParams per row, keys/steps [B] int64 -> tokens [B] int64, logprobs
+    [B] fp32. Rows with the same (temperature, top_k, top_p) are processed together."""
+    B = logits.shape[0]
+    tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(i)
+    for (temperature, top_k, top_p), rows in groups.items():
+        idx = None if len(rows) == B else torch.tensor(rows, device=logits.device)
+        sub = logits if idx is None else logits[idx]
+        logp = processed_logprobs(sub, temperature, top_k, top_p)  # [b, V] fp32
+        if temperature == 0:
+            tok = logp.argmax(-1)
+        else:
+            u = uniforms(keys if idx is None else keys[idx], steps if idx is None else steps[idx])
+            tok = draw(logp, u)
+        lp = logp.gather(-1, tok[:, None])[:, 0]
+        if idx is None:
+            tokens, logprobs = tok, lp
+        else:
+            tokens[idx], logprobs[idx] = tok, lp
+    return tokens, logprobs
