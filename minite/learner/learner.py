@@ -105,7 +105,7 @@ class Learner:
                 loss, metrics = loss_fn(rl, correction=correction.rows(torch.tensor(rows)))
             (loss * weight).backward()
             for k, v in {"loss": loss, **metrics}.items():
-                sums[k] = sums.get(k, 0.0) + weight * float(v)
+                sums[k] = sums.get(k, 0.0) + weight * float(v.detach() if torch.is_tensor(v) else v)
         result = self.optimizer.step()
         if self.sync_weights_after_step:
             sync_weights(self.model)

@@ -38,6 +38,17 @@ def sampled_batch(model, params: SamplingParams, lengths=LENGTHS, seed: int = 1)
     return SequenceBatch.from_samples(prompts, [r for r, _ in out], [lp for _, lp in out], adv, params)
 
 
+def random_batch(vocab: int = 128, params: SamplingParams | None = None, lengths=LENGTHS,
+                 seed: int = 1) -> SequenceBatch:
+    """Random prompt and response tokens (finite log-probs: no truncation), random advantages."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(2, vocab, (p,), generator=g) for p, _ in lengths]
+    responses = [torch.randint(2, vocab, (r,), generator=g) for _, r in lengths]
+    adv = torch.randn(len(lengths), generator=g)
+    params = params or SamplingParams(temperature=0.9)
+    return SequenceBatch.from_samples(prompts, responses, None, adv, params)
+
+
 def reference_logprobs(model, batch: SequenceBatch) -> torch.Tensor:
     """One unpacked forward per sequence, full [L, V] logits, processed_logprobs without chunks."""
     sp = batch.params

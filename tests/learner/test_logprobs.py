@@ -35,7 +35,8 @@ def test_chunking_and_micro_batching_do_not_change_results(moe):
     with torch.no_grad():
         base = sequence_logprobs(model, batch, chunk_rows=1024)
         for chunk in (1, 2, 5):
-            torch.testing.assert_close(sequence_logprobs(model, batch, chunk_rows=chunk), base, rtol=0, atol=TOL)
+            got = sequence_logprobs(model, batch, chunk_rows=chunk)
+            torch.testing.assert_close(got, base, rtol=0, atol=TOL)
     for tokens in (1, 9, 10_000):
         got = Learner(model, micro_batch_tokens=tokens).logprobs(batch)
         torch.testing.assert_close(got, base, rtol=0, atol=TOL)
@@ -54,7 +55,8 @@ def test_gradient_matches_reference():
     model = tiny_model(False, "aligned")
     batch = sampled_batch(model, PARAMS[1])
     grads = []
-    for fn in (lambda: sequence_logprobs(model, batch, chunk_rows=2), lambda: reference_logprobs(model, batch)):
+    chunked = lambda: sequence_logprobs(model, batch, chunk_rows=2)
+    for fn in (chunked, lambda: reference_logprobs(model, batch)):
         model.zero_grad()
         (fn() * batch.mask()).sum().backward()
         grads.append([p.grad.clone() for p in model.parameters()])

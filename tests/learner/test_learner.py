@@ -1,0 +1,131 @@
+"""Learner.step: micro-batching == one batch, AdamW on fp32 masters == torch.optim.AdamW on an fp32
+copy, clipping, activation checkpointing, corrections computed on the whole batch, skipped steps."""
+
+from dataclasses import replace
+from functools import partial
+
+import pytest
+import torch
+
+from minite.learner import Learner
+from minite.rl.corrections import token_tis
+from minite.rl.losses import LossConfig, policy_loss
+from minite.sampling import SamplingParams
+from tests.learner.helpers import random_batch, tiny_model
+
+GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-7
+PARAMS = SamplingParams(temperature=0.9)  # random tokens: no truncation, finite log-probs
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _batch(model):
+    batch = random_batch(params=PARAMS)
+    return replace(batch, old_logprobs=Learner(model).logprobs(batch))
+
+
+@pytest.mark.parametrize("moe,aggregation", [(False, "token_mean"), (True, "seq_mean")],
+                         ids=["dense-token_mean", "moe-seq_mean"])
+def test_micro_batching_accumulates_the_one_batch_gradient(moe, aggregation):
+    loss_fn = partial(policy_loss, cfg=LossConfig(aggregation=aggregation))
+    grads, metrics = [], []
+    for tokens in (10_000, 9):
+        model = tiny_model(moe, "aligned")
+        batch = _batch(model)
+        learner = Learner(model, lr=1e-3, micro_batch_tokens=tokens)
+        metrics.append(learner.step(batch, loss_fn, aggregation=aggregation))
+        grads.append(_grads(model))
+    assert metrics[0]["micro_batches"] == 1 and metrics[1]["micro_batches"] > 3
+    assert metrics[0]["loss"] == pytest.approx(metrics[1]["loss"], rel=1e-5, abs=1e-7)
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=name)
+
+
+def test_whole_batch_correction_is_sliced_per_micro_batch():
+    model = tiny_model(False, "aligned")
+    batch = random_batch(params=PARAMS)
+    old = Learner(model).logprobs(batch)
+    batch = replace(batch, old_logprobs=old + 0.1 * torch.randn_like(old))
+    rl_full = batch.to_rl_batch(old)
+    correction = token_tis(rl_full, cap=1.05)
+    grads = []
+    for tokens in (10_000, 9):
+        model = tiny_model(False, "aligned")
+        Learner(model, micro_batch_tokens=tokens).step(batch, partial(policy_loss, cfg=LossConfig()),
+                                                       correction=correction)
+        grads.append(_grads(model))
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=name)
+
+
+def test_adamw_on_fp32_masters_matches_torch_adamw_on_fp32_copy():
+    model = tiny_model(False, "aligned", dtype=torch.bfloat16)
+    ref = {n: p.detach().float().clone().requires_grad_() for n, p in model.named_parameters()}
+    hyper = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6)
+    groups = [{"params": [p for p in ref.values() if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in ref.values() if p.dim() < 2], "weight_decay": 0.0}]
+    ref_opt = torch.optim.AdamW(groups, **hyper)
+    learner = Learner(model, weight_decay=0.1, max_grad_norm=None, micro_batch_tokens=12, **hyper)
+    batch = random_batch(params=PARAMS)
+    for _ in range(2):
+        learner.step(batch, partial(policy_loss, cfg=LossConfig()))
+        for n, p in model.named_parameters():
+            assert p.dtype == torch.bfloat16 and p.grad.dtype == torch.bfloat16
+            ref[n].grad = p.grad.float()
+        ref_opt.step()
+        for (n, p), master in zip(model.named_parameters(), learner.optimizer.masters):
+            assert master.dtype == torch.float32
+            assert torch.equal(master, ref[n].detach()), n
+            assert torch.equal(p.detach(), master.to(torch.bfloat16)), n
+
+
+def test_clipping_scales_gradients_to_max_norm_and_reports_the_norm():
+    model = tiny_model(False, "aligned")
+    batch = _batch(model)
+    learner = Learner(model, lr=0.0, max_grad_norm=1e-3)
+    out = learner.step(batch, partial(policy_loss, cfg=LossConfig()))
+    clipped = torch.linalg.vector_norm(torch.stack([m.grad.norm() for m in learner.optimizer.masters]))
+    assert out["grad_norm"] > 1e-2 and out["clip_coef"] == pytest.approx(1e-3 / out["grad_norm"], rel=1e-4)
+    assert clipped.item() == pytest.approx(1e-3, rel=1e-4)
+    unclipped = Learner(tiny_model(False, "aligned"), lr=0.0, max_grad_norm=1e3).step(
+        batch, partial(policy_loss, cfg=LossConfig()))
+    assert unclipped["clip_coef"] == 1.0
+    assert unclipped["grad_norm"] == pytest.approx(out["grad_norm"], rel=1e-6)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_activation_checkpointing_gives_the_same_gradients(moe):
+    grads = []
+    for ckpt in (False, True):
+        model = tiny_model(moe, "aligned")
+        learner = Learner(model, activation_checkpointing=ckpt)
+        learner.step(_batch(model), partial(policy_loss, cfg=LossConfig()))
+        grads.append(_grads(model))
+    for name in grads[0]:
+        assert torch.equal(grads[0][name], grads[1][name]), name
+
+
+def test_non_finite_gradient_skips_the_step():
+    model = tiny_model(False, "aligned")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    nan_loss = lambda rl: (rl.logprobs.sum() * float("nan"), {})
+    out = Learner(model, lr=1.0).step(_batch(model), nan_loss)
+    assert out["skipped"] == 1.0
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
+def test_step_trains_and_reports_metrics():
+    model = tiny_model(False, "aligned")
+    batch = _batch(model)
+    learner = Learner(model, lr=3e-3, micro_batch_tokens=16)
+    first = learner.step(batch, partial(policy_loss, cfg=LossConfig()))
+    for key in ("loss", "loss/pg", "loss/clip_frac", "grad_norm", "lr", "tokens_per_s", "micro_batches"):
+        assert key in first
+    lp0 = (batch.old_logprobs * batch.advantages[:, None] * batch.mask()).sum()
+    lp1 = (learner.logprobs(batch) * batch.advantages[:, None] * batch.mask()).sum()
+    assert lp1 > lp0  # the policy gradient step raised the advantage-weighted log-likelihood
+    with pytest.raises(ValueError, match="advantages"):
+        learner.step(replace(batch, advantages=None), partial(policy_loss, cfg=LossConfig()))
