@@ -42,14 +42,16 @@ def env_info() -> dict:
                 argv=" ".join(sys.argv))
 
 
-def report(name: str, rows: list[dict], out: str, extra: dict | None = None) -> None:
-    """Print rows as a table and write {env, rows, extra} as JSON (also one JSON line on stdout)."""
+def report(name: str, rows: list[dict], out: str | None, extra: dict | None = None) -> None:
+    """Print rows as a table and, with out, write {env, rows, extra} as JSON (and a JSON line)."""
     cols = list(dict.fromkeys(c for r in rows for c in r))
     width = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols}
     print(f"\n== {name}")
     print("  ".join(c.rjust(width[c]) for c in cols))
     for r in rows:
         print("  ".join(_fmt(r.get(c)).rjust(width[c]) for c in cols))
+    if out is None:
+        return
     doc = dict(benchmark=name, env=env_info(), rows=rows, **(extra or {}))
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)

@@ -13,6 +13,10 @@ from minite.kernels import grouped_gemm as gg
 from minite.kernels import nvfp4 as kq
 
 E, TOPK, HIDDEN, INTER = 128, 8, 2048, 768
+SWEEP = [dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4),
+         dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4),
+         dict(BM=128, BN=128, BK=64, num_warps=4, num_stages=4),
+         dict(BM=64, BN=256, BK=64, num_warps=4, num_stages=4)]
 OPS = {"gate|up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
 
 
@@ -27,7 +31,7 @@ def loop_grouped(a, w, offsets):
 
 def main():
     args = parse_args("benchmarks/results/kernels_grouped_gemm.json")
-    rows = []
+    rows, sweep = [], []
     for tokens in (4096, 16384):
         logits = torch.randn(tokens, E, device="cuda")
         experts = logits.topk(TOPK, dim=-1).indices.reshape(-1)
@@ -62,8 +66,12 @@ def main():
                 row[f"{cfg}_vs_base"] = base / g
                 row[f"{cfg}+quant_vs_base"] = base / gq
             rows.append(row)
+            for i, c in enumerate(SWEEP):
+                g = bench_ms(lambda: gg.grouped_w4a4_gemm(a, sa, wc, sw, offsets, config=c))
+                sweep.append(dict(tokens=tokens, op=op, cfg=i, **c, tflops=flop / g / 1e9, vs_base=base / g))
+    report("grouped config sweep", sweep, None)
     report("grouped gemm (MoE)", rows, args.out,
-           dict(target="prefill >= 0.9x bf16 grouped baseline", configs=gg.CONFIGS))
+           dict(target="prefill >= 0.9x bf16 grouped baseline", configs=gg.CONFIGS, sweep=sweep))
 
 
 if __name__ == "__main__":

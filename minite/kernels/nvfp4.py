@@ -21,9 +21,10 @@ from minite.ref import nvfp4 as ref
 from minite.ref.hadamard import apply_rht
 
 CONFIGS = {
-    # rows per program, K chunk (power of two, multiple of 16), warps
-    "1x16": dict(BLOCK_R=4, BLOCK_K=1024, num_warps=4),
-    "16x16": dict(BLOCK_R=16, BLOCK_K=256, num_warps=4),
+    # elements per program (rows x K chunk); K chunk a power of two; row scaling reads x once when
+    # K <= MAX_K (the whole row in registers), else twice (amax pass, then quantize pass)
+    "1x16": dict(ELEMS=8192, MAX_K=16384, CHUNK_K=2048, num_warps=8),
+    "16x16": dict(BLOCK_R=16, BLOCK_K=512, num_warps=8),
     "amax": dict(BLOCK=8192, num_warps=8),
 }
 CHAIN_IDS = {"te": 0, "vllm": 1, "torchao": 2}
@@ -126,53 +127,84 @@ def _quantize_chunk(x, s_enc, s_dec, rows, cols, seed, K,
 
 
 @triton.jit
+def _emit_chunk(x, s_enc, s_dec, rows, row_ok, k0, seed, codes_ptr, scales_ptr, vals_ptr,
+                K: tl.constexpr, CHAIN: tl.constexpr, TILE16: tl.constexpr, STOCHASTIC: tl.constexpr,
+                WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Quantize one [BLOCK_R, BLOCK_K] chunk starting at column k0 and store its outputs."""
+    NB: tl.constexpr = BLOCK_K // 16
+    cols = k0 + tl.arange(0, BLOCK_K)
+    codes, sb_byte, sb = _quantize_chunk(x, s_enc, s_dec, rows, cols, seed, K, CHAIN, TILE16,
+                                         STOCHASTIC, BLOCK_R, BLOCK_K)
+    bcols = k0 // 16 + tl.arange(0, NB)
+    bm = row_ok[:, None] & (bcols < K // 16)[None, :]
+    tl.store(scales_ptr + rows.to(tl.int64)[:, None] * (K // 16) + bcols[None, :],
+             sb_byte.to(tl.uint8), mask=bm)
+    if WRITE_CODES:
+        even, odd = tl.split(tl.reshape(codes, [BLOCK_R, BLOCK_K // 2, 2]))
+        pcols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        pm = row_ok[:, None] & (pcols < K // 2)[None, :]
+        tl.store(codes_ptr + rows.to(tl.int64)[:, None] * (K // 2) + pcols[None, :],
+                 (even | (odd << 4)).to(tl.uint8), mask=pm)
+    if WRITE_VALUES:
+        mag = _e2m1_value(codes & 7)
+        mag = tl.where((codes & 8) != 0, -mag, mag)
+        vals = tl.reshape(tl.reshape(mag, [BLOCK_R, NB, 16]) * sb[:, :, None], [BLOCK_R, BLOCK_K])
+        m = row_ok[:, None] & (cols < K)[None, :]
+        tl.store(vals_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :],
+                 vals.to(vals_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, vals_ptr, sdec_out_ptr, amax_out_ptr, gs_ptr,
                      R, stride_xr, seed, K: tl.constexpr,
-                     ROW: tl.constexpr, CHAIN: tl.constexpr, TILE16: tl.constexpr,
+                     GS: tl.constexpr, CHAIN: tl.constexpr, TILE16: tl.constexpr,
                      STOCHASTIC: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    NB: tl.constexpr = BLOCK_K // 16
+    """GS: 0 = row scaling (row amax here), 1 = tensor scaling (amax at gs_ptr), 2 = given
+    (S_enc, S_dec) at gs_ptr (static). One pass over x when K <= BLOCK_K, else two for row scaling."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xr
-    if ROW:
-        amax = tl.zeros([BLOCK_R], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
+    if GS == 0:
+        if K <= BLOCK_K:
+            cols = tl.arange(0, BLOCK_K)
             m = row_ok[:, None] & (cols < K)[None, :]
-            x = tl.load(x_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+            x_all = tl.load(x_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            amax = tl.max(tl.abs(x_all), axis=1)
+        else:
+            amax = tl.zeros([BLOCK_R], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                m = row_ok[:, None] & (cols < K)[None, :]
+                x = tl.load(x_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
         s_enc, s_dec = _global_scales(amax, CHAIN)
         tl.store(sdec_out_ptr + rows, s_dec, mask=row_ok)
         tl.store(amax_out_ptr + rows, amax, mask=row_ok)
         s_enc = s_enc[:, None]
         s_dec = s_dec[:, None]
+    elif GS == 1:
+        amax = tl.load(gs_ptr + tl.zeros([BLOCK_R], dtype=tl.int32))
+        s_enc, s_dec = _global_scales(amax, CHAIN)
+        first = (tl.arange(0, BLOCK_R) == 0) & (pid == 0)
+        tl.store(sdec_out_ptr + tl.zeros([BLOCK_R], dtype=tl.int32), s_dec, mask=first)
+        s_enc = s_enc[:, None]
+        s_dec = s_dec[:, None]
     else:
         s_enc = tl.load(gs_ptr + tl.zeros([BLOCK_R, 1], dtype=tl.int32))
         s_dec = tl.load(gs_ptr + 1 + tl.zeros([BLOCK_R, 1], dtype=tl.int32))
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        m = row_ok[:, None] & (cols < K)[None, :]
-        x = tl.load(x_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        codes, sb_byte, sb = _quantize_chunk(x, s_enc, s_dec, rows, cols, seed, K, CHAIN, TILE16,
-                                             STOCHASTIC, BLOCK_R, BLOCK_K)
-        bcols = k0 // 16 + tl.arange(0, NB)
-        bm = row_ok[:, None] & (bcols < K // 16)[None, :]
-        tl.store(scales_ptr + rows.to(tl.int64)[:, None] * (K // 16) + bcols[None, :],
-                 sb_byte.to(tl.uint8), mask=bm)
-        if WRITE_CODES:
-            even, odd = tl.split(tl.reshape(codes, [BLOCK_R, BLOCK_K // 2, 2]))
-            pcols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            pm = row_ok[:, None] & (pcols < K // 2)[None, :]
-            tl.store(codes_ptr + rows.to(tl.int64)[:, None] * (K // 2) + pcols[None, :],
-                     (even | (odd << 4)).to(tl.uint8), mask=pm)
-        if WRITE_VALUES:
-            mag = _e2m1_value(codes & 7)
-            mag = tl.where((codes & 8) != 0, -mag, mag)
-            vals = tl.reshape(tl.reshape(mag, [BLOCK_R, NB, 16]) * sb[:, :, None], [BLOCK_R, BLOCK_K])
-            tl.store(vals_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :],
-                     vals.to(vals_ptr.dtype.element_ty), mask=m)
+    if GS == 0 and K <= BLOCK_K:
+        _emit_chunk(x_all, s_enc, s_dec, rows, row_ok, 0, seed, codes_ptr, scales_ptr, vals_ptr, K, CHAIN,
+                    TILE16, STOCHASTIC, WRITE_CODES, WRITE_VALUES, BLOCK_R, BLOCK_K)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            m = row_ok[:, None] & (cols < K)[None, :]
+            x = tl.load(x_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            _emit_chunk(x, s_enc, s_dec, rows, row_ok, k0, seed, codes_ptr, scales_ptr, vals_ptr, K,
+                        CHAIN, TILE16, STOCHASTIC, WRITE_CODES, WRITE_VALUES, BLOCK_R, BLOCK_K)
 
 
 @triton.jit
@@ -221,16 +253,16 @@ def quantize_packed(x: torch.Tensor, scaling: str = "tensor", block=(1, 16), rou
         s_enc, sdec = ref.global_scales(s, chain, static=True)
     elif scaling == "tensor":
         amx = amax(x2)
-        s_enc, sdec = ref.global_scales(amx, chain)
-    gs = torch.stack([s_enc, sdec]) if not row else sdec
+    gs = torch.stack([s_enc, sdec]) if scaling == "static" else amx
     seed = _seed(generator, dev) if rounding == "stochastic" else 0
-    _launch(x2, codes, scales, codes, sdec, amx, gs, seed, row, chain, block, rounding == "stochastic",
-            write_codes=True, vals=None)
+    gs_mode = {"row": 0, "tensor": 1, "static": 2}[scaling]
+    _launch(x2, codes, scales, codes, sdec, amx, gs, seed, gs_mode, chain, block,
+            rounding == "stochastic", write_codes=True, vals=None)
     sb = scales.view(torch.float8_e4m3fn).reshape(*lead, k // 16)
     codes = codes.reshape(*lead, k // 2)
     if row:
         return codes, sb, sdec.reshape(*lead, 1), amx.reshape(*lead, 1)
-    return codes, sb, sdec, amx
+    return codes, sb, sdec.reshape(()), amx.reshape(())
 
 
 def quantize(x: torch.Tensor, scaling: str = "tensor", block=(1, 16), rounding: str = "rne",
@@ -269,7 +301,7 @@ def quantize_unscaled(x: torch.Tensor, out_dtype=torch.bfloat16, chain: str = "t
     codes = torch.empty(r, k // 2, dtype=torch.uint8, device=dev) if return_codes else scales
     sdec = torch.empty(r, dtype=torch.float32, device=dev)
     amx = torch.empty_like(sdec)
-    _launch(x2, codes, scales, vals, sdec, amx, sdec, 0, True, chain, (1, 16), False,
+    _launch(x2, codes, scales, vals, sdec, amx, sdec, 0, 0, chain, (1, 16), False,
             write_codes=return_codes, vals=vals)
     out = (vals.reshape(*lead, k), sdec.reshape(*lead, 1))
     if return_codes:
@@ -278,17 +310,24 @@ def quantize_unscaled(x: torch.Tensor, out_dtype=torch.bfloat16, chain: str = "t
     return out
 
 
-def _launch(x2, codes, scales, vals_buf, sdec, amx, gs, seed, row, chain, block, stochastic,
+def _launch(x2, codes, scales, vals_buf, sdec, amx, gs, seed, gs_mode, chain, block, stochastic,
             write_codes, vals):
     r, k = x2.shape
-    cfg = CONFIGS["16x16" if block == (16, 16) else "1x16"]
-    block_k = min(cfg["BLOCK_K"], max(16, triton.next_power_of_2(k)))
-    grid = (triton.cdiv(r, cfg["BLOCK_R"]),)
+    k_p2 = max(16, triton.next_power_of_2(k))
+    if block == (16, 16):
+        cfg = CONFIGS["16x16"]
+        block_r, block_k = cfg["BLOCK_R"], min(cfg["BLOCK_K"], k_p2)
+    else:
+        cfg = CONFIGS["1x16"]
+        single = gs_mode == 0 and k_p2 <= cfg["MAX_K"]
+        block_k = k_p2 if single else min(cfg["CHUNK_K"], k_p2)
+        block_r = max(1, cfg["ELEMS"] // block_k)
+    grid = (triton.cdiv(r, block_r),)
     _quantize_kernel[grid](x2, codes, scales, vals if vals is not None else vals_buf, sdec, amx, gs,
                            r, x2.stride(0), seed, K=k,
-                           ROW=row, CHAIN=CHAIN_IDS[chain], TILE16=block == (16, 16),
+                           GS=gs_mode, CHAIN=CHAIN_IDS[chain], TILE16=block == (16, 16),
                            STOCHASTIC=stochastic, WRITE_CODES=write_codes, WRITE_VALUES=vals is not None,
-                           BLOCK_R=cfg["BLOCK_R"], BLOCK_K=block_k, num_warps=cfg["num_warps"])
+                           BLOCK_R=block_r, BLOCK_K=block_k, num_warps=cfg["num_warps"])
 
 
 def _seed(generator, device) -> int:

@@ -105,3 +105,16 @@ def test_gpu_fused_bf16_values_exact():
     vals, sdec = kq.quantize_unscaled(x.cuda())
     q = nvfp4.quantize(x, "row")
     assert torch.equal(vals.float().cpu(), q.unscaled()) and torch.equal(sdec.cpu(), q.global_scale)
+
+
+def test_row_scaling_two_pass_path(monkeypatch):
+    """Rows longer than MAX_K are read twice (amax pass, then quantize pass): same bits."""
+    monkeypatch.setitem(kq.CONFIGS, "1x16", dict(kq.CONFIGS["1x16"], MAX_K=64, CHUNK_K=64))
+    x = adversarial(8, 256, seed=6)
+    assert_same(nvfp4.quantize(x, "row"), kq.quantize(x.to(device()), "row"))
+    vals, sdec = kq.quantize_unscaled(x.to(device()), kg_dtype())
+    assert torch.equal(vals.float().cpu(), nvfp4.quantize(x, "row").unscaled())
+
+
+def kg_dtype():
+    return torch.float16 if device() == "cpu" else torch.bfloat16
