@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from minite.sampler.graphs import DecodeGraphs
+from minite.sampler.graphs import DecodeGraphs, bucket_rows, bucket_width
 from minite.sampler.kv_cache import BlockManager, KVCache, num_kv_blocks
 from minite.sampler.rng import key_tensor, sample_key
 from minite.sampler.runner import build_batch, cached_forward
@@ -126,8 +126,13 @@ class Sampler:
             if self.graphs is not None and self.graphs.fits(len(seqs), max(map(len, tables))):
                 self.stats["graph_steps"] += 1
                 return self.graphs.run(tokens, tables)
-        batch = build_batch(tokens, starts, tables, self.block_size, self.cache.scratch_block, self.device)
-        return cached_forward(self.model, self.cache, batch)
+        rows = width = None
+        if kind == "decode" and self.device.type == "cuda":
+            # The graphs' padded shapes, so that graphed and eager decode compute the same numbers.
+            rows, width = bucket_rows(len(seqs)), bucket_width(max(map(len, tables)))
+        batch = build_batch(tokens, starts, tables, self.block_size, self.cache.scratch_block, self.device,
+                            width=width, rows=rows)
+        return cached_forward(self.model, self.cache, batch)[: len(seqs)]
 
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:

@@ -28,11 +28,13 @@ def tokens_of(outputs) -> list[list[list[int]]]:
 
 
 def one_at_a_time(model, prompts, params, **kwargs):
-    """Each request alone in a fresh sampler (same request index, so the same random keys)."""
+    """Each request alone in a fresh sampler, with its index in `prompts` (so the same random keys
+    as in one `generate` call); `params` is one SamplingParams or one per prompt."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
     outs = []
-    for i, prompt in enumerate(prompts):
+    for i, (prompt, sp) in enumerate(zip(prompts, params)):
         sampler = Sampler(model, **kwargs)
-        group = sampler.add_request(prompt, params, index=i)
+        group = sampler.add_request(prompt, sp, index=i)
         while sampler.has_unfinished():
             sampler.step()
         outs.append(request_output(group))
@@ -42,6 +44,9 @@ def one_at_a_time(model, prompts, params, **kwargs):
 @torch.no_grad()
 def full_forward_logprobs(model, prompt: list[int], tokens: list[int], params) -> torch.Tensor:
     """The learner's view: one full-sequence forward, processed log-probs of `tokens` (fp32 [T])."""
-    ids = torch.tensor([prompt + tokens])
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt + tokens], device=device)
     logits = model(ids)[0, len(prompt) - 1: -1]  # [T, V]
-    return token_logprobs(logits, torch.tensor(tokens), params.temperature, params.top_k, params.top_p)
+    lp = token_logprobs(logits, torch.tensor(tokens, device=device), params.temperature, params.top_k,
+                        params.top_p)
+    return lp.cpu()

@@ -44,11 +44,7 @@ def test_continuous_batching_equals_one_at_a_time(model, reference):
     batched = Sampler(model, max_num_seqs=2, block_size=4)
     got = batched.generate(prompts, mixed)
     assert batched.stats["prefill_steps"] > 2  # sequences joined while others ran
-    alone = [one_at_a_time(model, [p], sp, max_num_seqs=1, block_size=4, prefix_sharing=False)[0]
-             for p, sp in zip(prompts, mixed)]
-    # one_at_a_time used request index 0 for each; compare with index-matched runs instead.
-    alone = [one_at_a_time(model, prompts[: i + 1], mixed[i], max_num_seqs=1, block_size=4,
-                           prefix_sharing=False)[i] for i in range(len(prompts))]
+    alone = one_at_a_time(model, prompts, mixed, max_num_seqs=1, block_size=4, prefix_sharing=False)
     assert tokens_of(got) == tokens_of(alone)
     for r, m in zip(ref, (10, 3, 7, 10)):
         assert tokens_of(got)[r.index] == [s.token_ids[:m] for s in r.samples]
