@@ -1,0 +1,207 @@
+"""Rollout throughput (generated tokens/s): our sampler in `bf16` and `aligned` vs Hugging Face `generate`.
+
+Workload (defaults): 64 prompts x 8 samples x 512 new tokens (no stop token, every sample runs to
+max_tokens), random prompts of 128 tokens, temperature 1, no truncation. Models with random weights:
+
+- dense: Qwen3-1.7B shape (hidden 2048, 28 layers, 16 heads / 8 KV heads, head_dim 128, FFN 6144,
+  vocab 151936, tied embeddings), all 28 layers by default;
+- moe: Qwen3-30B-A3B shape (hidden 2048, 32 heads / 4 KV heads, head_dim 128, 128 experts, top-8,
+  expert FFN 768, vocab 151936), 24 of its 48 layers by default (`--moe-layers`) so that our copy
+  and the Hugging Face copy of the weights fit on one GPU together with the KV cache.
+
+Same process, same weights: the Hugging Face model (`Qwen3ForCausalLM` / `Qwen3MoeForCausalLM`, bf16,
+SDPA attention) gets our state dict under Hugging Face names; the largest logit difference on one
+prompt is reported as a mapping check. Each engine runs a short warm-up (graph capture, kernel
+compilation) before the timed run. `--tiny` runs tiny models on the CPU in seconds (smoke test).
+Prints a table and writes JSON (GPU, date, commit, arguments, rows) to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_common import report  # noqa: E402
+
+from minite.models import ModelConfig, Qwen3, tiny_qwen3, tiny_qwen3_moe  # noqa: E402
+from minite.models.checkpoint import EXPERT_PARAM, expert_pieces, fused_expert_name, hf_name  # noqa: E402
+from minite.recipe import get_recipe  # noqa: E402
+from minite.sampler import Sampler  # noqa: E402
+from minite.sampling import SamplingParams  # noqa: E402
+
+DENSE_1_7B = ModelConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                         num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                         tie_word_embeddings=True)
+MOE_30B_A3B = ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=151936, hidden_size=2048,
+                          intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, norm_topk_prob=True)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=None, help="JSON file to write")
+    p.add_argument("--tiny", action="store_true", help="tiny models on the CPU, a few tokens (smoke test)")
+    p.add_argument("--models", default="dense,moe")
+    p.add_argument("--recipes", default="bf16,aligned")
+    p.add_argument("--backend", default="ref", choices=["ref", "triton"], help="backend of the NVFP4 recipes")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=512)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--dense-layers", type=int, default=28)
+    p.add_argument("--moe-layers", type=int, default=24)
+    p.add_argument("--max-num-seqs", type=int, default=512)
+    p.add_argument("--kv-cache-tokens", type=int, default=None, help="default: enough for the workload")
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.prompts, args.samples, args.new_tokens, args.prompt_len = 3, 2, 6, 5
+    return args
+
+
+def model_config(kind: str, args) -> ModelConfig:
+    if args.tiny:
+        if kind == "dense":  # tied like Qwen3-1.7B
+            return tiny_qwen3(eos_token_id=None, tie_word_embeddings=True)
+        return tiny_qwen3_moe(eos_token_id=None)
+    base = DENSE_1_7B if kind == "dense" else MOE_30B_A3B
+    return base.replace(num_hidden_layers=args.dense_layers if kind == "dense" else args.moe_layers)
+
+
+def build_model(config: ModelConfig, device, dtype, seed: int) -> Qwen3:
+    with torch.device(device):
+        model = Qwen3(config, recipe="bf16").to(dtype)
+    model.init_weights(std=0.02, generator=torch.Generator(device).manual_seed(seed))
+    return model.eval()
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_ours(model, recipe: str, prompts, args, device) -> dict:
+    model.set_recipe(get_recipe(recipe, backend=args.backend))
+    params = SamplingParams(n=args.samples, max_tokens=args.new_tokens, seed=args.seed)
+    seqs = len(prompts) * args.samples
+    kv_tokens = args.kv_cache_tokens or (seqs + 16) * (args.prompt_len + args.new_tokens + 16)
+    sampler = Sampler(model, max_num_seqs=args.max_num_seqs, kv_cache_tokens=kv_tokens,
+                      cuda_graphs=False if args.no_cuda_graphs else None)
+    sampler.generate(prompts, SamplingParams(n=args.samples, max_tokens=min(16, args.new_tokens), seed=1))
+    sync(device)
+    start = time.perf_counter()
+    out = sampler.generate(prompts, params)
+    sync(device)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(s.token_ids) for r in out for s in r.samples)
+    row = dict(engine="minite", recipe=recipe, seconds=seconds, gen_tokens=tokens,
+               tokens_per_s=tokens / seconds,
+               cuda_graphs=sampler.use_graphs, preemptions=sampler.num_preemptions,
+               steps=sampler.stats["steps"])
+    del sampler, out
+    model.set_recipe("bf16")  # drops the quantized weight copies before the next engine runs
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def hf_model_from(model: Qwen3, device, dtype):
+    """A transformers model holding (copies of) `model`'s weights."""
+    import transformers
+
+    cfg = model.config
+    hf_cfg = (transformers.Qwen3MoeConfig if cfg.is_moe else transformers.Qwen3Config)(**cfg.to_hf())
+    cls = transformers.Qwen3MoeForCausalLM if cfg.is_moe else transformers.Qwen3ForCausalLM
+    with torch.device(device):
+        hf = cls(hf_cfg).to(dtype).eval()
+    hf_keys = set(hf.state_dict())
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if EXPERT_PARAM.match(name) and fused_expert_name(name) in hf_keys:
+            state[fused_expert_name(name)] = tensor
+        elif EXPERT_PARAM.match(name):
+            split = tensor.chunk(2, dim=1) if "gate_up" in name else (tensor,)
+            per_expert = [t for e in range(tensor.shape[0]) for t in (s[e] for s in split)]
+            state.update({hf: t for (hf, _), t in zip(expert_pieces(name, tensor.shape), per_expert)})
+        else:
+            state[hf_name(name)] = tensor
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    allowed = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    if set(missing) - allowed or unexpected:
+        raise RuntimeError(f"weight mapping to transformers failed: missing {missing}, "
+                           f"unexpected {unexpected}")
+    if cfg.tie_word_embeddings:
+        hf.tie_weights()
+    return hf
+
+
+@torch.no_grad()
+def run_hf(model: Qwen3, prompts, args, device, dtype) -> dict:
+    hf = hf_model_from(model, device, dtype)
+    probe = torch.tensor([prompts[0]], device=device)
+    logit_diff = (hf(probe).logits.float() - model(probe).float()).abs().max().item()
+    ids = torch.tensor(prompts, device=device)
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                  num_return_sequences=args.samples, pad_token_id=0, eos_token_id=None)
+    n = args.new_tokens
+    hf.generate(ids, max_new_tokens=min(4, n), min_new_tokens=min(4, n), **kwargs)
+    sync(device)
+    start = time.perf_counter()
+    out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+    sync(device)
+    seconds = time.perf_counter() - start
+    tokens = (out.shape[1] - ids.shape[1]) * out.shape[0]
+    del hf, out
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return dict(engine="hf_generate", recipe="bf16", seconds=seconds, gen_tokens=tokens,
+                tokens_per_s=tokens / seconds, hf_logit_max_abs_diff=logit_diff)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    rows = []
+    for kind in args.models.split(","):
+        config = model_config(kind, args)
+        model = build_model(config, device, dtype, args.seed)
+        g = torch.Generator().manual_seed(args.seed + 1)
+        prompts = torch.randint(0, config.vocab_size, (args.prompts, args.prompt_len), generator=g).tolist()
+        shape = dict(model=kind, layers=config.num_hidden_layers)
+        for recipe in args.recipes.split(","):
+            rows.append(dict(shape, **run_ours(model, recipe, prompts, args, device)))
+            print(rows[-1], flush=True)
+        if not args.no_hf:
+            rows.append(dict(shape, **run_hf(model, prompts, args, device, dtype)))
+            print(rows[-1], flush=True)
+            hf_tps = rows[-1]["tokens_per_s"]
+            for r in rows:
+                if r["model"] == kind and r["engine"] == "minite":
+                    r["speedup_vs_hf"] = r["tokens_per_s"] / hf_tps
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    workload = dict(prompts=args.prompts, samples=args.samples, new_tokens=args.new_tokens,
+                    prompt_len=args.prompt_len, device=str(device), dtype=str(dtype), backend=args.backend,
+                    moe_layers_of_48=args.moe_layers, dense_layers_of_28=args.dense_layers, tiny=args.tiny)
+    report("rollout", rows, args.out, extra=dict(workload=workload))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
