@@ -2,7 +2,7 @@
 weight sync to the sampler (quantize once, share or ship codes and scales)."""
 
 from minite.learner.batch import SequenceBatch
-from minite.learner.learner import Learner, micro_batches
+from minite.learner.learner import Learner, batch_logprobs, micro_batches
 from minite.learner.logprobs import chunked_token_logprobs, pack, sequence_logprobs
 from minite.learner.optimizer import MasterAdamW
 from minite.learner.weight_sync import (
@@ -12,6 +12,6 @@ from minite.learner.weight_sync import (
     sync_weights,
 )
 
-__all__ = ["Learner", "MasterAdamW", "SequenceBatch", "chunked_token_logprobs", "export_quantized_weights",
-           "load_quantized_weights", "micro_batches", "pack", "quantized_weights", "sequence_logprobs",
-           "sync_weights"]
+__all__ = ["Learner", "MasterAdamW", "SequenceBatch", "batch_logprobs", "chunked_token_logprobs",
+           "export_quantized_weights", "load_quantized_weights", "micro_batches", "pack", "quantized_weights",
+           "sequence_logprobs", "sync_weights"]

@@ -49,6 +49,18 @@ def micro_batches(batch: SequenceBatch, max_tokens: int) -> list[list[int]]:
     return groups + [current]
 
 
+@torch.no_grad()
+def batch_logprobs(model: nn.Module, batch: SequenceBatch, micro_batch_tokens: int = 8192,
+                   chunk_rows: int = DEFAULT_CHUNK_ROWS) -> torch.Tensor:
+    """`sequence_logprobs` over micro-batches of at most `micro_batch_tokens` packed tokens; fp32 [S, T]."""
+    out = torch.zeros(batch.num_sequences, batch.width, dtype=torch.float32,
+                      device=model.embed_tokens.weight.device)
+    for rows in micro_batches(batch, micro_batch_tokens):
+        if any(batch.response_lens[i] for i in rows):
+            out[rows] = sequence_logprobs(model, batch.rows(rows), chunk_rows)
+    return out
+
+
 class Learner:
     def __init__(self, model: nn.Module, lr: float = 1e-6, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.999), max_grad_norm: float | None = 1.0,
@@ -65,16 +77,9 @@ class Learner:
                                      weight_decay=weight_decay, max_grad_norm=max_grad_norm)
         self.steps = 0
 
-    @torch.no_grad()
     def logprobs(self, batch: SequenceBatch) -> torch.Tensor:
         """log pi of the batch's response tokens, fp32 [S, T], 0 off the response (micro-batched)."""
-        out = torch.zeros(batch.num_sequences, batch.width, dtype=torch.float32,
-                          device=self.model.embed_tokens.weight.device)
-        for rows in micro_batches(batch, self.micro_batch_tokens):
-            if all(batch.response_lens[i] == 0 for i in rows):
-                continue
-            out[rows] = sequence_logprobs(self.model, batch.rows(rows), self.logprob_chunk_rows)
-        return out
+        return batch_logprobs(self.model, batch, self.micro_batch_tokens, self.logprob_chunk_rows)
 
     def step(self, batch: SequenceBatch, loss_fn: LossFn, correction: Correction | None = None,
              aggregation: str = "token_mean") -> dict[str, float]:
