@@ -36,8 +36,7 @@ class DecodeGraphs:
         self.static = build_batch(scratch, [0] * self.max_rows, [[cache.scratch_block]] * self.max_rows,
                                   cache.block_size, cache.scratch_block, cache.k.device,
                                   width=self.max_width)
-        self.static.context_lens.zero_()
-        self.static.slots.fill_(cache.scratch_block * cache.block_size)
+        self._reset_static()
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, CachedBatch, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
@@ -50,7 +49,18 @@ class DecodeGraphs:
                            s.block_tables[:rows, :width], s.context_lens[:rows], s.query_rows[:rows],
                            s.query_pos[:rows], s.unpad[:rows], s.last[:rows])
 
+    def _reset_static(self) -> None:
+        """Inputs that touch only the scratch block (the warm-up run before a capture executes)."""
+        s = self.static
+        s.input_ids.zero_()
+        s.positions.zero_()
+        s.slots.fill_(self.cache.scratch_block * self.cache.block_size)
+        s.block_tables.fill_(self.cache.scratch_block)
+        s.context_lens.zero_()
+        s.query_pos.fill_(-1)
+
     def _capture(self, rows: int, width: int):
+        self._reset_static()
         batch = self._view(rows, width)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

@@ -68,3 +68,37 @@ def test_gather_returns_keys_in_position_order():
     cache.write(0, batch.slots, pos, -pos)
     k, v = cache.gather(0, batch.block_tables)
     assert k[0, :5, 0, 0].tolist() == [0, 1, 2, 3, 4] and v[0, :5, 0, 0].tolist() == [0, -1, -2, -3, -4]
+
+
+def test_decode_graph_buffers_replay_correctly_on_cpu(monkeypatch):
+    """The graphs' static-buffer bookkeeping (padding rows and widths, copies before replay), with
+    "replay" running the captured function eagerly, gives the eager decode's tokens."""
+    from minite.sampler import Sampler
+    from minite.sampler import graphs as graphs_mod
+    from minite.sampling import SamplingParams
+    from tests.sampler.common import prompts_of, tiny_model, tokens_of
+
+    class FakeGraph:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def replay(self):
+            self.fn()
+
+    def capture(self, rows, width):
+        self._reset_static()
+        batch = self._view(rows, width)
+        logits = graphs_mod.cached_forward(self.model, self.cache, batch).clone()
+        self.graphs[(rows, width)] = (FakeGraph(lambda: logits.copy_(
+            graphs_mod.cached_forward(self.model, self.cache, batch))), batch, logits)
+
+    monkeypatch.setattr(graphs_mod.torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(graphs_mod.DecodeGraphs, "_capture", capture)
+    model = tiny_model()
+    prompts = prompts_of([3, 18, 7])
+    params = SamplingParams(n=3, max_tokens=12, top_p=0.9, seed=5)
+    eager = Sampler(model, max_num_seqs=6, block_size=4).generate(prompts, params)
+    sampler = Sampler(model, max_num_seqs=6, block_size=4)
+    sampler.graphs = graphs_mod.DecodeGraphs(model, sampler.cache, 6, 8)
+    assert tokens_of(sampler.generate(prompts, params)) == tokens_of(eager)
+    assert sampler.stats["graph_steps"] > 0 and len(sampler.graphs.graphs) > 1
