@@ -1,0 +1,133 @@
+"""Learner throughput: packed tokens per second of one `Learner.step` (forward + backward over
+micro-batches, AdamW on fp32 masters, weight re-quantization), per recipe and model shape.
+
+Models (random weights, bf16 parameters on the GPU): the shapes of the rollout benchmark, Qwen3-1.7B
+(dense, 28 layers) and Qwen3-30B-A3B (MoE: 128 experts, top-8) with fewer layers (--moe-layers,
+default 4: the fp32 masters and Adam moments of all 48 layers would not fit one GPU). Batch: --seqs
+sequences of --seq-len tokens (--prompt-len prompt, the rest response), PPO-clipped policy loss with
+random advantages. Time: median over --steps steps after --warmup steps (CUDA synchronized).
+
+    python benchmarks/bench_learner.py --out benchmarks/results/learner_h200.json
+    python benchmarks/bench_learner.py --tiny          # CPU smoke run on the tiny presets
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from functools import partial
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import env_info, report  # noqa: E402
+
+from minite.diagnostics.agreement import model_preset  # noqa: E402
+from minite.learner import Learner, SequenceBatch  # noqa: E402
+from minite.models import Qwen3  # noqa: E402
+from minite.recipe import get_recipe  # noqa: E402
+from minite.rl.losses import LossConfig, policy_loss  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny models, tiny batch, fp32")
+    p.add_argument("--models", default="dense,moe", help="comma list of dense,moe")
+    p.add_argument("--recipes", default="bf16,aligned", help="comma list of recipe names")
+    p.add_argument("--backend", default="triton", choices=["ref", "triton"], help="NVFP4 backend")
+    p.add_argument("--dense-layers", type=int, default=28)
+    p.add_argument("--moe-layers", type=int, default=4)
+    p.add_argument("--seqs", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--micro-batch-tokens", type=int, default=8192)
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--out", default=None, help="JSON file to write")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.dense_layers = args.moe_layers = 2
+        args.seqs, args.seq_len, args.prompt_len, args.micro_batch_tokens = 3, 12, 4, 16
+        args.steps, args.warmup, args.backend = 1, 0, "ref"
+    return args
+
+
+def build(kind: str, recipe: str, args) -> Qwen3:
+    device = "cpu" if args.tiny else "cuda"
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    if args.tiny:
+        config = model_preset("tiny-qwen3" if kind == "dense" else "tiny-qwen3-moe")
+    else:
+        config = model_preset("qwen3-1.7b", args.dense_layers) if kind == "dense" \
+            else model_preset("qwen3-30b-a3b", args.moe_layers)
+    with torch.device(device):
+        model = Qwen3(config, get_recipe(recipe, backend=args.backend) if recipe != "bf16" else recipe)
+    model.init_weights(0.02, torch.Generator().manual_seed(0))  # CPU draws, copied to the device
+    return model.to(dtype)
+
+
+def make_batch(vocab: int, args) -> SequenceBatch:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, vocab, (args.seqs, args.seq_len), generator=g)
+    prompts, responses = ids[:, : args.prompt_len], ids[:, args.prompt_len:]
+    advantages = torch.randn(args.seqs, generator=g)
+    return SequenceBatch.from_samples(list(prompts), list(responses), advantages=advantages)
+
+
+def bench_one(kind: str, recipe: str, args) -> dict:
+    model = build(kind, recipe, args)
+    learner = Learner(model, lr=1e-6, micro_batch_tokens=args.micro_batch_tokens,
+                      activation_checkpointing=args.activation_checkpointing)
+    batch = make_batch(model.config.vocab_size, args)
+    loss_fn = partial(policy_loss, cfg=LossConfig())
+    times = []
+    for i in range(args.warmup + args.steps):
+        sync()
+        t0 = time.perf_counter()
+        m = learner.step(batch, loss_fn)
+        sync()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    seconds = statistics.median(times)
+    row = dict(model=kind, layers=model.config.num_hidden_layers, recipe=recipe,
+               params_m=sum(p.numel() for p in model.parameters()) / 1e6, tokens=int(m["tokens"]),
+               micro_batches=int(m["micro_batches"]), step_s=seconds, tokens_per_s=m["tokens"] / seconds)
+    if torch.cuda.is_available() and not args.tiny:
+        row["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+    del learner, model
+    return row
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    if not args.tiny and not torch.cuda.is_available():
+        raise SystemExit("bench_learner needs CUDA (or --tiny for a CPU smoke run)")
+    rows = []
+    for kind in args.models.split(","):
+        for recipe in args.recipes.split(","):
+            rows.append(bench_one(kind, recipe, args))
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    for kind in {r["model"] for r in rows}:
+        base = next((r for r in rows if r["model"] == kind and r["recipe"] == "bf16"), None)
+        for r in rows:
+            if base and r["model"] == kind:
+                r["vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
+    setup = {k: getattr(args, k) for k in ("seqs", "seq_len", "prompt_len", "micro_batch_tokens", "backend",
+                                           "activation_checkpointing", "steps", "warmup", "tiny")}
+    report("learner train step (tokens/s)", rows, args.out, extra={"setup": setup})
+    print(json.dumps({"benchmark": "learner", "env": env_info(), "setup": setup, "rows": rows}))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
