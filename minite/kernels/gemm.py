@@ -26,7 +26,7 @@ CONFIGS = {
     "aligned": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
     "prefill": dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
     # BM is M padded to 16, 32 or 64; BN narrows when N is small so that the grid fills the GPU
-    "decode": dict(BN=64, BN_SMALL_N=32, BK=256, GROUP_M=1, num_warps=4, num_stages=4),
+    "decode": dict(BN=32, BN_SMALL_N=32, BK=256, GROUP_M=1, num_warps=4, num_stages=4),
     # the CPU interpreter: small tiles, any M
     "interpret": dict(BM=16, BN=32, BK=32, GROUP_M=2, num_warps=4, num_stages=1),
 }

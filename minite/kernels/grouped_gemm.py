@@ -19,7 +19,7 @@ from minite.kernels.gemm import EPILOGUES, epilogue, packed_w_tile
 
 CONFIGS = {
     "aligned": dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4),
-    "prefill": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
+    "prefill": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4),
     "interpret": dict(BM=16, BN=32, BK=32, num_warps=4, num_stages=1),
 }
 
