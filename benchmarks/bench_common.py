@@ -3,6 +3,7 @@
 import argparse
 import datetime
 import json
+import os
 import subprocess
 import sys
 
@@ -29,11 +30,13 @@ def bench_ms(fn, warmup=25, rep=100) -> float:
 
 
 def env_info() -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip() or "unknown"
-    except OSError:
-        commit = "unknown"
+    commit = os.environ.get("GIT_COMMIT", "")
+    if not commit:
+        try:
+            out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
+            commit = out.stdout.strip() if out.returncode == 0 else "unknown (no git; set GIT_COMMIT)"
+        except OSError:
+            commit = "unknown (no git; set GIT_COMMIT)"
     import triton
 
     return dict(gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
