@@ -4,9 +4,9 @@ import argparse
 import sys
 
 from minite import __version__
-from minite.commands import quantize_cmd
+from minite.commands import diagnose_cmd, quantize_cmd
 
-COMMANDS = {"quantize": quantize_cmd}
+COMMANDS = {"quantize": quantize_cmd, "diagnose": diagnose_cmd}
 
 
 def build_parser() -> argparse.ArgumentParser:

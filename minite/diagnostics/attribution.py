@@ -123,19 +123,21 @@ def attribute(model, learner: Side, sampler: Side, seqs: Sequences, metric: str 
               knobs=KNOBS) -> Attribution:
     """Switch each knob of `learner` to `sampler`'s setting; see the module docstring.
 
-    `sampler_logprobs` [B, T] (aligned with `seqs.padded()`) are the target mu; by default they are
-    recomputed on the sampler side.
+    `sampler_logprobs` [B, T] (aligned with `seqs.padded()`): the target mu if already computed with
+    `side_logprobs(model, sampler, seqs)`; by default they are computed here.
     """
     _, mask = seqs.padded()
     candidates = [learner] + [k.apply(learner, sampler) for k in knobs if k.apply is not None]
     prepare(model, seqs, [sampler, *candidates])
     mu = side_logprobs(model, sampler, seqs, temperature) if sampler_logprobs is None else sampler_logprobs
-    cache: dict[Side, dict] = {}
+    # Sides that differ only in their names compute the same numbers.
+    key = lambda side: (side.recipe.replace(name=""), side.batching)
+    cache = {key(sampler): _gaps(mu, mu, mask)}
 
     def gap(side: Side) -> dict[str, float]:
-        if side not in cache:
-            cache[side] = _gaps(side_logprobs(model, side, seqs, temperature), mu, mask)
-        return cache[side]
+        if key(side) not in cache:
+            cache[key(side)] = _gaps(side_logprobs(model, side, seqs, temperature), mu, mask)
+        return cache[key(side)]
 
     initial = gap(learner)
     g0 = initial[metric]

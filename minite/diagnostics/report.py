@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 
 REGION_COLORS = {"amp_pos": "#d62728", "amp_neg": "#9467bd", "contracting": "#2ca02c", "neutral": "#7f7f7f"}
 CURVE_METRICS = ("kl", "k3_kl", "logprob_abs_diff_mean", "chi2_token", "ess", "triage/imbalance")
-FLOOR = 1e-9  # where exact zeros are drawn on log axes
+FLOOR = 1e-9  # where exact zeros are drawn on log axes when nothing differs
 
 
 def plot_delta_hist(deltas, path: Path) -> None:
@@ -53,7 +53,9 @@ def plot_delta_hist(deltas, path: Path) -> None:
 
 def plot_layer_divergence(loc: dict, path: Path) -> None:
     ops = [o for o in loc["ops"] if o["kind"] != "router"]
-    y = np.array([max(o["rel_diff"], FLOOR) for o in ops])
+    nonzero = [o["rel_diff"] for o in ops if o["rel_diff"] > 0]
+    floor = min(nonzero) / 10 if nonzero else FLOOR
+    y = np.array([max(o["rel_diff"], floor) for o in ops])
     x = np.arange(len(ops))
     fig, ax = plt.subplots(figsize=(max(7, 0.3 * len(ops)), 4.5))
     ax.plot(x, y, "-o", color="#1f77b4", ms=3, lw=1, label="every op")
@@ -63,7 +65,7 @@ def plot_layer_divergence(loc: dict, path: Path) -> None:
         i = next(i for i, o in enumerate(ops) if o["op"] == loc["first_divergent"])
         ax.axvline(i, color="k", ls=":", lw=1, label=f"first divergent: {loc['first_divergent']}")
     ax.set_yscale("log")
-    ax.set_ylabel("||a - b|| / ||b||  (0 drawn at 1e-9)")
+    ax.set_ylabel(f"||a - b|| / ||b||  (0 drawn at {floor:.1g})")
     labels = [o["op"].removeprefix("layers.") for o in ops]
     step = 1 if len(ops) <= 40 else math.ceil(len(ops) / 40)
     ax.set_xticks(x[::step], labels[::step], rotation=90, fontsize=7)
@@ -116,6 +118,7 @@ def plot_regions(d: dict, path: Path) -> None:
     k = [p["segment"] for p in prof]
     axes[2].bar(k, [p["tail"] for p in prof], color="#1f77b4", label="tail tokens")
     axes[2].bar(k, [p["amp_tail"] for p in prof], color="#d62728", label="amplifying tail tokens")
+    axes[2].set_xticks(k)
     axes[2].set_xlabel(f"response segment ({d['segment_len']} tokens each)")
     axes[2].set_title(f"tails per segment; concentration {d['tail_concentration']:.2f}, tau {d['tau']:.3g}")
     axes[2].legend(fontsize=8)

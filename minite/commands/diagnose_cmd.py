@@ -1,0 +1,218 @@
+"""`minite diagnose`: measure, localize, attribute and orient the learner-sampler gap of one model.
+
+Steps: build the model (a tiny random preset, briefly trained on the task's worked solutions so that
+it writes task-like text and earns some reward, or a Hugging Face directory); sample responses with
+the sampler recipe; compute the log-probs of the same tokens on the learner path and the sampler path
+(`minite.diagnostics.localize.Side`); then the token metrics, the per-op localization, the knob
+attribution, the direction analysis (advantages from the task's rewards, group-normalized per prompt)
+and the report (`report.html`, `report.json`, PNGs under --out).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from minite.diagnostics.attribution import attribute, format_table
+from minite.diagnostics.direction import direction, heatmap_rows
+from minite.diagnostics.localize import Sequences, Side, localize, prepare, recipe_of, side_logprobs
+from minite.diagnostics.metrics import mismatch_metrics
+from minite.diagnostics.report import write_report
+from minite.recipe import RECIPES
+from minite.rl.advantages import group_advantages
+from minite.rl.rewards import exact_match_reward
+from minite.rl.tasks import Example
+from minite.rl.triage import TriageConfig
+
+HELP = "measure where and why learner and sampler disagree on the same tokens; write an HTML report"
+PRESETS = ("tiny-qwen3", "tiny-qwen3-moe")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def add_parser(sub, name):
+    p = sub.add_parser(name, help=HELP, description=HELP)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", choices=PRESETS, help="a tiny random-weight model (CPU friendly)")
+    src.add_argument("--model", help="a Hugging Face Qwen3 / Qwen3-MoE model directory")
+    prompts = p.add_mutually_exclusive_group()
+    prompts.add_argument("--task", choices=["arithmetic", "countdown"], default="arithmetic")
+    prompts.add_argument("--prompts", help="text (one prompt per line) or JSONL (prompt[, answer])")
+    p.add_argument("--learner-recipe", default="te", choices=list(RECIPES))
+    p.add_argument("--sampler-recipe", default="vllm", choices=list(RECIPES))
+    p.add_argument("--learner-batching", default="packed", choices=["packed", "alone"])
+    p.add_argument("--sampler-batching", default="alone", choices=["packed", "alone"])
+    p.add_argument("--out", default="diagnose_report", help="output directory")
+    p.add_argument("--n-prompts", type=int, default=8)
+    p.add_argument("--samples", type=int, default=4, help="responses per prompt (the advantage group)")
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="supervised steps on the task's solutions before diagnosing (default: 60 for a "
+                        "preset with a task, else 0)")
+    p.add_argument("--segment-len", type=int, default=8, help="TRIAGE response segment length")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print report.json instead of the summary")
+
+
+def run(args) -> int:
+    t0 = time.time()
+    torch.manual_seed(args.seed)
+    model, tok = _model(args)
+    examples, task = _examples(args, tok)
+    steps = args.warmup_steps if args.warmup_steps is not None else (60 if args.preset and task else 0)
+    if steps:
+        _warm_start(model, tok, task, steps, args.seed)
+    model.to(DTYPES[args.dtype]).eval()
+    learner = Side(args.learner_recipe, args.learner_batching)
+    sampler = Side(args.sampler_recipe, args.sampler_batching)
+    prompts = [tok.encode(ex.prompt, add_bos=tok.bos_token_id is not None) for ex in examples]
+    prepare(model, Sequences(prompts, [len(p) for p in prompts]), [learner, sampler])
+    seqs = _generate(model, sampler, prompts, args, tok.eos_token_id)
+    targets, mask = seqs.padded()
+
+    mu = side_logprobs(model, sampler, seqs, args.temperature)
+    pi = side_logprobs(model, learner, seqs, args.temperature)
+    gap = pi - mu
+    texts = [tok.decode(s[p:]) for s, p in zip(seqs.tokens, seqs.prompt_lens)]
+    report = {"config": _config(args, model, steps, len(seqs.tokens), int(mask.sum())),
+              "metrics": mismatch_metrics(pi, mu, mask)}
+    report["localization"] = localize(model, learner, sampler, seqs).to_dict()
+    report["attribution"] = attribute(model, learner, sampler, seqs, sampler_logprobs=mu,
+                                      temperature=args.temperature).to_dict()
+    adv = None
+    if all(ex.answer is not None for ex in examples):
+        rewards = torch.tensor([(task.reward if task else _exact)(t, ex)
+                                for t, ex in zip(texts, [e for e in examples for _ in range(args.samples)])])
+        adv = group_advantages(rewards, args.samples) if args.samples >= 2 else rewards - rewards.mean()
+        report["config"]["reward_mean"] = rewards.mean().item()
+        report["direction"] = direction(gap, adv, mask, TriageConfig(segment_len=args.segment_len))
+    decode = lambda i: tok.decode([i]) if i < tok.vocab_size else f"<{i}>"
+    report["heatmap"] = heatmap_rows(gap, mask, targets, decode, adv)
+    report["samples"] = texts[:8]
+    paths = write_report(args.out, report, deltas=gap[mask])
+    report["config"]["seconds"] = round(time.time() - t0, 1)
+    if args.json:
+        print(json.dumps(json.loads(paths["json"].read_text()), indent=1))
+    else:
+        _print_summary(report, paths)
+    return 0
+
+
+def _exact(text: str, ex: Example) -> float:
+    return exact_match_reward(text, ex.answer)
+
+
+def _model(args):
+    from minite.models import Qwen3, load_pretrained, tiny_qwen3, tiny_qwen3_moe
+    from minite.rl.tokenizer import CharTokenizer, HFTokenizer
+
+    if args.model:
+        return load_pretrained(args.model, recipe="bf16", dtype=torch.float32), HFTokenizer(args.model)
+    tok = CharTokenizer(unknown="replace")
+    config = (tiny_qwen3 if args.preset == "tiny-qwen3" else tiny_qwen3_moe)(
+        vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id)
+    model = Qwen3(config, recipe="bf16")
+    model.init_weights(std=0.1, generator=torch.Generator().manual_seed(args.seed))
+    return model, tok
+
+
+def _examples(args, tok):
+    from minite.rl.tasks import make_task
+
+    if args.prompts:
+        path = Path(args.prompts)
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        if path.suffix == ".jsonl":
+            rows = [json.loads(ln) for ln in lines]
+            exs = [Example(r["prompt"], r.get("answer")) for r in rows]
+        else:
+            exs = [Example(ln, None) for ln in lines]
+        return exs[: args.n_prompts], None
+    task = make_task(args.task, seed=args.seed, **({"worked": True} if args.task == "arithmetic" else {}))
+    return task.batch("train", 0, args.n_prompts), task
+
+
+def _warm_start(model, tok, task, steps: int, seed: int, batch: int = 32) -> None:
+    """A few supervised steps on prompt + worked solution + eos (loss on the solution), in bf16 numerics."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        exs = task.batch("train", 10_000 + (seed * steps + step) * batch, batch)
+        seqs = [(tok.encode(e.prompt, add_bos=True), tok.encode(e.solution or e.answer, add_eos=True))
+                for e in exs]
+        s = Sequences([p + c for p, c in seqs], [len(p) for p, _ in seqs])
+        targets, mask = s.padded()
+        ids = torch.zeros(len(s.tokens), targets.shape[1], dtype=torch.long)
+        for i, t in enumerate(s.tokens):
+            ids[i, : len(t) - 1] = torch.tensor(t[:-1])
+        logits = model(ids)
+        loss = F.cross_entropy(logits[mask].float(), targets[mask])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@torch.no_grad()
+def _generate(model, side: Side, prompts: list[list[int]], args, eos: int) -> Sequences:
+    """Sample `args.samples` responses per prompt under the sampler recipe: at each step one forward
+    of the running sequences, right-padded to a [B, T] batch (causal, so padding after a sequence does
+    not reach its last token except through batch-dependent scales); the log-probs are recomputed
+    afterwards on the sampler path."""
+    gen = torch.Generator().manual_seed(args.seed)
+    seqs = [list(p) for p in prompts for _ in range(args.samples)]
+    lens = [len(s) for s in seqs]
+    running = list(range(len(seqs)))
+    with recipe_of(model, side):
+        for _ in range(args.max_tokens):
+            if not running:
+                break
+            T = max(len(seqs[i]) for i in running)
+            ids = torch.tensor([seqs[i] + [eos] * (T - len(seqs[i])) for i in running])
+            last = torch.tensor([len(seqs[i]) - 1 for i in running])
+            logits = model(ids)[torch.arange(len(running)), last].float()
+            z = logits / args.temperature if args.temperature > 0 else logits * 1e9
+            nxt = torch.multinomial(torch.softmax(z, -1), 1, generator=gen)[:, 0].tolist()
+            for i, t in zip(running, nxt):
+                seqs[i].append(t)
+            running = [i for i, t in zip(running, nxt) if t != eos]
+    return Sequences(seqs, lens)
+
+
+def _config(args, model, steps, n_seqs, n_tokens) -> dict:
+    return {"model": args.model or args.preset, "prompts": args.prompts or args.task,
+            "learner": f"{args.learner_recipe}/{args.learner_batching}",
+            "sampler": f"{args.sampler_recipe}/{args.sampler_batching}", "dtype": args.dtype,
+            "layers": model.config.num_hidden_layers, "warmup_steps": steps, "sequences": n_seqs,
+            "response_tokens": n_tokens, "temperature": args.temperature, "seed": args.seed}
+
+
+def _print_summary(report: dict, paths: dict) -> None:
+    c, m = report["config"], report["metrics"]
+    print(f"minite diagnose: {c['model']} on {c['prompts']}, learner {c['learner']} vs sampler "
+          f"{c['sampler']} ({c['sequences']} responses, {c['response_tokens']} tokens, {c['seconds']} s)")
+    print("\ntoken-level mismatch")
+    for k in ("kl", "k3_kl", "chi2_token", "ess", "logprob_abs_diff_mean", "logprob_abs_diff_max",
+              "logprob_abs_diff_p99", "prob_abs_diff_mean", "bitwise_equal_frac"):
+        print(f"  {k:24s} {m[k]:.4g}")
+    loc = report["localization"]
+    logits = next(o["rel_diff"] for o in loc["ops"] if o["op"] == "lm_head")
+    print(f"\nlocalization: first divergent op {loc['first_divergent']}; logits rel diff {logits:.3g}")
+    curve = [f"{o['rel_diff']:.3g}" for o in loc["ops"] if o["kind"] == "output"]
+    print(f"  residual stream rel diff per layer: {' '.join(curve)}")
+    routers = [o for o in loc["ops"] if o["kind"] == "router"]
+    if routers:
+        print("  router top-k sets equal: " + " ".join(f"{o['router_topk_same']:.2f}" for o in routers))
+    from minite.diagnostics.attribution import Attribution
+
+    a = report["attribution"]
+    print("\nattribution\n" + format_table(Attribution(a["metric"], a["initial"], a["residual"], a["rows"])))
+    d = report.get("direction")
+    if d:
+        print(f"\ndirection (reward mean {c['reward_mean']:.2f}): shares " + ", ".join(
+            f"{n} {d[f'share_{n}']:.2f}" for n in ("amp_pos", "amp_neg", "contracting", "neutral"))
+            + f"; M-/M+ {d['imbalance']:.3g}; tail concentration {d['tail_concentration']:.2f}")
+    print(f"\nreport: {paths['html']}  (json and PNGs in {paths['html'].parent})")
