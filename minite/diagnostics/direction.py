@@ -38,7 +38,7 @@ TINY = 1e-12  # as triage/imbalance
 
 def _token_advantages(advantages: Tensor, mask: Tensor) -> Tensor:
     a = advantages.float()
-    if a.dim() == 1:
+    if a.shape == mask.shape[:1]:
         a = a[:, None].expand(mask.shape)
     if a.shape != mask.shape:
         raise ValueError(f"advantages must be [B] or [B, T]={tuple(mask.shape)}, "

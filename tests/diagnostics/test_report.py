@@ -1,0 +1,81 @@
+"""Report files from hand-built sections, the training-run report, and `minite diagnose` end to end."""
+
+import json
+
+import pytest
+
+from minite.cli import main
+from minite.diagnostics.report import write_report, write_training_report
+
+PNG = b"\x89PNG\r\n\x1a\n"
+SECTIONS = {
+    "metrics": {"kl": 0.01, "k3_kl": 0.02},
+    "localization": {"side_a": "te/packed", "side_b": "vllm/alone", "first_divergent": "layers.0.q_proj",
+                     "ops": [{"op": "layers.0.input_layernorm", "layer": 0, "kind": "input_layernorm",
+                              "rel_diff": 0.0},
+                             {"op": "layers.0.q_proj", "layer": 0, "kind": "q_proj", "rel_diff": 0.1},
+                             {"op": "layers.0.output", "layer": 0, "kind": "output", "rel_diff": 0.2},
+                             {"op": "lm_head", "layer": None, "kind": "lm_head", "rel_diff": 0.3}]},
+    "attribution": {"metric": "k3_kl", "initial": {"k3_kl": 0.02}, "residual": {"k3_kl": 0.0}, "rows": [
+        {"knob": "weight_block", "status": "switched", "from": "16x16", "to": "1x16", "closed": 0.015,
+         "closed_frac": 0.75, "alone_closed_frac": 0.7},
+        {"knob": "scale_chain", "status": "switched", "from": "te/te", "to": "vllm/vllm", "closed": 0.005,
+         "closed_frac": 0.25, "alone_closed_frac": 0.2},
+        {"knob": "attention_kernel", "status": "not available", "reason": "one implementation"}]},
+    "direction": {"share_amp_pos": 0.1, "share_amp_neg": 0.2, "share_contracting": 0.3, "share_neutral": 0.4,
+                  "mass_amp_pos": 1.0, "mass_amp_neg": 2.0, "mass_contracting": 3.0, "mass_neutral": 0.0,
+                  "imbalance": 2.0, "tau": 0.05, "tail_concentration": 1.0, "segment_len": 8,
+                  "segment_profile": [{"segment": 0, "tokens": 8, "tail": 2, "amp_tail": 1,
+                                       "mean_abs_gap": 0.1}]},
+    "heatmap": [{"row": 0, "tokens": ["1", "+", "\n"], "gap": [0.1, -0.2, 0.0], "advantage": 1.0}],
+}
+
+
+def test_write_report_all_sections(tmp_path):
+    paths = write_report(tmp_path, SECTIONS, deltas=[0.0, 1e-3, -0.2, 0.5])
+    for name in ("delta_hist", "layer_divergence", "attribution_waterfall", "regions", "heatmap"):
+        assert (tmp_path / f"{name}.png").read_bytes()[:8] == PNG
+    assert json.loads(paths["json"].read_text())["attribution"]["rows"][0]["knob"] == "weight_block"
+    html = paths["html"].read_text()
+    assert html.count("data:image/png;base64,") == 5 and "not available" in html
+
+
+def test_report_with_only_bitwise_equal_deltas(tmp_path):
+    write_report(tmp_path, {"metrics": {"kl": 0.0}}, deltas=[0.0, 0.0])
+    assert (tmp_path / "delta_hist.png").exists() and not (tmp_path / "regions.png").exists()
+
+
+def test_training_report_curves(tmp_path):
+    history = [{"step": s, "kl": 0.1 / (s + 1), "mismatch/k3_kl": 0.01 * s, "loss": 1.0} for s in range(5)]
+    paths = write_training_report(tmp_path, history)
+    assert (tmp_path / "curves.png").read_bytes()[:8] == PNG
+    curves = json.loads(paths["json"].read_text())["curves"]
+    assert curves["step"] == [0, 1, 2, 3, 4] and curves["k3_kl"][1] == 0.01 and "loss" not in curves
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3-moe"])
+def test_diagnose_cli_writes_report(tmp_path, capsys, preset):
+    out = tmp_path / "report"
+    args = ["diagnose", "--preset", preset, "--out", str(out), "--n-prompts", "2", "--samples", "2",
+            "--max-tokens", "6", "--warmup-steps", "2"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "first divergent op layers.0.q_proj" in text and "weight_block" in text
+    for name in ("delta_hist", "layer_divergence", "attribution_waterfall", "regions", "heatmap"):
+        assert (out / f"{name}.png").read_bytes()[:8] == PNG
+    report = json.loads((out / "report.json").read_text())
+    assert report["config"]["learner"] == "te/packed" and report["metrics"]["n_tokens"] > 0
+    assert "base64" in (out / "report.html").read_text()
+
+
+def test_diagnose_cli_prompts_file_aligned(tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("1+2=\n3+4=\n")
+    args = ["diagnose", "--preset", "tiny-qwen3", "--prompts", str(prompts), "--out", str(tmp_path / "r"),
+            "--learner-recipe", "aligned", "--sampler-recipe", "aligned", "--samples", "2",
+            "--max-tokens", "4", "--json"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["metrics"]["bitwise_equal_frac"] == 1 and report["metrics"]["k3_kl"] == 0
+    assert report["localization"]["first_divergent"] is None and "direction" not in report
