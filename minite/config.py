@@ -186,6 +186,7 @@ class TrainConfig:
     eval: EvalSection = field(default_factory=EvalSection)
     run_dir: str = ""
     seed: int = 0
+    threads: int = 0  # torch CPU threads; 0 keeps torch's default (1 resists contention on a shared CPU)
 
 
 def _positive(obj, *names: str) -> None:

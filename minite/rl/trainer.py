@@ -77,6 +77,8 @@ class Trainer:
         self.run_dir = Path(run_dir or cfg.run_dir or new_run_dir())
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
         for seed_fn in (torch.manual_seed, random.seed, np.random.seed):
             seed_fn(cfg.seed)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)

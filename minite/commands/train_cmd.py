@@ -1,0 +1,68 @@
+"""`minite train`: RL of a model on a task (GRPO + corrections/TRIAGE) under an NVFP4 recipe.
+
+    minite train                                  the embedded default (= configs/tiny_cpu.toml): a tiny
+                                                  char model, warm start, RL on arithmetic, on the CPU
+    minite train --config configs/gpu_arith.toml  a preset
+    minite train --rl.lr=1e-4 --rl.correction.name=triage   dotted overrides (TOML values)
+    minite train --dry-run ...                    print the resolved config and exit
+    minite train --resume runs/20260101-120000    continue a run from its latest checkpoint
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from minite.config import ConfigError, load_config, to_toml
+
+HELP = "train a model with RL (warm start, GRPO, corrections, TRIAGE); writes a run folder"
+
+
+def add_parser(sub, name):
+    p = sub.add_parser(name, help=HELP, description=HELP, epilog="Any --section.key=value overrides "
+                       "that config key, e.g. --rl.lr=1e-4 --sampling.temperature=0.8",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="a TOML preset (default: the embedded CPU default)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue this run folder from its latest checkpoint")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    p.set_defaults(overrides=[])
+    # argparse rejects options it does not know; dotted overrides are open-ended, so collect them here.
+    parse_known = p.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        ns, rest = parse_known(args, namespace)
+        ns.overrides = list(ns.overrides) + [a for a in rest if _is_override(a)]
+        return ns, [a for a in rest if not _is_override(a)]
+
+    p.parse_known_args = parse_known_args
+
+
+def _is_override(arg: str) -> bool:
+    return arg.startswith("--") and "=" in arg and "." in arg.split("=", 1)[0]
+
+
+def resolve(args):
+    """The config a `minite train` invocation runs: --resume reads the run's config.toml."""
+    if args.resume:
+        if args.config:
+            raise ConfigError("--resume reads the run's own config.toml; do not pass --config with it")
+        path = Path(args.resume) / "config.toml"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist; --resume needs a run folder of minite train")
+        return load_config(path, args.overrides)
+    return load_config(args.config, args.overrides)
+
+
+def run(args) -> int:
+    cfg = resolve(args)
+    if args.dry_run:
+        sys.stdout.write(to_toml(cfg))
+        return 0
+    from minite.rl.trainer import Trainer
+
+    trainer = Trainer(cfg, run_dir=args.resume, resume=bool(args.resume))
+    print(f"minite train: run folder {trainer.run_dir}", flush=True)
+    summary = trainer.run()
+    keys = ("reward_first_fifth_mean", "reward_last_fifth_mean", "eval_accuracy_first", "eval_accuracy_last",
+            "wall_seconds")
+    print("summary: " + ", ".join(f"{k}={summary[k]:.3f}" for k in keys if k in summary))
+    return 0

@@ -1,0 +1,93 @@
+"""Checkpoints: resume is bitwise the uninterrupted run; a crash never leaves a loadable half checkpoint."""
+
+import json
+
+import pytest
+import torch
+
+from minite.learner import Learner
+from minite.rl import checkpointing
+from minite.rl.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
+from tests.rl.test_trainer import make_trainer
+
+RESUME = ["--rl.steps=4", "--checkpoint.every=1", "--checkpoint.keep=2", "--eval.every=0"]
+
+
+class Killed(RuntimeError):
+    pass
+
+
+@pytest.mark.slow
+def test_kill_mid_step_and_resume_gives_identical_parameters(tmp_path, monkeypatch):
+    straight = make_trainer(tmp_path / "straight", *RESUME)
+    straight.run()
+
+    killed = make_trainer(tmp_path / "killed", *RESUME)
+    real_step = Learner.step
+    calls = []
+
+    def step_then_die(self, *args, **kwargs):
+        if self is killed.learner and killed.step == 3:
+            calls.append(1)
+            if len(calls) == 2:  # after step 3's first minibatch update: the model is half-updated
+                raise Killed
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Learner, "step", step_then_die)
+    with pytest.raises(Killed):
+        killed.run()
+    monkeypatch.setattr(Learner, "step", real_step)
+    assert latest_checkpoint(tmp_path / "killed" / "run" / "checkpoints").name == "step_000002"
+
+    resumed = make_trainer(tmp_path / "killed", *RESUME, resume=True)
+    assert resumed.step == 2
+    resumed.run()
+    for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
+        assert a.dtype == torch.float32
+        assert torch.equal(a, b), name
+    for a, b in zip(straight.learner.optimizer.masters, resumed.learner.optimizer.masters):
+        assert torch.equal(a, b)
+    rewards = lambda run: [(r["step"], r["reward"]) for r in map(json.loads, (run / "metrics.jsonl").open())
+                           if r["kind"] == "rl"]
+    assert rewards(tmp_path / "killed" / "run") == rewards(tmp_path / "straight" / "run")
+
+
+def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    trainer = make_trainer(tmp_path, "--rl.steps=1", "--warmup.steps=0")
+    ckpt = tmp_path / "ckpt"
+    state = {"learner": {}, "data": {"position": 0}}
+    save_checkpoint(ckpt, 1, trainer.model, state)
+
+    def torn_write(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpointing.torch, "save", torn_write)
+    with pytest.raises(OSError):
+        save_checkpoint(ckpt, 2, trainer.model, state)
+    assert latest_checkpoint(ckpt).name == "step_000001"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_000001"]
+
+
+def test_hard_kill_leftovers_are_ignored_and_pruned(tmp_path):
+    trainer = make_trainer(tmp_path, "--rl.steps=1", "--warmup.steps=0")
+    ckpt = tmp_path / "ckpt"
+    state = {"learner": {}, "data": {"position": 0}}
+    assert latest_checkpoint(ckpt) is None
+    save_checkpoint(ckpt, 1, trainer.model, state)
+    # a process killed inside save leaves its temporary directory behind, never a step_ directory
+    half = ckpt / ".step_000002.tmp-deadbeef"
+    (half / "model").mkdir(parents=True)
+    assert latest_checkpoint(ckpt).name == "step_000001"
+    for step in (2, 3, 4):
+        save_checkpoint(ckpt, step, trainer.model, state, keep=2)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_000003", "step_000004"]
+    model, loaded = load_checkpoint(ckpt / "step_000004", trainer.recipe, torch.float32, "cpu")
+    assert loaded["step"] == 4 and set(loaded["rng"]) >= {"torch", "python", "numpy"}
+    for a, b in zip(trainer.model.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_latest_pointing_at_a_missing_checkpoint_is_an_error(tmp_path):
+    (tmp_path / "latest").write_text("step_000009\n")
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        latest_checkpoint(tmp_path)
