@@ -44,7 +44,10 @@ def add_parser(sub, name):
     p.add_argument("--learner-recipe", default="te", choices=list(RECIPES))
     p.add_argument("--sampler-recipe", default="vllm", choices=list(RECIPES))
     p.add_argument("--learner-batching", default="packed", choices=["packed", "alone"])
-    p.add_argument("--sampler-batching", default="alone", choices=["packed", "alone"])
+    p.add_argument("--sampler-batching", default="alone", choices=["packed", "alone"],
+                   help="batching of the sampler recipe's full forward (attribution's target side)")
+    p.add_argument("--sampler-engine", default="engine", choices=["engine", "forward"],
+                   help="log mu from minite.sampler's decode (engine) or the sampler side's full forward")
     p.add_argument("--out", default="diagnose_report", help="output directory")
     p.add_argument("--n-prompts", type=int, default=8)
     p.add_argument("--samples", type=int, default=4, help="responses per prompt (the advantage group)")
@@ -72,18 +75,23 @@ def run(args) -> int:
     sampler = Side(args.sampler_recipe, args.sampler_batching)
     prompts = [tok.encode(ex.prompt, add_bos=tok.bos_token_id is not None) for ex in examples]
     prepare(model, Sequences(prompts, [len(p) for p in prompts]), [learner, sampler])
-    seqs = _generate(model, sampler, prompts, args, tok.eos_token_id)
+    seqs, engine_mu = _generate(model, sampler, prompts, args, tok.eos_token_id)
     targets, mask = seqs.padded()
 
-    mu = side_logprobs(model, sampler, seqs, args.temperature)
+    forward_mu = side_logprobs(model, sampler, seqs, args.temperature)
+    mu = forward_mu if engine_mu is None else engine_mu
     pi = side_logprobs(model, learner, seqs, args.temperature)
     gap = pi - mu
     texts = [tok.decode(s[p:]) for s, p in zip(seqs.tokens, seqs.prompt_lens)]
     report = {"config": _config(args, model, steps, len(seqs.tokens), int(mask.sum())),
               "metrics": mismatch_metrics(pi, mu, mask)}
     report["localization"] = localize(model, learner, sampler, seqs).to_dict()
-    report["attribution"] = attribute(model, learner, sampler, seqs, sampler_logprobs=mu,
+    report["attribution"] = attribute(model, learner, sampler, seqs, sampler_logprobs=engine_mu,
                                       temperature=args.temperature).to_dict()
+    if engine_mu is not None:
+        report["sampler_path"] = {k: v for k, v in mismatch_metrics(forward_mu, engine_mu, mask).items()
+                                  if k in ("k3_kl", "logprob_abs_diff_mean", "logprob_abs_diff_max",
+                                           "bitwise_equal_frac")}
     adv = None
     if all(ex.answer is not None for ex in examples):
         rewards = torch.tensor([(task.reward if task else _exact)(t, ex)
@@ -157,16 +165,28 @@ def _warm_start(model, tok, task, steps: int, seed: int, batch: int = 32) -> Non
 
 
 @torch.no_grad()
-def _generate(model, side: Side, prompts: list[list[int]], args, eos: int) -> Sequences:
-    """Sample `args.samples` responses per prompt under the sampler recipe: at each step one forward
-    of the running sequences, right-padded to a [B, T] batch (causal, so padding after a sequence does
-    not reach its last token except through batch-dependent scales); the log-probs are recomputed
-    afterwards on the sampler path."""
-    gen = torch.Generator().manual_seed(args.seed)
-    seqs = [list(p) for p in prompts for _ in range(args.samples)]
-    lens = [len(s) for s in seqs]
-    running = list(range(len(seqs)))
+def _generate(model, side: Side, prompts: list[list[int]], args, eos: int):
+    """`args.samples` responses per prompt under the sampler recipe, and the engine's log mu [B, T]
+    (None with --sampler-engine forward: a plain sampling loop, full forward of all running
+    sequences right-padded at each step; log mu is then the sampler side's full forward)."""
     with recipe_of(model, side):
+        if args.sampler_engine == "engine":
+            from minite.sampler import Sampler
+            from minite.sampling import SamplingParams
+
+            params = SamplingParams(n=args.samples, temperature=args.temperature, max_tokens=args.max_tokens,
+                                    stop_token_ids=(eos,), seed=args.seed)
+            outs = Sampler(model).generate(prompts, params)
+            samples = [(o.prompt_token_ids, s) for o in outs for s in o.samples]
+            seqs = Sequences([p + list(s.token_ids) for p, s in samples], [len(p) for p, _ in samples])
+            mu = torch.zeros(seqs.padded()[0].shape)
+            for i, (p, s) in enumerate(samples):
+                mu[i, len(p) - 1: len(p) - 1 + len(s.token_ids)] = s.logprobs.float().cpu()
+            return seqs, mu
+        gen = torch.Generator().manual_seed(args.seed)
+        seqs = [list(p) for p in prompts for _ in range(args.samples)]
+        lens = [len(s) for s in seqs]
+        running = list(range(len(seqs)))
         for _ in range(args.max_tokens):
             if not running:
                 break
@@ -179,7 +199,7 @@ def _generate(model, side: Side, prompts: list[list[int]], args, eos: int) -> Se
             for i, t in zip(running, nxt):
                 seqs[i].append(t)
             running = [i for i, t in zip(running, nxt) if t != eos]
-    return Sequences(seqs, lens)
+    return Sequences(seqs, lens), None
 
 
 def _config(args, model, steps, n_seqs, n_tokens) -> dict:
@@ -210,6 +230,10 @@ def _print_summary(report: dict, paths: dict) -> None:
 
     a = report["attribution"]
     print("\nattribution\n" + format_table(Attribution(a["metric"], a["initial"], a["residual"], a["rows"])))
+    if report.get("sampler_path"):
+        s = report["sampler_path"]
+        print(f"  sampler engine (decode, KV cache) vs sampler recipe's full forward: bitwise equal "
+              f"{s['bitwise_equal_frac']:.3f}, max |d log-prob| {s['logprob_abs_diff_max']:.3g}")
     d = report.get("direction")
     if d:
         print(f"\ndirection (reward mean {c['reward_mean']:.2f}): shares " + ", ".join(

@@ -20,8 +20,9 @@ the gap is a mismatch metric of (pi, mu) over the response tokens (`k3_kl` by de
     batch_composition Side.batching (packed with the other sequences / each sequence alone)
     other_recipe      the remaining forward fields: fp4, rounding, hadamard, bf16 first/last layers
     attention_kernel  not available: the codebase has one attention implementation
-    sampler_path      not available until `minite.sampler` exists (decode with a KV cache vs the
-                      full forward that stands in for the sampler here)
+    sampler_path      not switchable: the learner has no decode path. When mu comes from the
+                      sampler engine (decode with a paged KV cache), the residual after all switches
+                      is the share of the sampler's execution path vs the sampler recipe's full forward
 
 A knob whose setting is already equal on both sides is reported as `same` and closes nothing; one
 that cannot be switched here is reported as `not available` with the reason, never emulated.
@@ -96,7 +97,7 @@ KNOBS = (
     Knob("attention_kernel", "attention kernel", None,
          lambda: "one attention implementation (minite.nn.attention.attention); nothing to switch"),
     Knob("sampler_path", "sampler decode with KV cache vs full forward", None,
-         lambda: "minite.sampler does not exist yet; the sampler side is the full forward"),
+         lambda: "the learner has no decode path; the residual is this knob's share"),
 )
 
 
@@ -123,8 +124,8 @@ def attribute(model, learner: Side, sampler: Side, seqs: Sequences, metric: str 
               knobs=KNOBS) -> Attribution:
     """Switch each knob of `learner` to `sampler`'s setting; see the module docstring.
 
-    `sampler_logprobs` [B, T] (aligned with `seqs.padded()`): the target mu if already computed with
-    `side_logprobs(model, sampler, seqs)`; by default they are computed here.
+    `sampler_logprobs` [B, T] (aligned with `seqs.padded()`): the target mu as the sampler reported it
+    (e.g. from `minite.sampler`); by default the full forward of the `sampler` side.
     """
     _, mask = seqs.padded()
     candidates = [learner] + [k.apply(learner, sampler) for k in knobs if k.apply is not None]
@@ -132,7 +133,7 @@ def attribute(model, learner: Side, sampler: Side, seqs: Sequences, metric: str 
     mu = side_logprobs(model, sampler, seqs, temperature) if sampler_logprobs is None else sampler_logprobs
     # Sides that differ only in their names compute the same numbers.
     key = lambda side: (side.recipe.replace(name=""), side.batching)
-    cache = {key(sampler): _gaps(mu, mu, mask)}
+    cache = {key(sampler): _gaps(mu, mu, mask)} if sampler_logprobs is None else {}
 
     def gap(side: Side) -> dict[str, float]:
         if key(side) not in cache:
@@ -193,5 +194,5 @@ def format_table(att: Attribution) -> str:
             lines.append(f"{r['knob']:18s} {r['status']:13s} {ft:28s} {100 * r['closed_frac']:12.1f}% "
                          f"{100 * r['alone_closed_frac']:8.1f}%")
         else:
-            lines.append(f"{r['knob']:18s} {r['status']:13s} {(r.get('reason') or '')[:60]}")
+            lines.append(f"{r['knob']:18s} {r['status']:13s} {r.get('reason') or ''}")
     return "\n".join(lines)
