@@ -3,8 +3,9 @@
 An execution path (`Side`) is a recipe plus a batch composition: `"packed"` runs all sequences in one
 forward (packed back to back with `cu_seqlens`, as a learner micro-batch), `"alone"` runs every
 sequence in a forward of its own. Both sides use the same model (same master weights), switched
-between recipes with `Qwen3.set_recipe`. Until `minite.sampler` exists, the sampler's path for a
-given token sequence is the model's full forward under the sampler recipe.
+between recipes with `Qwen3.set_recipe`. Here the sampler's path for a given token sequence is the
+model's full forward under the sampler recipe; `minite diagnose` compares it with the sampler
+engine's own decode log-probs (`minite.sampler`).
 
 `localize` feeds the same sequences through both sides with forward hooks and records, for every op
 in execution order (per layer: input_layernorm, q_proj, k_proj, v_proj, attn (the attention output,
