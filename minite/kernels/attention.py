@@ -1,0 +1,257 @@
+"""Triton paged causal GQA attention, the kernel counterpart of `minite.ref.attention`; used by the
+sampler (prefill and decode, keys read from the paged KV cache in place) and the learner (packed
+sequences, keys read from the contiguous k/v of the forward).
+
+One program = one query tile of one sequence x one kv head. The tile's M rows are (query, head)
+pairs: BLOCK_M // G consecutive queries of the sequence times the G = Hq // Hkv query heads that
+share the kv head, so a decode step (one query per sequence) still fills an MMA tile (padding rows
+are masked). The program walks its sequence's keys in position order, in chunks of BLOCK_N
+(= `minite.ref.attention.KV_BLOCK`) starting at position 0, up to its last query's position:
+s = (q @ k^T) * scale * log2(e) in an fp32-accumulating MMA, fp32 online softmax (exp2), p cast to
+the value dtype, acc += p @ v (fp32 accumulation), out = acc / l.
+
+Batch invariance: one fixed launch configuration (CONFIGS["gpu"]) for every call, decode or prefill,
+paged or contiguous; no split over keys; a row's arithmetic never depends on the other rows of its
+tile (MMA rows are independent, row reductions run along N only) nor on chunks past its position
+(they multiply by exactly 1 and add exact zeros). Hence bitwise-equal outputs for a query whatever
+batch it is computed in. Against the reference: close, not bitwise (MMA and reduction order).
+
+Operand dtypes: bf16/fp16/fp32 storage; tl.dot on the storage dtype on the GPU (fp32 with
+input_precision="ieee"). The CPU interpreter cannot do bf16 tl.dot (FACTS.md 2): there bf16
+operands are widened to fp32 (exact) before the dot.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minite.ref.attention import KV_BLOCK, LOG2E
+
+CONFIGS = {
+    # The one configuration of every GPU call (decode, prefill, learner): never switch per batch.
+    "gpu": dict(BLOCK_M=64, BLOCK_N=KV_BLOCK, num_warps=4, num_stages=2),
+    # The CPU interpreter: small tiles so that tiny tests walk several chunks.
+    "interpret": dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1),
+}
+
+
+@triton.jit
+def _chunk(q, qpos, m_i, l_i, acc, j0, kv_end, seq, kv_base, kvh, k_ptr, v_ptr, table_ptr, qk_scale,
+           stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+           PAGED: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys j0 .. j0 + BLOCK_N of the sequence: one online-softmax step -> (m_i, l_i, acc)."""
+    offs_d = tl.arange(0, D)
+    offs_n = j0 + tl.arange(0, BLOCK_N)
+    in_seq = offs_n < kv_end
+    if PAGED:
+        blk = tl.load(table_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=in_seq, other=0)
+        slots = blk.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
+    else:
+        slots = kv_base + offs_n
+    kt = tl.load(k_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
+                 mask=in_seq[None, :], other=0.0)  # [D, BLOCK_N]
+    v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+                mask=in_seq[:, None], other=0.0)  # [BLOCK_N, D]
+    if DOT_F32:
+        kt = kt.to(tl.float32)
+    s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
+    visible = (offs_n[None, :] <= qpos[:, None]) & in_seq[None, :]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    u = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - u)
+    p = tl.exp2(s - u[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p = p.to(v_ptr.dtype.element_ty)
+    if DOT_F32:
+        p = p.to(tl.float32)
+        v = v.to(tl.float32)
+    acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tiles_ptr, pos_ptr, table_ptr, start_ptr, ctx_ptr,
+                      qk_scale, stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+                      stride_on, stride_oh, stride_bt,
+                      G: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
+                      DOT_F32: tl.constexpr, PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq = tl.load(tiles_ptr + tile * 3)
+    row0 = tl.load(tiles_ptr + tile * 3 + 1)
+    nrows = tl.load(tiles_ptr + tile * 3 + 2)
+    if nrows > 0:
+        r = tl.arange(0, BLOCK_M)
+        qi = r // G
+        valid = qi < nrows
+        rows = (row0 + tl.where(valid, qi, 0)).to(tl.int64)  # [BLOCK_M] query row
+        heads = kvh * G + r % G
+        offs_d = tl.arange(0, D)
+        q = tl.load(q_ptr + rows[:, None] * stride_qn + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=valid[:, None], other=0.0)  # [BLOCK_M, D]
+        qpos = tl.load(pos_ptr + rows, mask=valid, other=-1)
+        ctx = tl.load(ctx_ptr + seq)
+        # a reduction, not a scalar load, so that the loop bound is 0-d in the interpreter too
+        kv_end = tl.max(tl.minimum(qpos + 1, ctx), axis=0)
+        if DOT_F32:
+            q = q.to(tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        kv_base = 0
+        if not PAGED:
+            kv_base = tl.load(start_ptr + seq).to(tl.int64)
+        if WHILE_LOOP:
+            # the CPU interpreter cannot take a loaded value as a range() bound (it is not 0-d there)
+            j0 = 0
+            while j0 < kv_end:
+                m_i, l_i, acc = _chunk(q, qpos, m_i, l_i, acc, j0, kv_end, seq, kv_base, kvh, k_ptr, v_ptr,
+                                       table_ptr, qk_scale, stride_ks, stride_kh, stride_vs, stride_vh,
+                                       stride_bt, D, BLOCK_SIZE, PAGED, DOT_F32, PRECISION, BLOCK_N)
+                j0 += BLOCK_N
+        else:
+            for j0 in range(0, kv_end, BLOCK_N):
+                m_i, l_i, acc = _chunk(q, qpos, m_i, l_i, acc, j0, kv_end, seq, kv_base, kvh, k_ptr, v_ptr,
+                                       table_ptr, qk_scale, stride_ks, stride_kh, stride_vs, stride_vh,
+                                       stride_bt, D, BLOCK_SIZE, PAGED, DOT_F32, PRECISION, BLOCK_N)
+        out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+        tl.store(out_ptr + rows[:, None] * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+def config() -> dict:
+    """The launch configuration in force (the interpreter's on the CPU, else the GPU's)."""
+    from minite.kernels import interpreted
+
+    return CONFIGS["interpret"] if interpreted() else CONFIGS["gpu"]
+
+
+def kv_block() -> int:
+    """Keys per online-softmax chunk of the configuration in force (the reference's `kv_block`)."""
+    return config()["BLOCK_N"]
+
+
+def plan_tiles(query_seq: torch.Tensor, num_seqs: int, group: int,
+               block_m: int | None = None) -> torch.Tensor:
+    """Query tiles for a launch: int32 [T, 3] rows (sequence, first query row, number of rows), at
+    most `block_m // group` queries of one sequence each; trailing tiles have 0 rows. Device ops
+    only (no host sync, static shape): usable inside a CUDA graph. A sequence's rows must be
+    consecutive in `query_seq`."""
+    block_m = config()["BLOCK_M"] if block_m is None else block_m
+    per_tile = block_m // group
+    N = query_seq.numel()
+    dev = query_seq.device
+    seq = query_seq.long()
+    counts = torch.zeros(num_seqs, dtype=torch.int64, device=dev).scatter_add_(0, seq, torch.ones_like(seq))
+    first = torch.full((num_seqs,), N, dtype=torch.int64, device=dev).scatter_reduce_(
+        0, seq, torch.arange(N, device=dev), "amin")
+    ntiles = (counts + per_tile - 1) // per_tile
+    ends = torch.cumsum(ntiles, 0)  # [S] inclusive
+    t = torch.arange(max(min(N, N // per_tile + num_seqs), 1), device=dev)
+    s = torch.searchsorted(ends, t, right=True).clamp(max=num_seqs - 1)
+    local = t - (ends[s] - ntiles[s])
+    nrows = (counts[s] - local * per_tile).clamp(0, per_tile)
+    return torch.stack([s, first[s] + local * per_tile, nrows], 1).to(torch.int32).contiguous()
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_seq: torch.Tensor,
+                    query_pos: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                    scale: float | None = None, tiles: torch.Tensor | None = None,
+                    cfg: dict | None = None) -> torch.Tensor:
+    """q [N, Hq, D], k_cache / v_cache [num_blocks, block_size, Hkv, D] (unit stride along D, slots of
+    a block adjacent), query_seq / query_pos [N] (a sequence's rows consecutive), block_tables [S, W]
+    int32/int64, context_lens [S] -> [N, Hq, D] in q's dtype. `tiles`: `plan_tiles(...)` computed
+    once and reused across layers; `cfg`: a launch configuration (benchmarks only)."""
+    _check_common(q, k_cache, v_cache, query_seq, query_pos, context_lens, "k_cache", 4)
+    S, block_size = context_lens.shape[0], k_cache.shape[1]
+    if block_tables.ndim != 2 or block_tables.shape[0] != S or block_tables.dtype not in (torch.int32,
+                                                                                          torch.int64):
+        raise ValueError(f"block_tables must be int32/int64 [S={S}, W], got {block_tables.dtype} "
+                         f"{tuple(block_tables.shape)}")
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables needs unit stride along W")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.stride(0) != block_size * c.stride(1):
+            raise ValueError(f"{name}: the slots of a block must be adjacent (stride(0) == block_size * "
+                             f"stride(1)), got strides {c.stride()}")
+    return _launch(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), query_seq, query_pos, block_tables,
+                   context_lens, context_lens, block_size, True, scale, tiles, cfg)
+
+
+def contiguous_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_seq: torch.Tensor,
+                         query_pos: torch.Tensor, kv_start: torch.Tensor, context_lens: torch.Tensor,
+                         scale: float | None = None, tiles: torch.Tensor | None = None,
+                         cfg: dict | None = None) -> torch.Tensor:
+    """q [N, Hq, D], k / v [M, Hkv, D] (sequence s's keys at rows kv_start[s] + 0, 1, ...),
+    query_seq / query_pos [N], kv_start / context_lens [S] -> [N, Hq, D]: the same arithmetic as
+    `paged_attention`, for packed sequences whose keys were not written to a cache."""
+    _check_common(q, k, v, query_seq, query_pos, context_lens, "k", 3)
+    if kv_start.shape != context_lens.shape:
+        raise ValueError(f"kv_start {tuple(kv_start.shape)} must match context_lens "
+                         f"{tuple(context_lens.shape)}")
+    return _launch(q, k, v, query_seq, query_pos, kv_start, kv_start, context_lens, 1, False, scale, tiles,
+                   cfg)
+
+
+def _launch(q, k, v, query_seq, query_pos, table, start, context_lens, block_size, paged, scale, tiles, cfg):
+    from minite.kernels import interpreted
+
+    N, Hq, D = q.shape
+    Hkv = k.shape[-2]
+    G = Hq // Hkv
+    cfg = config() if cfg is None else cfg
+    if G > cfg["BLOCK_M"]:
+        raise ValueError(f"{G} query heads per kv head exceed the tile's BLOCK_M={cfg['BLOCK_M']}")
+    out = torch.empty_like(q)
+    if N == 0:
+        return out
+    if tiles is None:
+        tiles = plan_tiles(query_seq, context_lens.shape[0], G, cfg["BLOCK_M"])
+    scale = D ** -0.5 if scale is None else scale
+    dot_f32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreted())
+    grid = (tiles.shape[0], Hkv)
+    _attention_kernel[grid](
+        q, k, v, out, tiles, query_pos, table, start, context_lens, scale * LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
+        out.stride(1), table.stride(0) if paged else 0,
+        G=G, D=D, BLOCK_SIZE=block_size, PAGED=paged, DOT_F32=dot_f32,
+        PRECISION="ieee" if dot_f32 else "tf32", WHILE_LOOP=interpreted(),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+    return out
+
+
+def _check_common(q, k, v, query_seq, query_pos, context_lens, kname, kdim):
+    from minite.kernels import interpreted
+
+    if q.ndim != 3 or k.ndim != kdim or v.shape != k.shape:
+        raise ValueError(f"q must be [N, Hq, D] and {kname} / v {kdim}-D of the same shape; got q "
+                         f"{tuple(q.shape)}, {kname} {tuple(k.shape)}, v {tuple(v.shape)}")
+    N, Hq, D = q.shape
+    Hkv = k.shape[-2]
+    if k.shape[-1] != D or Hq % Hkv:
+        raise ValueError(f"head dims differ or Hq={Hq} is not a multiple of Hkv={Hkv}: q {tuple(q.shape)}, "
+                         f"{kname} {tuple(k.shape)}")
+    if D < 16 or D & (D - 1):
+        raise ValueError(f"head_dim={D} must be a power of two >= 16")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or {k.dtype, v.dtype} != {q.dtype}:
+        raise TypeError(f"q, {kname}, v must share one dtype of bf16/fp16/fp32, got {q.dtype}, {k.dtype}, "
+                        f"{v.dtype}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("q, k and v need unit stride along D")
+    if query_seq.shape != (N,) or query_pos.shape != (N,):
+        raise ValueError(f"query_seq {tuple(query_seq.shape)} and query_pos {tuple(query_pos.shape)} must be "
+                         f"[N={N}]")
+    if query_pos.stride(0) != 1 or context_lens.ndim != 1 or context_lens.stride(0) != 1:
+        raise ValueError("query_pos and context_lens must be contiguous 1-D tensors")
+    for name, t in (("query_seq", query_seq), ("query_pos", query_pos), ("context_lens", context_lens)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be int32/int64, got {t.dtype}")
+    if q.device.type != "cuda" and not interpreted():
+        raise ValueError(f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1); got {q.device}")
+    if any(t.device != q.device for t in (k, v, query_seq, query_pos, context_lens)):
+        raise ValueError("all tensors must be on q's device")

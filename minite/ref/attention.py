@@ -1,0 +1,97 @@
+"""Reference of the attention kernel's exact math: causal GQA over paged (or contiguous) keys, keys
+consumed in fixed chunks of `kv_block` positions with an fp32 online softmax.
+
+Layout. Query row n (`q [N, Hq, D]`) belongs to sequence `query_seq[n]` and sits at position
+`query_pos[n]`. Key/value position p of sequence s lives in a flat slot: paged,
+`block_tables[s, p // block_size] * block_size + p % block_size` of `k_cache [num_blocks, block_size,
+Hkv, D]`; contiguous, row `kv_start[s] + p` of `k [M, Hkv, D]`. Key p is visible to query n iff
+`p <= query_pos[n]` and `p < context_lens[s]`; positions are slot order, so cached and fresh keys
+are treated alike. Query head h reads key/value head `h // (Hq // Hkv)`.
+
+Math, per query row and head, with `c = fl32(scale * log2(e))` (scale defaults to D^-0.5):
+    m = -inf, l = 0, acc = 0 (fp32 [D])
+    for each chunk [j0, j0 + kv_block), j0 = 0, kv_block, 2 * kv_block, ... (the same boundaries for
+    every caller, whatever batch the query is in):
+        s_j = fl32(q . k_j) * c  (fp32 dot of the stored values; -inf where key j is not visible)
+        m' = max(m, max_j s_j);  u = m' (0 if m' = -inf);  alpha = 2^(m - u);  p_j = 2^(s_j - u)
+        l = l * alpha + sum_j p_j
+        acc = acc * alpha + sum_j cast(p_j, v.dtype) * v_j  (fp32 accumulation)
+    out = acc / l (0 where no key is visible), cast to q's dtype.
+Chunks entirely past the query change nothing (alpha = 1, p = 0), so a query's result depends only
+on its own sequence's keys up to its position, never on other rows of the batch.
+
+Agreement. In fp32 this equals `minite.nn.attention.attention` up to fp32 rounding (tested). The
+Triton kernel (`minite.kernels.attention`) follows these steps but sums inside tensor-core MMAs and
+tree reductions in its own order, so it matches this reference closely, not bitwise. What is bitwise
+is the kernel against itself: one fixed launch configuration for every call, so the output for a
+query is the same bits whether it was computed in a decode step (one query per sequence, keys from
+the paged cache), in a full prefill of its sequence, or in a packed batch with other sequences.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Keys per chunk of the online softmax on the GPU (the kernel's BLOCK_N): fixed for every caller.
+KV_BLOCK = 64
+LOG2E = math.log2(math.e)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_seq: torch.Tensor,
+                    query_pos: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                    scale: float | None = None, kv_block: int = KV_BLOCK) -> torch.Tensor:
+    """q [N, Hq, D], k_cache / v_cache [num_blocks, block_size, Hkv, D], query_seq / query_pos [N],
+    block_tables [S, W], context_lens [S] -> [N, Hq, D] in q's dtype."""
+    block_size = k_cache.shape[1]
+    width = block_tables.shape[1] * block_size
+    pos = torch.arange(width, device=q.device)
+    slots = block_tables.long()[:, pos // block_size] * block_size + pos % block_size  # [S, width]
+    return _chunked(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), query_seq, query_pos, slots,
+                    context_lens, scale, kv_block)
+
+
+def contiguous_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_seq: torch.Tensor,
+                         query_pos: torch.Tensor, kv_start: torch.Tensor, context_lens: torch.Tensor,
+                         scale: float | None = None, kv_block: int = KV_BLOCK) -> torch.Tensor:
+    """q [N, Hq, D], k / v [M, Hkv, D] with sequence s's keys at rows kv_start[s] + 0, 1, ...,
+    query_seq / query_pos [N], kv_start / context_lens [S] -> [N, Hq, D] in q's dtype."""
+    width = max(int(context_lens.max()), 1) if context_lens.numel() else 1
+    slots = kv_start.long()[:, None] + torch.arange(width, device=q.device)  # [S, width]
+    return _chunked(q, k, v, query_seq, query_pos, slots.clamp(max=k.shape[0] - 1), context_lens, scale,
+                    kv_block)
+
+
+def _chunked(q, k, v, query_seq, query_pos, slots, context_lens, scale, kv_block):
+    """k / v [slots, Hkv, D]; slots [S, width]: the flat slot of each sequence's key positions."""
+    N, Hq, D = q.shape
+    Hkv = k.shape[1]
+    if Hq % Hkv or k.shape[-1] != D or v.shape != k.shape:
+        raise ValueError(f"incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    G = Hq // Hkv
+    c = torch.tensor((D ** -0.5 if scale is None else scale) * LOG2E, dtype=torch.float32)
+    qf = q.float().view(N, Hkv, G, D)
+    seq, qpos = query_seq.long(), query_pos.long()
+    ctx = context_lens.long()[seq]  # [N]
+    m = torch.full((N, Hkv, G), float("-inf"))
+    l = torch.zeros(N, Hkv, G)
+    acc = torch.zeros(N, Hkv, G, D)
+    m, l, acc = m.to(q.device), l.to(q.device), acc.to(q.device)
+    for j0 in range(0, slots.shape[1], kv_block):
+        j = torch.arange(j0, min(j0 + kv_block, slots.shape[1]), device=q.device)  # [C]
+        kj = k[slots[seq][:, j]].float()  # [N, C, Hkv, D]
+        vj = v[slots[seq][:, j]]
+        s = torch.einsum("nhgd,nchd->nhgc", qf, kj) * c  # [N, Hkv, G, C] fp32
+        visible = (j[None, :] <= qpos[:, None]) & (j[None, :] < ctx[:, None])  # [N, C]
+        s = s.masked_fill(~visible[:, None, None, :], float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1))
+        u = torch.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = torch.exp2(m - u)
+        p = torch.exp2(s - u[..., None])
+        l = l * alpha + p.sum(-1)
+        pv = torch.einsum("nhgc,nchd->nhgd", p.to(v.dtype).float(), vj.float())
+        acc = acc * alpha[..., None] + pv
+        m = m_new
+    out = torch.where(l[..., None] > 0, acc / l[..., None], 0.0)
+    return out.reshape(N, Hq, D).to(q.dtype)

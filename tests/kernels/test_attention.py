@@ -1,0 +1,172 @@
+"""Paged causal GQA attention: the kernel against `minite.ref.attention` and `minite.nn.attention`,
+and the kernel against itself across batches (bitwise, on the GPU)."""
+
+import pytest
+import torch
+
+from minite.kernels.attention import contiguous_attention, kv_block, paged_attention, plan_tiles
+from minite.nn.attention import attention
+from minite.ref import attention as ref
+from tests.kernels.helpers import device
+
+# Kernel vs reference (same chunks, different summation order inside MMAs and reductions)
+ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+# Reference vs the einsum attention in fp32 (online softmax vs one softmax)
+REF_ATOL = 2e-6
+
+
+def paged_case(lens, starts, Hq, Hkv, D, block_size, dtype, dev, seed=0):
+    """Sequences of `lens` keys in a shuffled paged cache; queries at positions starts[s]..lens[s]-1
+    of each sequence, rows consecutive. -> q, k_cache, v_cache, query_seq, query_pos, tables, lens."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(-(-n // block_size) for n in lens)
+    num_blocks = len(lens) * width + 3
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = perm[: len(lens) * width].view(len(lens), width)
+    k_cache = torch.randn(num_blocks, block_size, Hkv, D, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, Hkv, D, generator=g)
+    qseq = torch.cat([torch.full((n - a,), s) for s, (n, a) in enumerate(zip(lens, starts))])
+    qpos = torch.cat([torch.arange(a, n) for n, a in zip(lens, starts)])
+    q = torch.randn(qseq.numel(), Hq, D, generator=g)
+    to = lambda t: t.to(dev)  # noqa: E731
+    return (to(q.to(dtype)), to(k_cache.to(dtype)), to(v_cache.to(dtype)), to(qseq), to(qpos),
+            to(tables.to(torch.int32)), to(torch.tensor(lens)))
+
+
+def gathered(k_cache, tables, block_size):
+    """[S, W * block_size, Hkv, D]: each sequence's keys in position order."""
+    S, W = tables.shape
+    return k_cache[tables.long()].view(S, W * block_size, *k_cache.shape[2:])
+
+
+def einsum_reference(q, k_cache, v_cache, qseq, qpos, tables, lens):
+    """`minite.nn.attention.attention` on the gathered cache, one query row at a time."""
+    bs = k_cache.shape[1]
+    keys, values = gathered(k_cache, tables, bs), gathered(v_cache, tables, bs)
+    kpos = torch.arange(keys.shape[1], device=q.device)
+    outs = []
+    for n in range(q.shape[0]):
+        s = qseq[n]
+        kp = torch.where(kpos < lens[s], kpos, -1)[None]
+        out = attention(q[None, n: n + 1], keys[s: s + 1], values[s: s + 1], qpos[None, n: n + 1], kp)
+        outs.append(out[0, 0])
+    return torch.stack(outs)
+
+
+def test_reference_matches_einsum_attention():
+    # ragged lengths across several chunks, GQA 3, a query at position 0, chunk-boundary positions
+    args = paged_case([1, 9, 40, 33], [0, 3, 0, 31], Hq=6, Hkv=2, D=16, block_size=4, dtype=torch.float32,
+                      dev="cpu")
+    for kv in (16, 8):
+        got = ref.paged_attention(*args, kv_block=kv)
+        torch.testing.assert_close(got, einsum_reference(*args), rtol=0, atol=REF_ATOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kernel_matches_reference(dtype):
+    dev = device()
+    args = paged_case([1, 9, 40, 33], [0, 3, 0, 31], Hq=4, Hkv=2, D=16, block_size=4, dtype=dtype, dev=dev)
+    got = paged_attention(*args)
+    want = ref.paged_attention(*args, kv_block=kv_block())
+    assert got.dtype == dtype and got.shape == args[0].shape
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=ATOL[dtype])
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, einsum_reference(*args), rtol=0, atol=ATOL[dtype])
+
+
+def test_kernel_odd_group_and_decode_padding():
+    """GQA 5 (Qwen3-14B's ratio) and decode padding rows (context 0: zero output, nothing NaN)."""
+    dev = device()
+    q, kc, vc, qseq, qpos, tables, lens = paged_case([20, 5, 1], [19, 4, 0], Hq=5, Hkv=1, D=16, block_size=8,
+                                                     dtype=torch.float32, dev=dev)
+    lens = lens.clone()
+    lens[2] = 0
+    got = paged_attention(q, kc, vc, qseq, qpos, tables, lens)
+    want = ref.paged_attention(q, kc, vc, qseq, qpos, tables, lens, kv_block=kv_block())
+    torch.testing.assert_close(got, want, rtol=0, atol=ATOL[torch.float32])
+    assert torch.equal(got[2], torch.zeros_like(got[2]))
+
+
+def test_contiguous_equals_paged():
+    """Packed k/v (learner) and the paged cache (sampler) give the same bits from the kernel."""
+    dev = device()
+    lens = [13, 30, 2]
+    q, kc, vc, qseq, qpos, tables, lens_t = paged_case(lens, [0, 0, 0], Hq=4, Hkv=2, D=16, block_size=4,
+                                                      dtype=torch.float16, dev=dev, seed=3)
+    keys = torch.cat([gathered(kc, tables, 4)[s, :n] for s, n in enumerate(lens)])  # [N, Hkv, D]
+    values = torch.cat([gathered(vc, tables, 4)[s, :n] for s, n in enumerate(lens)])
+    starts = torch.tensor([0, 13, 43], device=dev)
+    packed = contiguous_attention(q, keys, values, qseq, qpos, starts, lens_t)
+    assert torch.equal(packed, paged_attention(q, kc, vc, qseq, qpos, tables, lens_t))
+    want = ref.contiguous_attention(q, keys, values, qseq, qpos, starts, lens_t, kv_block=kv_block())
+    torch.testing.assert_close(packed.float(), want.float(), rtol=0, atol=ATOL[torch.float16])
+
+
+def test_plan_tiles():
+    qseq = torch.tensor([0, 0, 0, 0, 0, 1, 2, 2, 2])
+    tiles = plan_tiles(qseq, 4, group=2, block_m=4)  # 2 queries per tile; sequence 3 has none
+    assert tiles.tolist()[:6] == [[0, 0, 2], [0, 2, 2], [0, 4, 1], [1, 5, 1], [2, 6, 2], [2, 8, 1]]
+    assert all(t[2] == 0 for t in tiles.tolist()[6:])
+
+
+def test_bad_inputs_are_rejected():
+    dev = device()
+    q, kc, vc, qseq, qpos, tables, lens = paged_case([4], [0], Hq=4, Hkv=2, D=16, block_size=4,
+                                                     dtype=torch.float32, dev=dev)
+    with pytest.raises(TypeError, match="dtype"):
+        paged_attention(q.half(), kc, vc, qseq, qpos, tables, lens)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_attention(q[:, :3], kc, vc, qseq, qpos, tables, lens)
+    with pytest.raises(ValueError, match="block_tables"):
+        paged_attention(q, kc, vc, qseq, qpos, tables[0], lens)
+    with pytest.raises(ValueError, match="power of two"):
+        paged_attention(q[..., :12], kc[..., :12], vc[..., :12], qseq, qpos, tables, lens)
+
+
+# GPU: bf16 against the reference, and bitwise invariance across batches
+
+
+def bitwise_setup(Hq, Hkv, lens, seed=0):
+    D, bs = 128, 16
+    args = paged_case(lens, [0] * len(lens), Hq, Hkv, D, bs, torch.bfloat16, "cuda", seed)
+    return args, bs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(16, 8), (32, 4), (40, 8)], ids=["g2", "g8", "g5"])
+def test_gpu_bf16_matches_reference(heads):
+    args, _ = bitwise_setup(*heads, lens=[1, 63, 64, 65, 300, 17])
+    got = paged_attention(*args)
+    want = ref.paged_attention(*args)
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=ATOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(16, 8), (32, 4), (40, 8)], ids=["g2", "g8", "g5"])
+def test_gpu_bitwise_decode_prefill_packed(heads):
+    """A query's output is the same bits in a decode step of a big batch, in a prefill of its sequence
+    alone, and in a packed batch of all sequences (learner)."""
+    lens = [1, 63, 64, 65, 300, 17, 129, 700]
+    (q, kc, vc, qseq, qpos, tables, lens_t), bs = bitwise_setup(*heads, lens=lens)
+    S = len(lens)
+    ends = torch.cumsum(lens_t, 0)
+    # Prefill of each sequence alone (all its queries, keys from the cache).
+    alone = [paged_attention(q[e - n: e], kc, vc, qseq[e - n: e] * 0, qpos[e - n: e], tables[s: s + 1],
+                             lens_t[s: s + 1]) for s, (n, e) in enumerate(zip(lens, ends.tolist()))]
+    alone = torch.cat(alone)
+    # Packed (learner): contiguous keys of all sequences, one call.
+    keys = torch.cat([gathered(kc, tables, bs)[s, :n] for s, n in enumerate(lens)])
+    values = torch.cat([gathered(vc, tables, bs)[s, :n] for s, n in enumerate(lens)])
+    packed = contiguous_attention(q, keys, values, qseq, qpos, ends - lens_t, lens_t)
+    assert torch.equal(packed, alone)
+    # Decode steps: every sequence at some position t (context t + 1), 64 rows in the batch with
+    # other sequences (repeated at other positions) around it.
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        seqs = torch.randint(0, S, (64,), generator=g)
+        pos = (torch.rand(64, generator=g) * lens_t[seqs].cpu()).long()
+        rows = (ends.cpu() - lens_t.cpu())[seqs] + pos
+        dq = q[rows.cuda()]
+        out = paged_attention(dq, kc, vc, torch.arange(64, device="cuda"), pos.cuda(), tables[seqs.cuda()],
+                              (pos + 1).cuda())
+        assert torch.equal(out, alone[rows.cuda()])
