@@ -23,6 +23,13 @@ Which operand is quantized how:
   make the gradient unbiased with respect to dY's quantization.
 
 The quantized weight is computed once per weight update and cached (see `quantized_weight`).
+
+Execution: `recipe.backend == "triton"` runs the forward on the Triton kernels on CUDA (fused row
+quantizer + W4A4 GEMM in the batch-invariant 'aligned' config at every M, so the learner's and the
+sampler's rows agree bit for bit); recipes the kernels do not cover fall back to the reference GEMM
+(`minite.nn.nvfp4_matmul` lists them). `fast = True` on a module trades that alignment for speed
+(the 'decode' config on packed weights for M <= 64, 'prefill' above). On CUDA the forward never
+synchronizes with the host: a non-finite input gives NaN outputs instead of the CPU's ValueError.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minite.nn.nvfp4_matmul import nvfp4_matmul
+from minite.nn.nvfp4_matmul import nvfp4_matmul, quantize_backend, use_kernels
 from minite.nn.quantized_weight import QuantizedWeight, quantize_weight, weight_key
 from minite.recipe import Recipe, get_recipe
 
@@ -46,7 +53,10 @@ class Linear(nn.Module):
 
     `input_scale` (fp32 [], non-persistent buffer, None until `minite.nn.calibrate` sets it) is the
     static activation decode scale used by recipes with `activation.scaling == "static"`.
+    `fast` (default False) lets the Triton backend pick faster, M-dependent GEMM configs.
     """
+
+    fast: bool = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  recipe: str | Recipe = "aligned", dtype=None, device=None):
@@ -79,7 +89,7 @@ class Linear(nn.Module):
         if not self.recipe.fp4:
             raise RuntimeError(f"recipe {self.recipe.name!r} does not quantize weights")
         if self._qweight is None or self._qweight.key != weight_key(self.weight, self.recipe.weight):
-            self._qweight = quantize_weight(self.weight, self.recipe.weight)
+            self._qweight = quantize_weight(self.weight, self.recipe.weight, quantize_backend(self.recipe))
         return self._qweight
 
     def refresh_quantized_weight(self) -> None:
@@ -100,9 +110,15 @@ class Linear(nn.Module):
         if not self.recipe.fp4:
             return F.linear(x, self.weight, self.bias)
         x3 = x.reshape(1, -1, self.in_features)  # [1, M, K]
-        y = nvfp4_matmul(x3, self.weight, self.quantized_weight(), self.recipe, self._static_scale())
+        y = nvfp4_matmul(x3, self.weight, self.quantized_weight(), self.recipe, self._static_scale(),
+                         fast=self.fast)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def graph_safe(self) -> bool:
+        """Whether forward never synchronizes with the host (a CUDA graph can capture it): bf16, or
+        NVFP4 on the Triton kernels (the reference quantizer builds small host tensors per call)."""
+        return not self.recipe.fp4 or use_kernels(self.recipe, self.weight.device)
 
     def _static_scale(self) -> torch.Tensor | None:
         if self.recipe.activation.scaling != "static":

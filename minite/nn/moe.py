@@ -5,13 +5,24 @@ the logits in fp32; the top-k of p, renormalized to sum 1 if `norm_topk_prob`, c
 Expert e computes down_e(silu(x W_gate,e^T) * (x W_up,e^T)) with gate_up_proj[e] = [W_gate,e; W_up,e].
 
 Grouped execution (one path for all experts; no Python loop over tokens): the T*k token-expert
-assignments are sorted by expert (stable) and laid out as [A, C, H] (A = experts that received
-tokens, C = the largest expert's token count, zero rows below), and each projection is one batched
-W4A4 matmul (`nvfp4_matmul`) over the A experts. Activation quantization is one call for per-token
-('row') scaling and one call per active expert for per-tensor or static scaling (TE and vLLM give
-each expert its own activation tensor). Expert outputs return to [T, k, H], are multiplied by the
-routing weights and summed over k in top-k order, so a token's result never depends on the batch
-through the combine. `moe_reference` is the same computation as a Python loop over experts.
+assignments are sorted by expert (stable; `sort_by_expert`, computed on the device). Then:
+
+- Triton kernels (`recipe.backend == "triton"` on CUDA, recipes they cover, see
+  `minite.nn.nvfp4_matmul`): the sorted rows [T*k, H] and the per-expert row offsets [E + 1] go to one
+  grouped W4A4 launch per projection (`grouped_nvfp4_matmul`, 'aligned' config). Nothing in the
+  forward synchronizes with the host, so a decode step can be captured in a CUDA graph.
+- Otherwise (the reference path, bf16 experts): the rows are laid out as [A, C, H] (A = experts that
+  received tokens, C = the largest expert's token count, zero rows below; `group_by_expert`, whose
+  A and C are read on the host) and each projection is one batched matmul (`nvfp4_matmul`) over the
+  A experts. Activation quantization is one call for per-token ('row') scaling and one call per
+  active expert for per-tensor or static scaling (TE and vLLM give each expert its own activation
+  tensor).
+
+Both give an expert's rows the same bits as a dense GEMM of those rows would (per-row activation
+scales; the kernels' grouped GEMM uses the dense aligned tile and K order). Expert outputs return to
+[T, k, H], are multiplied by the routing weights and summed over k in top-k order, so a token's
+result never depends on the batch through the combine. `moe_reference` is the same computation as a
+Python loop over experts.
 
 Static calibration gives one input scale per projection shared by all experts (amax over all experts'
 tokens / 2688), as vLLM's NVFP4 MoE does.
@@ -28,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minite.nn.linear import TE_AMAX_TO_SCALE, Linear
-from minite.nn.nvfp4_matmul import nvfp4_matmul
+from minite.nn.nvfp4_matmul import grouped_nvfp4_matmul, nvfp4_matmul, quantize_backend, use_kernels
 from minite.nn.quantized_weight import QuantizedWeight, quantize_weight, weight_key
 from minite.recipe import Recipe, get_recipe
 
@@ -39,6 +50,15 @@ class Routing(NamedTuple):
     logits: torch.Tensor  # [T, E] in x.dtype (for an aux loss)
     weights: torch.Tensor  # [T, k] in x.dtype
     experts: torch.Tensor  # [T, k] int64, top-k order
+
+
+class SortedGrouping(NamedTuple):
+    """The T*k token-expert assignments sorted by expert (stable), all on the device."""
+
+    tokens: torch.Tensor  # [R] token of each sorted assignment, R = T * k
+    experts: torch.Tensor  # [R] expert of each sorted assignment, non-decreasing
+    offsets: torch.Tensor  # [E + 1] int64: expert e owns sorted rows offsets[e] .. offsets[e + 1]
+    inverse: torch.Tensor  # [R] sorted position of assignment t * k + j
 
 
 class Grouping(NamedTuple):
@@ -52,23 +72,34 @@ class Grouping(NamedTuple):
     capacity: int  # C
 
 
-def group_by_expert(topk_ids: torch.Tensor, num_experts: int) -> Grouping:
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> SortedGrouping:
+    """topk_ids [T, k] -> SortedGrouping; no host synchronization (fixed shapes, device ops only)."""
     flat = topk_ids.reshape(-1)  # [R]
     order = torch.argsort(flat, stable=True)
-    sorted_e = flat[order]
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    positions = torch.arange(flat.numel(), device=flat.device)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))  # [E]
+    inverse = torch.empty_like(order).scatter_(0, order, positions)
+    return SortedGrouping(order // topk_ids.shape[-1], flat[order], F.pad(torch.cumsum(counts, 0), (1, 0)),
+                          inverse)
+
+
+def group_by_expert(topk_ids: torch.Tensor, num_experts: int) -> Grouping:
+    """topk_ids [T, k] -> the padded [A, C, H] layout (reads A and C on the host)."""
+    s = sort_by_expert(topk_ids, num_experts)
+    counts = s.offsets[1:] - s.offsets[:-1]  # [E]
     slot_of = torch.cumsum(counts > 0, 0) - 1
-    starts = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(flat.numel(), device=flat.device) - starts[sorted_e]
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(flat.numel(), device=flat.device)
-    return Grouping(order // topk_ids.shape[-1], slot_of[sorted_e], rank, inverse,
-                    torch.nonzero(counts).squeeze(1), int(counts.max()) if flat.numel() else 0)
+    rank = torch.arange(s.tokens.numel(), device=s.tokens.device) - s.offsets[s.experts]
+    return Grouping(s.tokens, slot_of[s.experts], rank, s.inverse, torch.nonzero(counts).squeeze(1),
+                    int(counts.max()) if s.tokens.numel() else 0)
 
 
 class MoEExperts(nn.Module):
     """Router `gate` [E, H] plus experts `gate_up_proj` [E, 2I, H] (gate rows, then up) and
-    `down_proj` [E, H, I]; `forward(x [..., H]) -> [..., H]`."""
+    `down_proj` [E, H, I]; `forward(x [..., H]) -> [..., H]`. `fast` (default False) lets the Triton
+    backend use its faster grouped config instead of the aligned one."""
+
+    fast: bool = False
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, top_k: int,
                  recipe: str | Recipe = "aligned", norm_topk_prob: bool = True, dtype=None, device=None):
@@ -107,7 +138,7 @@ class MoEExperts(nn.Module):
             raise RuntimeError(f"recipe {self.recipe.name!r} does not quantize weights")
         w, qw = getattr(self, name), self._qweights.get(name)
         if qw is None or qw.key != weight_key(w, self.recipe.weight):
-            qw = self._qweights[name] = quantize_weight(w, self.recipe.weight)
+            qw = self._qweights[name] = quantize_weight(w, self.recipe.weight, quantize_backend(self.recipe))
         return qw
 
     def refresh_quantized_weight(self) -> None:
@@ -138,13 +169,32 @@ class MoEExperts(nn.Module):
         if x2.shape[0] == 0:
             return (torch.zeros_like(x), r) if return_router else torch.zeros_like(x)
         self.last_topk_ids = r.experts.detach()
-        g = group_by_expert(r.experts, self.num_experts)
-        xg = x2.new_zeros(len(g.experts), g.capacity, self.hidden_size).index_put(
-            (g.slot, g.rank), x2[g.tokens])  # [A, C, H]
-        yg = self.experts_forward(xg, g.experts)  # [A, C, H]
-        rows = yg[g.slot, g.rank][g.inverse].reshape(*r.weights.shape, self.hidden_size)  # [T, k, H]
+        if self._calib_amax is None and self.graph_safe():
+            s = sort_by_expert(r.experts, self.num_experts)
+            ys = self.sorted_experts_forward(x2[s.tokens], s)  # [R, H]
+            rows = ys[s.inverse]
+        else:
+            g = group_by_expert(r.experts, self.num_experts)
+            xg = x2.new_zeros(len(g.experts), g.capacity, self.hidden_size).index_put(
+                (g.slot, g.rank), x2[g.tokens])  # [A, C, H]
+            yg = self.experts_forward(xg, g.experts)  # [A, C, H]
+            rows = yg[g.slot, g.rank][g.inverse]
+        rows = rows.reshape(*r.weights.shape, self.hidden_size)  # [T, k, H]
         out = (rows * r.weights.unsqueeze(-1)).sum(dim=1).reshape(x.shape)
         return (out, r) if return_router else out
+
+    def graph_safe(self) -> bool:
+        """Whether forward never synchronizes with the host (a CUDA graph can capture it): NVFP4
+        experts on the Triton kernels (sorted rows + device offsets); the padded path reads A and C."""
+        return self.recipe.fp4 and use_kernels(self.recipe, self.down_proj.device)
+
+    def sorted_experts_forward(self, xs: torch.Tensor, s: SortedGrouping) -> torch.Tensor:
+        """SwiGLU experts on rows sorted by expert, on the kernels: xs [R, H] -> [R, H]."""
+        gate_up = grouped_nvfp4_matmul(xs, self.gate_up_proj, self.quantized_weight("gate_up_proj"),
+                                       self.recipe, s.offsets, s.experts, self.fast)
+        gate, up = gate_up.chunk(2, dim=-1)  # [R, I] each
+        return grouped_nvfp4_matmul(F.silu(gate) * up, self.down_proj, self.quantized_weight("down_proj"),
+                                    self.recipe, s.offsets, s.experts, self.fast)
 
     def experts_forward(self, xg: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """SwiGLU experts on grouped tokens: xg [A, C, H], experts [A] -> [A, C, H]."""
@@ -159,7 +209,7 @@ class MoEExperts(nn.Module):
         if self._calib_amax is not None or not self.recipe.fp4:
             return torch.bmm(xg, w[experts].transpose(1, 2))
         return nvfp4_matmul(xg, w, self.quantized_weight(name), self.recipe,
-                            self._static_scale(name, len(experts)), experts)
+                            self._static_scale(name, len(experts)), experts, self.fast)
 
     def _static_scale(self, name: str, n: int) -> torch.Tensor | None:
         if self.recipe.activation.scaling != "static":

@@ -1,16 +1,39 @@
-"""Batched W4A4 matmul `y[b] = x[b] @ W[b]^T` as an autograd Function: the core of Linear and MoE.
+"""Batched W4A4 matmul `y[b] = x[b] @ W[b]^T` as autograd Functions: the core of Linear and MoE.
 
 Shapes: x [B, M, K] (B = 1 for a Linear, B = active experts for MoE, M padded per expert), weights
 [E, N, K] with `experts` [B] picking W[b] = W[experts[b]] (None: B == E, or a 2D [N, K] weight).
+`grouped_nvfp4_matmul` is the MoE form without padding: rows sorted by expert, `offsets` [E + 1].
 
 Forward (the contract of `minite.ref.gemm`): activations quantized with `recipe.activation` ('row':
 one call; 'tensor'/'static': one global scale per batch entry, like one tensor per expert), weights
 from the shared `QuantizedWeight`; acc = unscaled_x @ unscaled_w^T in fp32, then `recipe.epilogue`.
 
-Backward (see `minite.nn.linear` for the three GEMMs): 'dequantized' uses dY as is and the
-dequantized forward operands; 'nvfp4' quantizes dY for dgrad (1x16 along N, stochastic rounding,
-per-tensor scale) and dY^T, X^T for wgrad (1x16 along the tokens M, zero-padded to 16, RHT on both,
-stochastic rounding on dY^T, RNE on X^T). Backward GEMMs run in fp32 on dequantized values.
+Execution (`recipe.backend`):
+- 'ref': plain PyTorch on any device (the reference quantizer and fp32 GEMMs).
+- 'triton': on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1) with Triton available, and
+  when the activations are quantized the way the fused kernel does it (per-row 'row' scaling, 1x16
+  blocks, RNE, no RHT: the `aligned` recipe, with any chain, weight block shape or epilogue), the
+  forward runs `kernels.nvfp4.quantize_unscaled` (exact e2m1 * s_b values + fp32 row S_dec) and
+  `kernels.gemm.w4a4_gemm` (dense) or `kernels.grouped_gemm.grouped_w4a4_gemm` (experts, one launch)
+  in the batch-invariant 'aligned' configuration on the weight's unscaled copy, whatever M is.
+  Recipes outside that (`te`, `torchao`: per-tensor activation scale; `vllm`: static scale;
+  stochastic rounding or RHT on activations) run the reference GEMM, with activations and weights
+  quantized by the kernels on CUDA (bitwise the same codes and scales). `fast=True` gives up the
+  alignment for speed: M <= 64 runs the 'decode' config on the packed weight, larger M 'prefill'.
+  Kernel outputs equal the reference wherever the fp32 accumulation across 16-blocks is exact (nearly
+  all outputs) and differ by at most one fp32 rounding per 16-block otherwise (`minite.ref.gemm`).
+
+Non-finite inputs: on the CPU the quantizer raises a ValueError, as `minite.nvfp4.quantize` does. On
+CUDA that check would synchronize with the host on every call, so it is skipped and replaced by a
+device-side mark: a row ('row' scaling) or a whole batch entry ('tensor' / 'static') holding a
+non-finite value gets a NaN global scale, so its outputs (and gradients) are NaN.
+
+Backward (see `minite.nn.linear` for the three GEMMs), the same for both backends: 'dequantized' uses
+dY as is and the dequantized forward operands; 'nvfp4' quantizes dY for dgrad (1x16 along N,
+stochastic rounding, per-tensor scale) and dY^T, X^T for wgrad (1x16 along the tokens M, zero-padded
+to 16, RHT on both, stochastic rounding on dY^T, RNE on X^T). Backward GEMMs run in fp32 on
+dequantized values; the grouped form pads its rows to [E, C, *] first (one host sync, C = the largest
+expert's row count).
 """
 
 from __future__ import annotations
@@ -20,6 +43,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from minite import nvfp4
 from minite.nn.quantized_weight import QuantizedWeight
 from minite.nvfp4 import quantize
 from minite.recipe import QuantSpec, Recipe
@@ -28,6 +52,7 @@ from minite.ref.gemm import apply_epilogue, epilogue_scale
 DGRAD_DY_SPEC = QuantSpec(scaling="tensor", block=(1, 16), rounding="stochastic")
 WGRAD_DY_SPEC = QuantSpec(scaling="tensor", block=(1, 16), rounding="stochastic", hadamard=True)
 WGRAD_X_SPEC = QuantSpec(scaling="tensor", block=(1, 16), rounding="rne", hadamard=True)
+FAST_DECODE_MAX_M = 64  # the kernels' 'decode' config serves M <= 64
 
 
 class Operand(NamedTuple):
@@ -41,21 +66,61 @@ class Operand(NamedTuple):
         return self.unscaled * self.global_scale  # [B, R, C] fp32
 
 
+def quantize_backend(recipe: Recipe) -> str:
+    """The `minite.nvfp4.quantize` backend a recipe's quantizations use."""
+    return "auto" if recipe.backend == "triton" else "ref"
+
+
+def kernels_cover(recipe: Recipe) -> bool:
+    """Whether the fused activation quantizer + W4A4 GEMM kernels implement this recipe's forward."""
+    a = recipe.activation
+    return (recipe.fp4 and a.scaling == "row" and tuple(a.block) == (1, 16) and a.rounding == "rne"
+            and not a.hadamard and recipe.weight.scaling != "row")
+
+
+def use_kernels(recipe: Recipe, device: torch.device) -> bool:
+    """Whether a forward on `device` under `recipe` runs the Triton kernels (module docstring)."""
+    if recipe.backend != "triton" or not kernels_cover(recipe):
+        return False
+    from minite import kernels
+
+    if not kernels.available():
+        return False
+    return torch.device(device).type == "cuda" or kernels.interpreted()
+
+
+def _mark_non_finite(x: torch.Tensor, scales, per_row: bool) -> list[torch.Tensor]:
+    """NaN into `scales` for the rows (per_row: x [..., R, C], scales [..., R, 1]) or batch entries
+    (x [B, R, C], scales [B, 1, 1]) of x holding a non-finite value: the device-side replacement of
+    the host-side finiteness check on CUDA (no synchronization)."""
+    if per_row:
+        ok = torch.isfinite(x).all(dim=-1, keepdim=True)
+    else:
+        ok = torch.isfinite(x).flatten(1).all(dim=1).reshape(-1, 1, 1)
+    return [s.masked_fill(~ok, float("nan")) for s in scales]
+
+
 def quantize_operand(x: torch.Tensor, spec: QuantSpec, static_scale: torch.Tensor | None = None,
-                     generator: torch.Generator | None = None) -> Operand:
+                     generator: torch.Generator | None = None, backend: str = "ref") -> Operand:
     """x [B, R, C] quantized along C; 'tensor'/'static' scaling gets one global scale per b
-    (static_scale [B] holds the decode scales)."""
+    (static_scale [B] holds the decode scales). Non-finite x: see the module docstring."""
     kw = spec.kwargs()
+    host_check = x.device.type != "cuda"
     if spec.scaling == "row":
-        q = quantize(x, generator=generator, **kw)
-        return Operand(q.unscaled(), q.global_scale, q.amax)
+        q = quantize(x, generator=generator, check_finite=host_check, backend=backend, **kw)
+        gs, amax = q.global_scale, q.amax
+        if not host_check:
+            gs, amax = _mark_non_finite(x, (gs, amax), per_row=True)
+        return Operand(q.unscaled(), gs, amax)
     if spec.scaling == "static" and static_scale is None:
         raise RuntimeError("static activation scaling needs a calibrated input scale")
     qs = [quantize(x[b], generator=generator, static_scale=None if static_scale is None else static_scale[b],
-                   **kw) for b in range(x.shape[0])]
-    return Operand(torch.stack([q.unscaled() for q in qs]),
-                   torch.stack([q.global_scale for q in qs]).reshape(-1, 1, 1),
-                   torch.stack([q.amax for q in qs]).reshape(-1, 1, 1))
+                   check_finite=host_check, backend=backend, **kw) for b in range(x.shape[0])]
+    gs = torch.stack([q.global_scale for q in qs]).reshape(-1, 1, 1)
+    amax = torch.stack([q.amax for q in qs]).reshape(-1, 1, 1)
+    if not host_check:
+        gs, amax = _mark_non_finite(x, (gs, amax), per_row=False)
+    return Operand(torch.stack([q.unscaled() for q in qs]), gs, amax)
 
 
 def matmul_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -70,51 +135,174 @@ class _Scales(NamedTuple):
     amax: torch.Tensor
 
 
+def _kernel_rows(x2: torch.Tensor, recipe: Recipe):
+    """x2 [R, K] -> (a [R, K] e2m1 * s_b in the kernels' operand dtype, S_dec fp32 [R, 1], the
+    epilogue's row factor fp32 [R, 1]: S_dec, or amax for 'alpha')."""
+    from minite.kernels import gemm as kg
+    from minite.kernels import nvfp4 as kq
+
+    chain = recipe.activation.chain
+    nvfp4._check_args(x2, "row", (1, 16), "rne", chain, None)
+    nvfp4._pad_or_raise(x2, (1, 16), pad=False)
+    host_check = x2.device.type != "cuda"
+    if host_check:
+        nvfp4._check_finite(x2)
+    dt = kg.operand_dtype(x2.device)
+    if recipe.epilogue == "alpha":
+        a, sdec, _, _, amax = kq.quantize_unscaled(x2, dt, chain, return_codes=True)
+    else:
+        a, sdec = kq.quantize_unscaled(x2, dt, chain)
+        amax = sdec
+    if not host_check:
+        sdec, amax = _mark_non_finite(x2, (sdec, amax), per_row=True)
+    return a, sdec, amax
+
+
+def _pad_k(a: torch.Tensor, k: int) -> torch.Tensor:
+    return F.pad(a, (0, k - a.shape[-1])) if a.shape[-1] != k else a
+
+
+def _weight_scale(qweight: QuantizedWeight, recipe: Recipe) -> torch.Tensor:
+    """The weight's epilogue factor, fp32 flat: [] (a Linear) or [E] (experts)."""
+    s = qweight.amax if recipe.epilogue == "alpha" else qweight.global_scale
+    return s.reshape(-1 if s.ndim else ()).float()
+
+
+def _dense_kernel(x2: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe, fast: bool):
+    """x2 [M, K] times a 2D weight on the kernels -> (out [M, N] in x2.dtype, a, S_dec)."""
+    from minite.kernels import gemm as kg
+
+    a, sdec, row_factor = _kernel_rows(x2, recipe)
+    m, k = a.shape
+    n = qweight.unscaled.shape[-2]
+    sw = _weight_scale(qweight, recipe)
+    config = "prefill" if fast else "aligned"
+    if fast and m <= FAST_DECODE_MAX_M and k % kg.pick_config("decode", m, n)["BK"] == 0:
+        q = qweight.q
+        out = kg.w4a4_gemm(a, row_factor, q.codes[:n], sw, q.block_scales[:n], recipe.epilogue, x2.dtype,
+                           "decode")
+    else:
+        w = qweight.operand(a.dtype, kg.pick_config(config, m, n)["BK"])  # [N, Kp]
+        out = kg.w4a4_gemm(_pad_k(a, w.shape[-1]), row_factor, w, sw, None, recipe.epilogue, x2.dtype, config)
+    return out, a, sdec
+
+
+def _grouped_kernel(xs: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe, offsets: torch.Tensor,
+                    fast: bool):
+    """xs [R, K] sorted by expert, offsets [E + 1] -> (out [R, N] in xs.dtype, a, S_dec); one launch."""
+    from minite import kernels
+    from minite.kernels import grouped_gemm as gg
+
+    a, sdec, row_factor = _kernel_rows(xs, recipe)
+    config = "prefill" if fast else "aligned"
+    bk = gg.CONFIGS["interpret" if kernels.interpreted() else config]["BK"]
+    w = qweight.operand(a.dtype, bk)  # [E, N, Kp]
+    sw = _weight_scale(qweight, recipe)
+    out = gg.grouped_w4a4_gemm(_pad_k(a, w.shape[-1]), row_factor, w, sw, offsets, None, recipe.epilogue,
+                               xs.dtype, config)
+    return out, a, sdec
+
+
+def _expert_offsets(experts: torch.Tensor, rows: int, num_experts: int) -> torch.Tensor:
+    """Ascending, distinct `experts` [B], each owning `rows` consecutive rows -> offsets [E + 1]."""
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=experts.device).index_fill_(0, experts, rows)
+    return F.pad(torch.cumsum(counts, 0), (1, 0))
+
+
 class NVFP4Matmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, qweight: QuantizedWeight, recipe: Recipe, static_scale, experts):
-        wu, ws, wa = qweight.batched()  # [E, N, K] bf16, [E, 1, 1], [E, 1, 1]
-        if experts is not None:
-            wu, ws, wa = wu[experts], ws[experts], wa[experts]
-        xo = quantize_operand(x, recipe.activation, static_scale)
-        acc = matmul_t(xo.unscaled, wu)  # [B, M, N] fp32
-        scale = epilogue_scale(xo, _Scales(ws, wa), recipe.epilogue)  # [B, M | 1, 1]
-        out = apply_epilogue(acc, scale, recipe.epilogue, x.dtype)
-        ctx.mode, ctx.experts, ctx.weight_meta = recipe.backward, experts, (weight.shape, weight.dtype)
-        ctx.w, ctx.x_dtype = (wu, ws), x.dtype
-        if recipe.backward == "dequantized":
-            ctx.save_for_backward(xo.unscaled.to(torch.bfloat16), xo.global_scale)
+    def forward(ctx, x, weight, qweight: QuantizedWeight, recipe: Recipe, static_scale, experts, fast):
+        b, m, k = x.shape
+        if use_kernels(recipe, x.device) and x.numel():
+            x2 = x.reshape(b * m, k)
+            if qweight.unscaled.ndim == 2:
+                out, a, sdec = _dense_kernel(x2, qweight, recipe, fast)
+            else:
+                e = qweight.unscaled.shape[0]
+                ids = torch.arange(e, device=x.device) if experts is None else experts
+                out, a, sdec = _grouped_kernel(x2, qweight, recipe, _expert_offsets(ids, m, e), fast)
+            out = out.reshape(b, m, -1)
+            xu, xs = a.reshape(b, m, k), sdec.reshape(b, m, 1)
         else:
-            ctx.save_for_backward(x)
+            wu, ws, wa = qweight.batched()  # [E, N, K] bf16, [E, 1, 1], [E, 1, 1]
+            if experts is not None:
+                wu, ws, wa = wu[experts], ws[experts], wa[experts]
+            xo = quantize_operand(x, recipe.activation, static_scale, backend=quantize_backend(recipe))
+            acc = matmul_t(xo.unscaled, wu)  # [B, M, N] fp32
+            scale = epilogue_scale(xo, _Scales(ws, wa), recipe.epilogue)  # [B, M | 1, 1]
+            out = apply_epilogue(acc, scale, recipe.epilogue, x.dtype)
+            xu, xs = xo.unscaled.to(torch.bfloat16), xo.global_scale
+        ctx.mode, ctx.experts, ctx.weight_meta = recipe.backward, experts, (weight.shape, weight.dtype)
+        ctx.qweight, ctx.x_dtype, ctx.backend = qweight, x.dtype, quantize_backend(recipe)
+        ctx.save_for_backward(*((xu, xs) if recipe.backward == "dequantized" else (x,)))
         return out
 
     @staticmethod
     def backward(ctx, dy):
-        wu, ws = ctx.w
-        w_dq = wu.float() * ws  # [B, N, K]
-        dyf = dy.float()  # [B, M, N]
-        if ctx.mode == "dequantized":
-            xu, xs = ctx.saved_tensors
-            dx = dyf @ w_dq if ctx.needs_input_grad[0] else None
-            dw = dyf.transpose(1, 2) @ (xu.float() * xs) if ctx.needs_input_grad[1] else None
-        else:
-            (x,) = ctx.saved_tensors
-            dx = quantize_operand(dyf, DGRAD_DY_SPEC).dequantize() @ w_dq if ctx.needs_input_grad[0] else None
-            dw = _wgrad_nvfp4(dyf, x) if ctx.needs_input_grad[1] else None
+        wu, ws, _ = ctx.qweight.batched()
+        if ctx.experts is not None:
+            wu, ws = wu[ctx.experts], ws[ctx.experts]
+        dx, dw = _grads(ctx, dy.float(), wu, ws, ctx.saved_tensors)
         if dx is not None:
             dx = dx.to(ctx.x_dtype)
         if dw is not None:
             dw = _scatter_experts(dw, ctx.experts, ctx.weight_meta[0]).to(ctx.weight_meta[1])
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
-def _wgrad_nvfp4(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+class GroupedNVFP4Matmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, xs, weight, qweight: QuantizedWeight, recipe: Recipe, offsets, row_experts, fast):
+        out, a, sdec = _grouped_kernel(xs, qweight, recipe, offsets, fast)
+        ctx.mode, ctx.qweight, ctx.x_dtype, ctx.w_dtype = recipe.backward, qweight, xs.dtype, weight.dtype
+        ctx.backend = quantize_backend(recipe)
+        saved = (a, sdec) if recipe.backward == "dequantized" else (xs,)
+        ctx.save_for_backward(offsets, row_experts, *saved)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        offsets, row_experts, *saved = ctx.saved_tensors
+        num_experts = offsets.numel() - 1
+        # the padded [E, C, *] layout of the reference path; C costs one host sync (backward only)
+        cap = int((offsets[1:] - offsets[:-1]).max())
+        rank = torch.arange(dy.shape[0], device=dy.device) - offsets[row_experts]
+
+        def pad(t):
+            return t.new_zeros(num_experts, cap, t.shape[-1]).index_put((row_experts, rank), t)
+
+        wu, ws, _ = ctx.qweight.batched()
+        dx, dw = _grads(ctx, pad(dy.float()), wu, ws, [pad(t) for t in saved])
+        if dx is not None:
+            dx = dx[row_experts, rank].to(ctx.x_dtype)
+        if dw is not None:
+            dw = dw.to(ctx.w_dtype)
+        return dx, dw, None, None, None, None, None
+
+
+def _grads(ctx, dyf: torch.Tensor, wu: torch.Tensor, ws: torch.Tensor, saved):
+    """(dX [B, M, K], dW [B, N, K]) in fp32 from dY [B, M, N] fp32 (None where not needed)."""
+    w_dq = wu.float() * ws  # [B, N, K]
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if ctx.mode == "dequantized":
+        xu, xs = saved
+        dx = dyf @ w_dq if need_dx else None
+        dw = dyf.transpose(1, 2) @ (xu.float() * xs) if need_dw else None
+    else:
+        (x,) = saved
+        dyq = quantize_operand(dyf, DGRAD_DY_SPEC, backend=ctx.backend) if need_dx else None
+        dx = dyq.dequantize() @ w_dq if need_dx else None
+        dw = _wgrad_nvfp4(dyf, x, ctx.backend) if need_dw else None
+    return dx, dw
+
+
+def _wgrad_nvfp4(dy: torch.Tensor, x: torch.Tensor, backend: str) -> torch.Tensor:
     """dW [B, N, K] = Q_sr(RHT(dY^T)) @ Q_rne(RHT(X^T))^T, both along the token dimension."""
     pad = -x.shape[1] % 16
     dyt = F.pad(dy.transpose(1, 2), (0, pad))  # [B, N, Mp]
     xt = F.pad(x.float().transpose(1, 2), (0, pad))  # [B, K, Mp]
-    a = quantize_operand(dyt, WGRAD_DY_SPEC).dequantize()
-    b = quantize_operand(xt, WGRAD_X_SPEC).dequantize()
+    a = quantize_operand(dyt, WGRAD_DY_SPEC, backend=backend).dequantize()
+    b = quantize_operand(xt, WGRAD_X_SPEC, backend=backend).dequantize()
     return a @ b.transpose(1, 2)
 
 
@@ -125,11 +313,27 @@ def _scatter_experts(dw: torch.Tensor, experts: torch.Tensor | None, shape: torc
 
 
 def nvfp4_matmul(x: torch.Tensor, weight: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe,
-                 static_scale: torch.Tensor | None = None,
-                 experts: torch.Tensor | None = None) -> torch.Tensor:
-    """x [B, M, K], weight [N, K] or [E, N, K] (the parameter, for its gradient) -> [B, M, N] in x.dtype."""
+                 static_scale: torch.Tensor | None = None, experts: torch.Tensor | None = None,
+                 fast: bool = False) -> torch.Tensor:
+    """x [B, M, K], weight [N, K] or [E, N, K] (the parameter, for its gradient) -> [B, M, N] in x.dtype.
+    On the kernels, `experts` must be ascending and distinct (as `moe.group_by_expert` gives them)."""
     if x.ndim != 3:
         raise ValueError(f"nvfp4_matmul expects x [B, M, K]; got shape {tuple(x.shape)}")
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"in_features mismatch: x has {x.shape[-1]}, weight has {weight.shape[-1]}")
-    return NVFP4Matmul.apply(x, weight, qweight, recipe, static_scale, experts)
+    return NVFP4Matmul.apply(x, weight, qweight, recipe, static_scale, experts, fast)
+
+
+def grouped_nvfp4_matmul(xs: torch.Tensor, weight: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe,
+                         offsets: torch.Tensor, row_experts: torch.Tensor,
+                         fast: bool = False) -> torch.Tensor:
+    """xs [R, K] sorted by expert (expert e owns rows offsets[e] .. offsets[e + 1]; row_experts [R] the
+    expert of each row), weight [E, N, K] -> [R, N] in xs.dtype, on the kernels only (`use_kernels`)
+    and without any host synchronization in the forward."""
+    if xs.ndim != 2 or weight.ndim != 3 or xs.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"grouped_nvfp4_matmul expects xs [R, K] and weight [E, N, K]; got "
+                         f"{tuple(xs.shape)} and {tuple(weight.shape)}")
+    if not use_kernels(recipe, xs.device):
+        raise ValueError(f"recipe {recipe.name!r} (backend {recipe.backend!r}) on {xs.device} does not run "
+                         "on the Triton kernels; use nvfp4_matmul on the padded layout")
+    return GroupedNVFP4Matmul.apply(xs, weight, qweight, recipe, offsets, row_experts, fast)

@@ -3,7 +3,10 @@
 `QuantizedWeight` holds the NVFP4 container of a weight ([N, K] for a Linear, or [E, N, K] for MoE
 experts, each expert quantized as its own tensor: per-expert global scale [E, 1, 1]) together with
 the exact unscaled dequantized copy `e2m1 * s_b` in bf16 that the compute-bound GEMM multiplies
-(exact by FACTS.md 1). The learner's forward and the sampler use the very same object.
+(exact by FACTS.md 1). The learner's forward and the sampler use the very same object. The Triton
+GEMMs read that copy through `operand(dtype, k_multiple)`: the bf16 copy itself on the GPU, or a
+cached fp16 / K-padded version of it (the CPU interpreter; K not a multiple of the kernel's K tile),
+made once per quantized weight, i.e. once per update.
 
 Invalidation: a module caches its `QuantizedWeight` keyed on the parameter's autograd version
 counter (`weight._version`, bumped by every in-place update: optimizer steps, `copy_`,
@@ -13,9 +16,10 @@ the version counter: after those call `refresh_quantized_weights(model)`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from minite.nvfp4 import NVFP4Tensor, quantize
 from minite.recipe import QuantSpec
@@ -27,6 +31,7 @@ class QuantizedWeight:
     unscaled: torch.Tensor  # [..., N, K] bf16, e2m1 * s_b (exact)
     spec: QuantSpec
     key: tuple  # what the cache was keyed on
+    _operands: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def global_scale(self) -> torch.Tensor:
@@ -43,6 +48,16 @@ class QuantizedWeight:
         b = u.shape[0]
         return u, self.q.global_scale.reshape(b, 1, 1), self.q.amax.reshape(b, 1, 1)
 
+    def operand(self, dtype: torch.dtype, k_multiple: int = 1) -> torch.Tensor:
+        """The unscaled copy as a GEMM kernel operand: [..., N, Kp] in dtype (exact in bf16 and fp16),
+        K zero-padded to a multiple of k_multiple, contiguous; made once and cached."""
+        key = (dtype, k_multiple)
+        if key not in self._operands:
+            t = self.unscaled.to(dtype)
+            pad = -t.shape[-1] % k_multiple
+            self._operands[key] = (F.pad(t, (0, pad)) if pad else t).contiguous()
+        return self._operands[key]
+
     def dequantize(self) -> torch.Tensor:
         """fp32 e2m1 * s_b * S_dec, the weight's shape."""
         gs = self.q.global_scale
@@ -56,16 +71,17 @@ def weight_key(weight: torch.Tensor, spec: QuantSpec) -> tuple:
 
 
 @torch.no_grad()
-def quantize_weight(weight: torch.Tensor, spec: QuantSpec) -> QuantizedWeight:
-    """weight [N, K] or [E, N, K] (one global scale per expert) -> QuantizedWeight."""
+def quantize_weight(weight: torch.Tensor, spec: QuantSpec, backend: str = "auto") -> QuantizedWeight:
+    """weight [N, K] or [E, N, K] (one global scale per expert) -> QuantizedWeight. `backend` is
+    `minite.nvfp4.quantize`'s (the codes and scales are bitwise the same on both for RNE)."""
     if weight.ndim not in (2, 3):
         raise ValueError(f"weights are [N, K] or [E, N, K]; got shape {tuple(weight.shape)}")
     key = weight_key(weight, spec)
     w = weight.detach()
     if weight.ndim == 2:
-        q = quantize(w, pad=spec.block == (16, 16), **spec.kwargs())
+        q = quantize(w, pad=spec.block == (16, 16), backend=backend, **spec.kwargs())
     else:
-        q = _stack([quantize(we, pad=spec.block == (16, 16), **spec.kwargs()) for we in w])
+        q = _stack([quantize(we, pad=spec.block == (16, 16), backend=backend, **spec.kwargs()) for we in w])
     n, k = weight.shape[-2:]
     unscaled = q.unscaled()[..., :n, :].to(torch.bfloat16)  # drop rows padded to a 16x16 tile
     if unscaled.shape[-1] != k:
