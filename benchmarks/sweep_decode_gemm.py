@@ -1,0 +1,179 @@
+"""Sweep of the decode W4A4 kernel's tiles (one GPU call): Qwen3-8B shapes x M in {1, 8, 32, 64}.
+
+Compiles every candidate first in parallel worker processes (they fill Triton's on-disk cache), then
+times, in one process: cuBLAS bf16, the `aligned` config on the packed weight, `decode_config`'s
+pick, and each candidate; each candidate's output is compared bit for bit with the aligned path on
+the dequantized copy (Gaussian data: nearly every fp32 sum is exact, FACTS.md 1.1).
+
+Expectations written before the first run (2026-11-30): M = 1 (FMA path) 2.5-3x cuBLAS on the large
+shapes (dequant ~5 ALU ops per weight, so ~2 TB/s), less on k/v and q/o (a few us of launch and
+latency against cuBLAS's 5-15 us); M = 8 (mma.sync, BN 32) ~2-2.5x; M = 32 / 64 1.5-2.2x (every N tile
+re-reads the activation from L2, and the MMA work grows with M).
+
+    python benchmarks/sweep_decode_gemm.py --out OUT.json [--workers 12]
+"""
+
+# ruff: noqa: B023  (lambdas are timed at once, inside the loop that binds them)
+import argparse
+import json
+import multiprocessing as mp
+import time
+
+import torch
+
+SHAPES = {"q|o": (4096, 4096), "k|v": (1024, 4096), "gate|up": (12288, 4096),
+          "gate+up": (24576, 4096), "down": (4096, 12288)}
+MS = (1, 8, 32, 64)
+# (BN, BK, SCALE_3D, num_warps, num_stages) per M padded; SPLIT_K from decode_config's rule
+TILES = {
+    1: [(32, 256, False, 4, 4), (32, 256, True, 4, 4), (16, 512, False, 4, 3), (64, 256, False, 4, 4),
+        (32, 512, False, 4, 3), (64, 128, False, 4, 4)],
+    16: [(32, 256, False, 4, 4), (32, 256, True, 4, 4), (64, 256, False, 4, 4), (64, 128, False, 4, 4),
+         (16, 512, False, 4, 3), (128, 128, False, 4, 3)],
+    32: [(64, 256, False, 4, 4), (64, 256, True, 4, 4), (32, 256, False, 4, 4), (128, 128, False, 4, 4),
+         (128, 256, False, 8, 3)],
+    64: [(128, 128, False, 4, 4), (128, 128, True, 4, 4), (64, 256, False, 4, 4), (256, 128, False, 8, 3),
+         (128, 256, False, 8, 3)],
+}
+
+
+def split_for(n, k, bn, bk, min_programs):
+    split = 1
+    while -(-n // bn) * split < min_programs and split < 16 and k % (2 * split * bk) == 0:
+        split *= 2
+    return split
+
+
+def candidates(m, n, k):
+    bm = 1 if m == 1 else (16 if m <= 16 else (32 if m <= 32 else 64))
+    out = []
+    for i, (bn, bk, s3, wp, st) in enumerate(TILES[bm]):
+        splits = {split_for(n, k, bn, bk, 264)}
+        if i == 0:
+            splits |= {split_for(n, k, bn, bk, 132), split_for(n, k, bn, bk, 528)}
+        for sp in sorted(splits):
+            if k % (sp * bk) == 0:
+                out.append(dict(kernel="decode", BM=bm, BN=bn, BK=bk, SPLIT_K=sp, SCALE_3D=s3,
+                                num_warps=wp, num_stages=st))
+    if bm == 1:  # the MMA path at M = 1, for comparison with the FMA path
+        out.append(dict(kernel="decode", BM=16, BN=32, BK=256, SPLIT_K=split_for(n, k, 32, 256, 264),
+                        SCALE_3D=False, num_warps=4, num_stages=4))
+    return out
+
+
+def operands(n, k, m, seed=0):
+    from minite.kernels import nvfp4 as kq
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    wq = kq.quantize(w, "tensor")
+    a, sa = kq.quantize_unscaled(x)
+    return w, x, wq, a, sa
+
+
+def jobs():
+    return [(layer, m, cfg) for layer, (n, k) in SHAPES.items() for m in MS for cfg in candidates(m, n, k)]
+
+
+def compile_worker(chunk):
+    from minite.kernels import gemm as kg
+
+    errors = []
+    cache = {}
+    for layer, m, cfg in chunk:
+        n, k = SHAPES[layer]
+        if (n, k, m) not in cache:
+            cache[(n, k, m)] = operands(n, k, m)
+        _, _, wq, a, sa = cache[(n, k, m)]
+        try:
+            kg.w4a4_gemm(a, sa, wq.codes, wq.global_scale, wq.block_scales, config=cfg)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001  (a candidate that fails to compile is reported, not fatal)
+            errors.append((layer, m, cfg, f"{type(e).__name__}: {str(e)[:200]}"))
+    return errors
+
+
+def tile_name(r):
+    return (f"BM{r['BM']} BN{r['BN']} BK{r['BK']} S{r['SPLIT_K']}{' 3D' if r['SCALE_3D'] else ''} "
+            f"w{r['num_warps']} st{r['num_stages']}")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="decode_gemm_sweep.json")
+    p.add_argument("--workers", type=int, default=12)
+    args = p.parse_args()
+    from bench_common import bench_ms, env_info
+
+    from minite.kernels import gemm as kg
+
+    t0 = time.time()
+    todo = jobs()
+    chunks = [todo[i:: args.workers] for i in range(args.workers)]
+    with mp.get_context("spawn").Pool(args.workers) as pool:
+        errors = [e for errs in pool.map(compile_worker, chunks) for e in errs]
+    failed = {(layer, m, json.dumps(cfg, sort_keys=True)): err for layer, m, cfg, err in errors}
+    print(f"compiled {len(todo)} candidates in {time.time() - t0:.0f} s, {len(errors)} failed", flush=True)
+    for e in errors[:8]:
+        print("  failed:", e)
+
+    rows, best = [], []
+    for layer, (n, k) in SHAPES.items():
+        for m in MS:
+            w, x, wq, a, sa = operands(n, k, m)
+            ref = kg.w4a4_gemm(a, sa, kg.unscaled_copy(wq), wq.global_scale, out_dtype=torch.float32)
+            base = bench_ms(lambda: torch.matmul(x, w.t()), warmup=5, rep=30)
+            aligned = bench_ms(lambda: kg.w4a4_gemm(a, sa, wq.codes, wq.global_scale, wq.block_scales),
+                               warmup=5, rep=30)
+            pick = kg.decode_config(m, n, k)
+            cands = candidates(m, n, k)
+            if pick not in cands:
+                cands.append(pick)
+            top = None
+            for cfg in cands:
+                key = (layer, m, json.dumps(cfg, sort_keys=True))
+                row = dict(layer=layer, M=m, N=n, K=k, **{c: cfg[c] for c in
+                           ("BM", "BN", "BK", "SPLIT_K", "SCALE_3D", "num_warps", "num_stages")},
+                           picked=cfg == pick, cublas_us=base * 1e3)
+                if key in failed:
+                    rows.append(dict(row, error=failed[key]))
+                    continue
+                try:
+                    got = kg.w4a4_gemm(a, sa, wq.codes, wq.global_scale, wq.block_scales,
+                                       out_dtype=torch.float32, config=cfg)
+                    t = bench_ms(lambda: kg.w4a4_gemm(a, sa, wq.codes, wq.global_scale, wq.block_scales,
+                                                      config=cfg), warmup=5, rep=30)
+                except Exception as e:  # noqa: BLE001
+                    rows.append(dict(row, error=f"{type(e).__name__}: {str(e)[:200]}"))
+                    continue
+                exact = float((got == ref).float().mean())
+                rel = float((got - ref).abs().max() / ref.abs().max())
+                row.update(us=t * 1e3, speedup=base / t, weight_tb_s=n * k * 0.5625 / t / 1e9,
+                           exact_vs_aligned=exact, max_rel_err=rel)
+                rows.append(row)
+                if exact > 0.99 and (top is None or t < top["us"] / 1e3):
+                    top = row
+            summary = dict(layer=layer, M=m, cublas_us=base * 1e3, aligned_x=base / aligned)
+            pr = next((r for r in rows if r["layer"] == layer and r["M"] == m and r["picked"]
+                       and "us" in r), None)
+            if pr:
+                summary.update(picked_us=pr["us"], picked_x=pr["speedup"])
+            if top:
+                summary.update(best_us=top["us"], best_x=top["speedup"], best_tb_s=top["weight_tb_s"],
+                               best=tile_name(top))
+            best.append(summary)
+            print(json.dumps(summary), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(benchmark="decode gemm sweep", env=env_info(), best=best, rows=rows), f, indent=1)
+    print(f"\n== decode sweep ({time.time() - t0:.0f} s): best per shape, x = speedup over cuBLAS bf16")
+    print(f"{'layer':>8} {'M':>3} {'cublas':>7} {'best_us':>8} {'best_x':>6} {'TB/s':>5} {'pick_x':>6} "
+          f"{'algn_x':>6}  best tile")
+    for s in best:
+        print(f"{s['layer']:>8} {s['M']:>3} {s['cublas_us']:7.2f} {s.get('best_us', 0):8.2f} "
+              f"{s.get('best_x', 0):6.2f} {s.get('best_tb_s', 0):5.2f} {s.get('picked_x', 0):6.2f} "
+              f"{s['aligned_x']:6.2f}  {s.get('best', 'none')}")
+
+
+if __name__ == "__main__":
+    main()
