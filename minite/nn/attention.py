@@ -10,6 +10,14 @@ negative key position marks an empty (padding) slot. A query that sees no key ge
 `Attention` is the layer: q/k/v projections (recipe-driven `Linear`), RMSNorm of each q and k head,
 RoPE, `attention`, output projection. `project_qkv` and `o_proj` are separate steps so a KV cache can
 sit between them. Packed variable-length input (`cu_seqlens`) runs `attention` per sequence.
+
+On CUDA (with Triton, and `use_kernel(True)`, the default) the layer runs the paged attention kernel
+(`minite.kernels.attention`, math in `minite.ref.attention`) instead, over its packed k/v: the same
+kernel and launch configuration the sampler runs on its KV cache, so a token's attention output is
+the same bits in the learner's full-sequence forward as in the sampler's decode step. The kernel
+reads key slot j of a sequence as position j, so it is taken only when the positions are 0, 1, ...
+within each sequence (the models' default); its backward recomputes through the reference math.
+The CPU always runs the reference functions above.
 """
 
 from __future__ import annotations
@@ -20,6 +28,24 @@ from torch import nn
 from minite.nn.linear import Linear
 from minite.nn.norm import RMSNorm
 from minite.nn.rope import apply_rope, rope_cos_sin
+
+_USE_KERNEL = True
+
+
+def use_kernel(enabled: bool) -> bool:
+    """Switch the CUDA attention kernel on or off (for tests and benchmarks); -> the previous setting."""
+    global _USE_KERNEL
+    previous, _USE_KERNEL = _USE_KERNEL, bool(enabled)
+    return previous
+
+
+def kernel_enabled(device: torch.device) -> bool:
+    """Whether attention on `device` runs the Triton kernel: CUDA, Triton importable, switched on."""
+    if not _USE_KERNEL or device.type != "cuda":
+        return False
+    from minite.kernels import available
+
+    return available()
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
@@ -87,8 +113,56 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor | None = None):
         """x `[B, T, H]`, positions `[B, T]` -> `[B, T, H]`; with `cu_seqlens`, B must be 1 (packed)."""
         q, k, v = self.project_qkv(x, positions)
+        B, T = x.shape[:2]
+        if kernel_enabled(x.device) and _kernel_shapes_ok(q):
+            cu = cu_seqlens if cu_seqlens is not None else torch.arange(0, B * T + 1, T, device=x.device)
+            out = packed_kernel_attention(q.reshape(B * T, *q.shape[2:]), k.reshape(B * T, *k.shape[2:]),
+                                          v.reshape(B * T, *v.shape[2:]), positions.reshape(B * T), cu)
+            if out is not None:
+                return self.o_proj(out.view(B, T, -1))
         if cu_seqlens is None:
             out = attention(q, k, v, positions, positions)  # [B, T, Hq, D]
         else:
             out = varlen_attention(q[0], k[0], v[0], positions[0], cu_seqlens)[None]
         return self.o_proj(out.flatten(-2))
+
+
+def _kernel_shapes_ok(q: torch.Tensor) -> bool:
+    D = q.shape[-1]
+    return q.dtype in (torch.bfloat16, torch.float16, torch.float32) and D >= 16 and D & (D - 1) == 0
+
+
+def packed_kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                            cu_seqlens: torch.Tensor) -> torch.Tensor | None:
+    """`varlen_attention` by the kernel: q `[N, Hq, D]`, k/v `[N, Hkv, D]`, positions `[N]`,
+    cu_seqlens `[S + 1]` -> `[N, Hq, D]`; None when the positions are not 0, 1, ... per sequence
+    (the kernel's layout), so the caller runs the reference instead."""
+    N = q.shape[0]
+    cu = cu_seqlens.to(q.device, torch.int64)
+    lengths = cu[1:] - cu[:-1]  # [S]
+    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=q.device), lengths, output_size=N)
+    positions = positions.to(torch.int64).contiguous()
+    if not torch.equal(positions, torch.arange(N, device=q.device) - cu[:-1][seq]):
+        return None
+    return _KernelAttention.apply(q, k, v, seq, positions, cu)
+
+
+class _KernelAttention(torch.autograd.Function):
+    """Forward: the kernel over contiguous packed k/v. Backward: the reference math (fp32 einsum per
+    sequence) recomputed under autograd; its gradient is that of the exact softmax attention."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, seq, positions, cu):
+        from minite.kernels.attention import contiguous_attention
+
+        ctx.save_for_backward(q, k, v, positions, cu)
+        return contiguous_attention(q, k, v, seq, positions, cu[:-1], cu[1:] - cu[:-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, positions, cu = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = varlen_attention(*inputs, positions, cu)
+            dq, dk, dv = torch.autograd.grad(out, inputs, grad)
+        return dq, dk, dv, None, None, None

@@ -4,8 +4,10 @@ Storage per layer: `k[l]`, `v[l]` of shape `[num_blocks + 1, block_size, Hkv, D]
 zero-initialized (so a masked slot never holds NaN). Token position p of a sequence lives in slot
 `block_table[p // block_size] * block_size + p % block_size`. The extra last block is a scratch
 block: padding rows of a batch write there and padded block-table entries point there; it is never
-handed out. `gather` lays a sequence's blocks out in block-table order, i.e. in position order, so
-attention reads cached keys in the same order as a full-sequence forward.
+handed out. On CUDA the attention kernel (`minite.kernels.attention.paged_attention`) reads the
+blocks in place through the block tables, in position order; `gather` (the CPU path) lays a
+sequence's blocks out in block-table order, i.e. in position order, so attention reads cached keys
+in the same order as a full-sequence forward.
 
 `BlockManager` owns the block ids: `allocate` takes free blocks (reference count 1), `share` adds a
 reference (the n samples of a request share their prompt's full blocks), `free` drops one reference

@@ -8,7 +8,12 @@ over its sequence's cached keys gathered in position order; fresh and cached key
 alike, the only difference from a full forward being trailing masked (empty) key slots.
 
 Token-wise ops (projections, norms, MLP) run on the `N` new tokens flattened, without padding.
-Attention takes them padded to `[B, Tq]` (pad queries have position -1, see `CachedBatch`).
+On the CPU, attention takes them padded to `[B, Tq]` (pad queries have position -1, see
+`CachedBatch`) over keys gathered from the cache. On CUDA (`minite.nn.attention.kernel_enabled`)
+the paged attention kernel reads the keys in place from the cache blocks, for prefill and decode
+alike: the same kernel and launch configuration as the learner's forward, so a token's attention
+output does not depend on the batch it was computed in. Both paths are free of host syncs (the
+decode step is captured in CUDA graphs).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minite.nn.attention import attention
+from minite.nn.attention import attention, kernel_enabled
 from minite.sampler.kv_cache import KVCache
 
 
@@ -75,17 +80,29 @@ def cached_forward(model, cache: KVCache, batch: CachedBatch) -> torch.Tensor:
     """Run the new tokens through `model`, writing their k/v into `cache`; -> logits `[B, V]` of
     each sequence's last new token, in the model's dtype."""
     B, Tq = batch.query_pos.shape
-    Tk = batch.block_tables.shape[1] * cache.block_size
-    key_pos = torch.arange(Tk, device=batch.positions.device).expand(B, Tk)
-    key_pos = torch.where(key_pos < batch.context_lens[:, None], key_pos, -1)  # [B, Tk]
+    use_kernel = kernel_enabled(cache.k.device)
+    if use_kernel:
+        from minite.kernels.attention import paged_attention, plan_tiles
+
+        query_seq = batch.unpad // Tq  # [N] sequence of each new token
+        cfg = model.config
+        tiles = plan_tiles(query_seq, B, cfg.num_attention_heads // cfg.num_key_value_heads)
+    else:
+        Tk = batch.block_tables.shape[1] * cache.block_size
+        key_pos = torch.arange(Tk, device=batch.positions.device).expand(B, Tk)
+        key_pos = torch.where(key_pos < batch.context_lens[:, None], key_pos, -1)  # [B, Tk]
     x = model.embed_tokens(batch.input_ids)  # [N, H]
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
         q, k, v = attn.project_qkv(layer.input_layernorm(x), batch.positions)  # [N, Hq | Hkv, D]
         cache.write(i, batch.slots, k, v)
-        keys, values = cache.gather(i, batch.block_tables)  # [B, Tk, Hkv, D]
-        out = attention(q[batch.query_rows], keys, values, batch.query_pos, key_pos)  # [B, Tq, Hq, D]
-        out = out.reshape(B * Tq, -1)[batch.unpad]  # [N, Hq * D]
+        if use_kernel:
+            out = paged_attention(q, cache.k[i], cache.v[i], query_seq, batch.positions, batch.block_tables,
+                                  batch.context_lens, tiles=tiles).flatten(1)  # [N, Hq * D]
+        else:
+            keys, values = cache.gather(i, batch.block_tables)  # [B, Tk, Hkv, D]
+            out = attention(q[batch.query_rows], keys, values, batch.query_pos, key_pos)  # [B, Tq, Hq, D]
+            out = out.reshape(B * Tq, -1)[batch.unpad]  # [N, Hq * D]
         h = x + attn.o_proj(out)
         x = h + layer.mlp(layer.post_attention_layernorm(h))
     return model.logits(model.norm(x[batch.last]))  # [B, V]

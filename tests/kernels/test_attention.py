@@ -170,3 +170,40 @@ def test_gpu_bitwise_decode_prefill_packed(heads):
         out = paged_attention(dq, kc, vc, torch.arange(64, device="cuda"), pos.cuda(), tables[seqs.cuda()],
                               (pos + 1).cuda())
         assert torch.equal(out, alone[rows.cuda()])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real wiring (end-to-end test)")
+def test_wiring_under_the_interpreter(monkeypatch):
+    """The sampler (paged, prefill + decode) and the model's packed and padded forwards with the kernel
+    forced on (interpreter, fp32): same tokens as the reference paths, log-probs and gradients close."""
+    import sys
+
+    from minite.sampler import Sampler, runner
+    from minite.sampling import SamplingParams
+    from tests.sampler.common import full_forward_logprobs, prompts_of, tiny_model, tokens_of
+
+    nn_attention = sys.modules["minite.nn.attention"]
+    model = tiny_model("bf16")
+    prompts = prompts_of([7, 19, 3])
+    params = SamplingParams(n=2, max_tokens=5, temperature=0.8, seed=1)
+    want = Sampler(model, max_num_seqs=4, kv_cache_tokens=48, block_size=4).generate(prompts, params)
+    ids, cu = torch.tensor([prompts[0] + prompts[1]]), torch.tensor([0, 7, 26])
+    hidden_ref = model.hidden_states(ids, cu_seqlens=cu)
+    monkeypatch.setattr(nn_attention, "kernel_enabled", lambda device: True)
+    monkeypatch.setattr(runner, "kernel_enabled", lambda device: True)
+    got = Sampler(model, max_num_seqs=4, kv_cache_tokens=48, block_size=4).generate(prompts, params)
+    assert tokens_of(got) == tokens_of(want)
+    for prompt, r in zip(prompts, got):
+        for s in r.samples:
+            lp = full_forward_logprobs(model, prompt, s.token_ids, params)  # padded path, kernel
+            torch.testing.assert_close(s.logprobs, lp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(model.hidden_states(ids, cu_seqlens=cu), hidden_ref, rtol=0, atol=1e-5)
+    q, k, v = (torch.randn(26, h, 16, requires_grad=True) for h in (4, 2, 2))
+    pos = torch.cat([torch.arange(7), torch.arange(19)])
+    nn_attention.packed_kernel_attention(q, k, v, pos, cu).square().sum().backward()
+    grads = [t.grad for t in (q, k, v)]
+    loss = nn_attention.varlen_attention(q, k, v, pos, cu).square().sum()
+    want_grads = torch.autograd.grad(loss, (q, k, v))
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert nn_attention.packed_kernel_attention(q, k, v, pos + 1, cu) is None  # not 0, 1, ...: reference
