@@ -95,7 +95,7 @@ class SamplingSection:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    max_tokens: int = 8
+    max_tokens: int = 4
 
     def __post_init__(self):
         if not self.temperature > 0:
@@ -108,11 +108,11 @@ class SamplingSection:
 class RLSection:
     """One RL step = `prompts` x `n` rollouts, then `minibatches` updates on them."""
 
-    steps: int = 40
+    steps: int = 100
     lr: float = 3e-4
-    prompts: int = 16
+    prompts: int = 32
     n: int = 8
-    minibatches: int = 2
+    minibatches: int = 4
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     loss: LossConfig = field(default_factory=LossConfig)
@@ -134,7 +134,7 @@ class RLSection:
 class WarmupSection:
     """Supervised warm start on `Example.solution` before RL (steps = 0 skips it)."""
 
-    steps: int = 0
+    steps: int = 100
     lr: float = 3e-3
     batch_size: int = 64
 
@@ -153,7 +153,7 @@ class LoggingSection:
 class CheckpointSection:
     """Save every `every` RL steps (0: never), keeping the last `keep`."""
 
-    every: int = 10
+    every: int = 20
     keep: int = 2
 
     def __post_init__(self):
@@ -165,7 +165,7 @@ class CheckpointSection:
 class EvalSection:
     """Greedy accuracy on `size` held-out examples every `every` RL steps (0: only before and after)."""
 
-    every: int = 10
+    every: int = 20
     size: int = 256
 
     def __post_init__(self):
@@ -186,7 +186,7 @@ class TrainConfig:
     eval: EvalSection = field(default_factory=EvalSection)
     run_dir: str = ""
     seed: int = 0
-    threads: int = 0  # torch CPU threads; 0 keeps torch's default (1 resists contention on a shared CPU)
+    threads: int = 1  # torch CPU threads (0: torch's default); 1 resists contention on a shared CPU
 
 
 def _positive(obj, *names: str) -> None:
