@@ -33,9 +33,10 @@ class Sampler:
     max_num_seqs: sequences decoded together; kv_cache_tokens: KV slots (None: `kv_memory_fraction` of
     free GPU memory, or a fixed default on CPU); block_size: tokens per KV block;
     max_num_batched_tokens: prefill token budget per step; prefix_sharing: share a group's prompt
-    blocks; cuda_graphs: None = on for CUDA models whose decode step can be captured (dense, no
-    NVFP4 layer: the MoE routing and the NVFP4 quantizer's finiteness check synchronize), False =
-    off, True = on (error on CPU).
+    blocks; cuda_graphs: None = on for CUDA models whose decode step can be captured (every module
+    `graph_safe()`: bf16 layers, NVFP4 layers and MoE experts on the Triton backend; the reference
+    NVFP4 path and the padded MoE grouping of bf16 experts synchronize), False = off, True = on
+    (error on CPU).
     """
 
     def __init__(self, model, max_num_seqs: int = 256, kv_cache_tokens: int | None = None,
@@ -63,8 +64,9 @@ class Sampler:
                 raise ValueError("cuda_graphs=True needs a model on a CUDA device")
             return False
         if flag is None:
-            return not self.model.config.is_moe and not any(
-                getattr(m, "recipe", None) is not None and m.recipe.fp4 for m in self.model.modules())
+            # Capture only when no module synchronizes with the host in a decode step: Linear and
+            # MoEExperts report it (`graph_safe`); everything else in the decode step is sync-free.
+            return all(m.graph_safe() for m in self.model.modules() if hasattr(m, "graph_safe"))
         return flag
 
     @property

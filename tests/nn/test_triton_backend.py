@@ -1,0 +1,313 @@
+"""Backend 'triton' of minite.nn against backend 'ref': Linear, MoE experts, a tiny model, CUDA graphs.
+
+Without CUDA the kernels run in the Triton interpreter (tiny shapes, fp32 inputs, fp16 operands);
+TRITON_INTERPRET must be set before the first @triton.jit function is created, so it is set here at
+import, only without CUDA, exactly as tests/kernels/conftest.py does.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from minite import kernels  # noqa: E402
+from minite.models import Qwen3, tiny_qwen3, tiny_qwen3_moe  # noqa: E402
+from minite.nn import Linear, MoEExperts, moe_reference  # noqa: E402
+from minite.nn.moe import group_by_expert, sort_by_expert  # noqa: E402
+from minite.nn.nvfp4_matmul import use_kernels  # noqa: E402
+from minite.nvfp4 import dequantize, quantize  # noqa: E402
+from minite.nvfp4 import use_kernels as quantize_uses_kernels  # noqa: E402
+from minite.recipe import get_recipe  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="Triton is not installed")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ALIGNED_TRITON = get_recipe("aligned", backend="triton")
+# Kernel and reference GEMMs both sum exact 16-block partial sums in fp32, in different orders: each
+# may round once per 16-block (at most 2^-24 of sum_k |x_dq| |w_dq| each), so they differ by at most
+# GEMM_ROUNDINGS_RTOL * (K / 16) of that sum (observed: bitwise equal on these shapes).
+GEMM_ROUNDINGS_RTOL = 2 * 2.0**-24
+# Gaussian inputs at these K: every fp32 accumulation is exact (FACTS.md 1.1), so outputs are bitwise.
+GAUSSIAN_EQUAL_FRAC = 1.0
+# bf16 outputs: one bf16 rounding (at most 2^-7 relative) of values that may differ in the fp32 ulp.
+BF16_RTOL = 2.0**-7
+# Two tiny models whose GEMMs agree to the bound above; a flipped activation code downstream moves a
+# logit by far less than this (observed: bitwise equal on the CPU).
+LOGITS_REL_RMS = 1e-2
+# Graph replay and eager decode run the same kernels on the same padded shapes.
+GRAPH_LOGPROB_TOL = 1e-6
+# Sampler vs full forward on the GPU: the GEMMs agree bitwise (aligned config), attention and norms
+# only to fp32 rounding, which can flip an activation code now and then (a ~1e-3 log-prob move).
+FULL_FORWARD_LOGPROB_TOL = 1e-2
+
+
+def _pair(module_cls, *args, **kwargs):
+    """The same module twice (shared initial weights): backend 'ref' and backend 'triton'."""
+    torch.manual_seed(0)
+    ref = module_cls(*args, recipe="aligned", **kwargs).to(DEVICE)
+    tri = module_cls(*args, recipe=ALIGNED_TRITON, **kwargs).to(DEVICE)
+    tri.load_state_dict(ref.state_dict())
+    return ref, tri
+
+
+def _gemm_bound(x, lin):
+    r = lin.recipe
+    xd = dequantize(quantize(x.reshape(-1, x.shape[-1]).float(), **r.activation.kwargs()))
+    wd = dequantize(quantize(lin.weight.detach().float(), **r.weight.kwargs()))
+    return (xd.abs() @ wd.abs().T).reshape(*x.shape[:-1], -1)
+
+
+def _assert_gemm_close(out, ref, bound, k, out_rtol=0.0):
+    diff = (out.float() - ref.float()).abs()
+    rtol = GEMM_ROUNDINGS_RTOL * k / 16
+    assert (diff <= rtol * bound + out_rtol * ref.float().abs()).all(), diff.max().item()
+
+
+def test_quantize_backends_agree_bitwise():
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(5, 64, generator=g) ** 3).to(DEVICE)
+    for kw in (dict(scaling="row"), dict(scaling="tensor"), dict(scaling="tensor", block=(16, 16), pad=True),
+               dict(scaling="tensor", chain="vllm"), dict(scaling="static", static_scale=0.01)):
+        a, b = quantize(x, backend="triton", **kw), quantize(x, backend="ref", **kw)
+        assert torch.equal(a.codes, b.codes) and torch.equal(a.block_scales.view(torch.uint8),
+                                                                b.block_scales.view(torch.uint8))
+        assert torch.equal(a.global_scale, b.global_scale) and torch.equal(a.amax, b.amax)
+        assert a.shape == b.shape and a.block == b.block
+
+
+def test_quantize_auto_keeps_cpu_on_the_reference():
+    assert not quantize_uses_kernels(torch.zeros(2, 16), "auto")
+    assert quantize_uses_kernels(torch.zeros(2, 16), "triton")
+    assert not quantize_uses_kernels(torch.zeros(2, 16, device=DEVICE), "ref")
+    with pytest.raises(ValueError, match="backend"):
+        quantize(torch.zeros(2, 16), backend="cuda")
+    x = torch.zeros(2, 16)
+    x[1, 2] = float("inf")
+    with pytest.raises(ValueError, match="non-finite"):
+        quantize(x, backend="triton")
+
+
+def test_only_covered_recipes_use_the_kernels():
+    assert use_kernels(ALIGNED_TRITON, DEVICE)
+    assert not use_kernels(get_recipe("aligned"), DEVICE)
+    for name in ("te", "vllm", "torchao", "bf16"):
+        assert not use_kernels(get_recipe(name, backend="triton"), DEVICE)
+
+
+@pytest.mark.parametrize("lead", [(1,), (7,), (2, 5)])
+def test_linear_triton_matches_ref(lead):
+    ref, tri = _pair(Linear, 64, 48)
+    x = torch.randn(*lead, 64, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    a, b = tri(x), ref(x)
+    assert a.dtype == b.dtype and a.shape == b.shape
+    _assert_gemm_close(a, b, _gemm_bound(x, tri), 64)
+    assert (a == b).float().mean().item() >= GAUSSIAN_EQUAL_FRAC
+
+
+def test_linear_triton_heavy_tailed_within_bound_and_batch_invariant():
+    ref, tri = _pair(Linear, 128, 40, bias=True)
+    x = (torch.randn(9, 128, generator=torch.Generator().manual_seed(3)) ** 3).to(DEVICE)
+    x[4] *= 100.0
+    _assert_gemm_close(tri(x), ref(x), _gemm_bound(x, tri), 128)
+    full = tri(x)
+    for rows in (slice(0, 1), slice(2, 5), slice(4, 9)):
+        assert torch.equal(tri(x[rows]), full[rows])
+
+
+def test_linear_triton_k_not_a_multiple_of_the_tile_and_fast_mode():
+    ref, tri = _pair(Linear, 48, 24)  # K = 48: zero-padded to the GEMM's K tile
+    x = torch.randn(6, 48, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    _assert_gemm_close(tri(x), ref(x), _gemm_bound(x, tri), 48)
+    ref, tri = _pair(Linear, 256, 32)
+    tri.fast = True
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    _assert_gemm_close(tri(x), ref(x), _gemm_bound(x, tri), 256)
+
+
+def test_linear_uncovered_recipe_falls_back_to_the_reference():
+    torch.manual_seed(0)
+    ref = Linear(64, 32, recipe="te").to(DEVICE)
+    tri = Linear(64, 32, recipe=get_recipe("te", backend="triton")).to(DEVICE)
+    tri.load_state_dict(ref.state_dict())
+    x = torch.randn(5, 64, device=DEVICE)
+    assert torch.equal(tri(x), ref(x))
+
+
+@pytest.mark.parametrize("backward", ["dequantized", "nvfp4"])
+def test_linear_triton_backward(backward):
+    torch.manual_seed(0)
+    ref = Linear(64, 32, recipe=get_recipe("aligned", backward=backward)).to(DEVICE)
+    tri = Linear(64, 32, recipe=get_recipe("aligned", backward=backward, backend="triton")).to(DEVICE)
+    tri.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 3, 64, device=DEVICE)
+    grads = []
+    for lin in (ref, tri):
+        xi = x.clone().requires_grad_()
+        lin(xi).square().sum().backward()
+        grads.append((xi.grad, lin.weight.grad))
+    (dx_r, dw_r), (dx_t, dw_t) = grads
+    assert dx_t.shape == x.shape and dw_t.shape == tri.weight.shape
+    if backward == "dequantized":  # the same fp32 GEMMs on the same (bitwise) operands
+        torch.testing.assert_close(dx_t, dx_r, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(dw_t, dw_r, rtol=1e-5, atol=1e-6)
+    else:  # stochastic rounding: another random stream, same expectation
+        assert torch.isfinite(dx_t).all() and torch.isfinite(dw_t).all()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU raises; CUDA marks NaN rows (GPU test)")
+def test_linear_triton_non_finite_input_raises_on_cpu():
+    _, tri = _pair(Linear, 32, 16)
+    x = torch.randn(2, 32)
+    x[1, 3] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        tri(x)
+
+
+def test_sort_by_expert_agrees_with_the_padded_grouping():
+    ids = torch.tensor([[3, 0], [1, 3], [3, 1], [4, 0]])
+    s, g = sort_by_expert(ids, 6), group_by_expert(ids, 6)
+    assert s.offsets.tolist() == [0, 2, 4, 4, 7, 8, 8]
+    assert torch.equal(s.tokens, g.tokens) and torch.equal(s.inverse, g.inverse)
+    assert torch.equal(s.experts, g.experts[g.slot])
+    assert torch.equal(s.experts[s.inverse].reshape(ids.shape), ids)
+
+
+def test_moe_triton_matches_ref_and_moe_reference():
+    ref, tri = _pair(MoEExperts, 4, 64, 32, 2)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    a, b = tri(x), ref(x)
+    # SwiGLU between the two GEMMs can move a code of the down projection's input: compare loosely
+    assert ((a - b).norm() / b.norm()).item() <= LOGITS_REL_RMS
+    # the grouped kernel gives an expert's rows the bits of a per-expert dense GEMM
+    assert torch.equal(moe_reference(tri, x), a)
+    assert torch.equal(tri(x[:4]), a[:4])
+
+
+def test_moe_triton_backward_matches_ref():
+    ref, tri = _pair(MoEExperts, 4, 64, 32, 2)
+    x = torch.randn(6, 64, device=DEVICE)
+    grads = []
+    for moe in (ref, tri):
+        xi = x.clone().requires_grad_()
+        moe(xi).square().sum().backward()
+        grads.append((xi.grad, moe.gate_up_proj.grad, moe.down_proj.grad))
+    for t, r in zip(grads[1], grads[0]):
+        torch.testing.assert_close(t, r, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_tiny_model_logits_triton_vs_ref(moe):
+    cfg = (tiny_qwen3_moe if moe else tiny_qwen3)(num_hidden_layers=1)
+    torch.manual_seed(0)
+    ref = Qwen3(cfg, recipe="aligned").to(DEVICE)
+    tri = Qwen3(cfg, recipe=ALIGNED_TRITON).to(DEVICE)
+    tri.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, cfg.vocab_size, (2, 5), device=DEVICE)
+    with torch.no_grad():
+        a, b = tri(ids), ref(ids)
+    assert ((a - b).norm() / b.norm()).item() <= LOGITS_REL_RMS
+
+
+def _cuda_pair(module_cls, *args, dtype=torch.float32, **kwargs):
+    torch.manual_seed(0)
+    ref = module_cls(*args, recipe="aligned", **kwargs).to("cuda", dtype)
+    tri = module_cls(*args, recipe=ALIGNED_TRITON, **kwargs).to("cuda", dtype)
+    tri.load_state_dict(ref.state_dict())
+    return ref, tri
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_aligned_linear_triton_vs_ref(dtype):
+    ref, tri = _cuda_pair(Linear, 512, 384, dtype=dtype)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = (torch.randn(300, 512, device="cuda", generator=g) ** 3).to(dtype)
+    full = tri(x)
+    _assert_gemm_close(full, ref(x), _gemm_bound(x, tri), 512, BF16_RTOL if dtype == torch.bfloat16 else 0.0)
+    for m in (1, 7, 64):  # the aligned config: rows do not depend on M
+        assert torch.equal(tri(x[:m]), full[:m])
+
+
+@pytest.mark.gpu
+def test_gpu_non_finite_rows_become_nan_without_a_sync():
+    _, tri = _cuda_pair(Linear, 64, 32)
+    x = torch.randn(4, 64, device="cuda")
+    clean = tri(x)  # quantizes the weight (a host sync, once per update)
+    x[1, 3], x[2, 0] = float("nan"), float("inf")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = tri(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isnan(out[1:3]).all()
+    assert torch.equal(out[0], clean[0]) and torch.equal(out[3], clean[3])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_gpu_tiny_model_logits_triton_vs_ref(moe):
+    cfg = (tiny_qwen3_moe if moe else tiny_qwen3)()
+    ref, tri = Qwen3(cfg, recipe="aligned").cuda(), Qwen3(cfg, recipe=ALIGNED_TRITON).cuda()
+    tri.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, cfg.vocab_size, (3, 17), device="cuda")
+    with torch.no_grad():
+        a, b = tri(ids), ref(ids)
+    assert ((a - b).norm() / b.norm()).item() <= LOGITS_REL_RMS
+
+
+def _capture(fn, x):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(x)
+    return graph, out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("module", ["linear", "moe"])
+def test_gpu_cuda_graph_capture_of_triton_modules(module):
+    torch.manual_seed(0)
+    if module == "linear":
+        m = Linear(64, 48, recipe=ALIGNED_TRITON).cuda()
+    else:
+        m = MoEExperts(8, 64, 32, 2, recipe=ALIGNED_TRITON).cuda()
+    assert m.graph_safe()
+    static = torch.randn(4, 64, device="cuda")
+    with torch.no_grad():
+        graph, out = _capture(m, static)
+        for seed in (1, 2):
+            new = torch.randn(4, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+            static.copy_(new)
+            graph.replay()
+            assert torch.equal(out, m(new))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_gpu_sampler_graphs_on_for_triton_aligned(moe):
+    from minite.sampler import Sampler
+    from minite.sampling import SamplingParams
+    from tests.sampler.common import full_forward_logprobs, prompts_of, tiny_model, tokens_of
+
+    model = tiny_model(ALIGNED_TRITON, moe=moe).cuda()
+    prompts = prompts_of([5, 13, 2])
+    params = SamplingParams(n=2, max_tokens=12, top_k=50, seed=5)
+    graphed = Sampler(model, max_num_seqs=8, kv_cache_tokens=1024)
+    eager = Sampler(model, max_num_seqs=8, kv_cache_tokens=1024, cuda_graphs=False)
+    assert graphed.use_graphs
+    assert not Sampler(tiny_model("aligned", moe=moe).cuda(), kv_cache_tokens=256).use_graphs
+    a, b = graphed.generate(prompts, params), eager.generate(prompts, params)
+    assert graphed.stats["graph_steps"] > 0
+    assert tokens_of(a) == tokens_of(b)
+    for prompt, ra, rb in zip(prompts, a, b):
+        for sa, sb in zip(ra.samples, rb.samples):
+            assert (sa.logprobs - sb.logprobs).abs().max().item() <= GRAPH_LOGPROB_TOL
+            ref = full_forward_logprobs(model, prompt, sa.token_ids, params)
+            assert (ref - sa.logprobs).abs().max().item() <= FULL_FORWARD_LOGPROB_TOL
