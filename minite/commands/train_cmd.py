@@ -25,7 +25,7 @@ def add_parser(sub, name):
     p.add_argument("--resume", metavar="RUN_DIR", help="continue this run folder from its latest checkpoint")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     p.set_defaults(overrides=[])
-    # argparse rejects options it does not know; dotted overrides are open-ended, so collect them here.
+    # argparse rejects options it does not know; `--key=value` overrides are open-ended: collect them.
     parse_known = p.parse_known_args
 
     def parse_known_args(args=None, namespace=None):
@@ -37,7 +37,7 @@ def add_parser(sub, name):
 
 
 def _is_override(arg: str) -> bool:
-    return arg.startswith("--") and "=" in arg and "." in arg.split("=", 1)[0]
+    return arg.startswith("--") and "=" in arg
 
 
 def resolve(args):

@@ -104,8 +104,7 @@ class Trainer:
             self.step, self.data_pos = state["step"], state["data"]["position"]
             self.log.truncate_after(self.step)
             self.progress.message(f"resumed {ckpt} (step {self.step})")
-        elif not resume:
-            (self.run_dir / "config.toml").write_text(to_toml(cfg))
+        (self.run_dir / "config.toml").write_text(to_toml(cfg))
 
     def _fresh_model(self) -> Qwen3:
         m = self.cfg.model
