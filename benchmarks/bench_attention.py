@@ -1,0 +1,161 @@
+"""Decode attention (one query per sequence) over a paged bf16 KV cache, Qwen3-1.7B heads (16 q / 8 kv,
+head_dim 128), 512 sequences x context {512, 1024}:
+
+- ours: `kernels.attention.paged_attention` (the batch-invariant config, keys read in place);
+- sdpa: torch SDPA on a contiguous padded cache [B, Hkv, T, D] with enable_gqa (the HF-like baseline);
+- gather+ref: the sampler's previous path, keys gathered into a padded copy + fp32 einsum attention.
+
+Bandwidth: KV bytes read (B x T x Hkv x D x 2 B x 2) / time, as a fraction of the 4.25 TB/s HBM copy
+rate (FACTS.md 1). Also: a prefill row (causal, 8 x 1024 tokens) vs SDPA's flash path, a small sweep
+of launch configs (measurements only; the config in use stays CONFIGS["gpu"]), and end to end on a
+tiny bf16 model the fraction of sampled tokens whose sampler log-prob equals the learner's bitwise,
+with the kernel on and off.
+"""
+
+# ruff: noqa: B023  (lambdas are timed at once, inside the loop that binds them)
+import torch
+import torch.nn.functional as F
+import triton
+from bench_common import HBM_COPY_TBPS, bench_ms, parse_args, report
+
+from minite.kernels import attention as ka
+from minite.nn.attention import attention, use_kernel
+from minite.sampler.kv_cache import KVCache
+
+HQ, HKV, D, BLOCK = 16, 8, 128, 16
+SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
+         for bm, bn, w, st in ((16, 64, 4, 2), (32, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 2),
+                               (128, 64, 8, 2), (16, 128, 4, 3))]
+
+
+def decode_inputs(B: int, T: int):
+    """A shuffled paged cache holding B sequences of T keys; one query per sequence at position T - 1."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    W = T // BLOCK
+    cache = KVCache(1, B * W, BLOCK, HKV, D, torch.bfloat16, "cuda")
+    cache.k.normal_(generator=g)
+    cache.v.normal_(generator=g)
+    tables = torch.randperm(B * W, device="cuda", generator=g).view(B, W)
+    q = torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    seq = torch.arange(B, device="cuda")
+    pos = torch.full((B,), T - 1, device="cuda")
+    lens = torch.full((B,), T, device="cuda")
+    return cache, tables, q, seq, pos, lens
+
+
+def decode_rows(B: int, T: int, configs: list[dict]) -> tuple[list[dict], list[dict]]:
+    cache, tables, q, seq, pos, lens = decode_inputs(B, T)
+    kv_bytes = B * T * HKV * D * 2 * 2
+    def ours(cfg=None):
+        cfg = cfg or ka.CONFIGS["gpu"]
+        tiles = ka.plan_tiles(seq, B, HQ // HKV, cfg["BLOCK_M"])  # once per forward, shared by all layers
+        return lambda: ka.paged_attention(q, cache.k[0], cache.v[0], seq, pos, tables, lens, tiles=tiles,
+                                          cfg=cfg)
+
+    k_pad, v_pad = cache.gather(0, tables)  # [B, T, Hkv, D]
+    k_sdpa, v_sdpa = k_pad.transpose(1, 2).contiguous(), v_pad.transpose(1, 2).contiguous()  # [B, Hkv, T, D]
+    q_sdpa = q[:, :, None]  # [B, Hq, 1, D]
+    sdpa = lambda: F.scaled_dot_product_attention(q_sdpa, k_sdpa, v_sdpa, enable_gqa=True)  # noqa: E731
+    kpos = torch.arange(T, device="cuda").expand(B, T)
+
+    def gather_ref():
+        keys, values = cache.gather(0, tables)
+        return attention(q[:, None], keys, values, pos[:, None], kpos)
+
+    want = sdpa()[:, :, 0].float()
+    err = (ours()().float() - want).abs().max().item()
+    row = dict(B=B, context=T, kv_MB=kv_bytes / 2**20, max_abs_vs_sdpa=err)
+    for name, fn in (("ours", ours()), ("sdpa", sdpa), ("gather_ref", gather_ref)):
+        t = bench_ms(fn, warmup=5 if name == "gather_ref" else 25, rep=30 if name == "gather_ref" else 100)
+        row[f"{name}_us"] = t * 1e3
+        row[f"{name}_hbm_frac"] = kv_bytes / (t * 1e-3) / (HBM_COPY_TBPS * 1e12)
+    row["speedup_vs_sdpa"] = row["sdpa_us"] / row["ours_us"]
+    row["speedup_vs_gather_ref"] = row["gather_ref_us"] / row["ours_us"]
+    sweep = []
+    for cfg in configs:
+        try:
+            t = bench_ms(ours(cfg))
+        except triton.runtime.errors.OutOfResources:
+            continue
+        sweep.append(dict(regime="decode", B=B, context=T, **cfg, us=t * 1e3,
+                          hbm_frac=kv_bytes / (t * 1e-3) / (HBM_COPY_TBPS * 1e12)))
+    return [row], sweep
+
+
+def prefill_rows(configs: list[dict], S: int = 8, T: int = 1024) -> tuple[list[dict], list[dict]]:
+    """Causal prefill of S sequences of T tokens, packed (the learner's layout) vs SDPA causal."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    N = S * T
+    q = torch.randn(N, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(N, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(N, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    seq = torch.arange(S, device="cuda").repeat_interleave(T)
+    pos = torch.arange(T, device="cuda").repeat(S)
+    start = torch.arange(0, N, T, device="cuda")
+    lens = torch.full((S,), T, device="cuda")
+    ours = lambda cfg=None: ka.contiguous_attention(q, k, v, seq, pos, start, lens, cfg=cfg)  # noqa: E731
+    qs, ks, vs = (t.view(S, T, -1, D).transpose(1, 2) for t in (q, k, v))
+    sdpa = lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)  # noqa: E731
+    flops = 4 * S * HQ * D * T * T / 2  # causal half of QK^T and PV
+    err = (ours().float() - sdpa().transpose(1, 2).reshape(N, HQ, D).float()).abs().max().item()
+    row = dict(S=S, T=T, max_abs_vs_sdpa=err)
+    for name, fn in (("ours", ours), ("sdpa", sdpa)):
+        t = bench_ms(fn)
+        row[f"{name}_us"] = t * 1e3
+        row[f"{name}_tflops"] = flops / (t * 1e-3) / 1e12
+    sweep = []
+    for cfg in configs:
+        try:
+            t = bench_ms(lambda: ours(cfg))
+        except triton.runtime.errors.OutOfResources:
+            continue
+        sweep.append(dict(regime="prefill", S=S, T=T, **cfg, us=t * 1e3, tflops=flops / (t * 1e-3) / 1e12))
+    return [row], sweep
+
+
+def end_to_end_agreement() -> list[dict]:
+    """Tiny bf16 model, bf16 recipe: sampler log-probs vs the learner's, with the kernel on and off."""
+    import sys
+
+    sys.path.insert(0, ".")
+    from minite.sampling import SamplingParams
+    from tests.kernels.test_attention import sampler_vs_learner
+    from tests.sampler.common import prompts_of, tiny_model
+
+    rows = []
+    for head_dim in (16, 128):
+        model = tiny_model("bf16", head_dim=head_dim).to("cuda", torch.bfloat16)
+        prompts = prompts_of([5, 30, 70, 130, 12, 200, 64, 65])
+        params = SamplingParams(n=4, max_tokens=64, temperature=0.9, seed=5)
+        for kernel in (True, False):
+            previous = use_kernel(kernel)
+            try:
+                sampler, learner = sampler_vs_learner(model, prompts, params, max_num_seqs=32,
+                                                      kv_cache_tokens=16384)
+            finally:
+                use_kernel(previous)
+            rows.append(dict(head_dim=head_dim, kernel=kernel, tokens=sampler.numel(),
+                             bitwise_equal=(sampler == learner).float().mean().item(),
+                             max_abs_diff=(sampler - learner).abs().max().item()))
+    return rows
+
+
+def main():
+    args = parse_args("benchmarks/results/attention.json")
+    rows, sweep = [], []
+    configs = [] if args.quick else SWEEP
+    for T in (512, 1024):
+        r, s = decode_rows(512, T, configs)
+        rows += r
+        sweep += s
+    prefill, psweep = prefill_rows(configs)
+    agreement = end_to_end_agreement()
+    report("attention prefill (packed, causal; ours includes planning its tiles)", prefill, None)
+    report("attention config sweep (measurement only)", sweep + psweep, None)
+    report("end to end: sampler vs learner log-probs (tiny bf16 model)", agreement, None)
+    report("attention decode (512 seqs, Qwen3-1.7B heads)", rows, args.out,
+           extra=dict(config=ka.CONFIGS["gpu"], prefill=prefill, sweep=sweep + psweep, agreement=agreement))
+
+
+if __name__ == "__main__":
+    main()
