@@ -10,8 +10,8 @@ are masked). The program walks its sequence's keys in position order, in chunks 
 s = (q @ k^T) * scale * log2(e) in an fp32-accumulating MMA, fp32 online softmax (exp2), p cast to
 the value dtype, acc += p @ v (fp32 accumulation), out = acc / l.
 
-Batch invariance: one fixed launch configuration (CONFIGS["gpu"]) for every call, decode or prefill,
-paged or contiguous; no split over keys; a row's arithmetic never depends on the other rows of its
+Batch invariance: one fixed launch configuration per operand dtype (CONFIGS["gpu"] for bf16/fp16)
+for every call, decode or prefill, paged or contiguous; no split over keys; a row's arithmetic never depends on the other rows of its
 tile (MMA rows are independent, row reductions run along N only) nor on chunks past its position
 (they multiply by exactly 1 and add exact zeros). Hence bitwise-equal outputs for a query whatever
 batch it is computed in. Against the reference: close, not bitwise (MMA and reduction order).
@@ -32,6 +32,8 @@ from minite.ref.attention import KV_BLOCK, LOG2E
 CONFIGS = {
     # The one configuration of every GPU call (decode, prefill, learner): never switch per batch.
     "gpu": dict(BLOCK_M=64, BLOCK_N=KV_BLOCK, num_warps=4, num_stages=2),
+    # fp32 operands (fp32 models, tests): the same tiles, fewer stages (fp32 tiles are twice the size)
+    "gpu_fp32": dict(BLOCK_M=64, BLOCK_N=KV_BLOCK, num_warps=8, num_stages=1),
     # The CPU interpreter: small tiles so that tiny tests walk several chunks.
     "interpret": dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1),
 }
@@ -96,7 +98,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tiles_ptr, pos_ptr, table_pt
         qpos = tl.load(pos_ptr + rows, mask=valid, other=-1)
         ctx = tl.load(ctx_ptr + seq)
         # a reduction, not a scalar load, so that the loop bound is 0-d in the interpreter too
-        kv_end = tl.max(tl.minimum(qpos + 1, ctx), axis=0)
+        kv_end = tl.max(tl.minimum(qpos + 1, ctx), axis=0).to(tl.int32)
         if DOT_F32:
             q = q.to(tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -123,11 +125,13 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tiles_ptr, pos_ptr, table_pt
                  out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
 
 
-def config() -> dict:
-    """The launch configuration in force (the interpreter's on the CPU, else the GPU's)."""
+def config(dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The launch configuration in force for operands of `dtype` (the interpreter's on the CPU)."""
     from minite.kernels import interpreted
 
-    return CONFIGS["interpret"] if interpreted() else CONFIGS["gpu"]
+    if interpreted():
+        return CONFIGS["interpret"]
+    return CONFIGS["gpu_fp32"] if dtype == torch.float32 else CONFIGS["gpu"]
 
 
 def kv_block() -> int:
@@ -203,7 +207,7 @@ def _launch(q, k, v, query_seq, query_pos, table, start, context_lens, block_siz
     N, Hq, D = q.shape
     Hkv = k.shape[-2]
     G = Hq // Hkv
-    cfg = config() if cfg is None else cfg
+    cfg = config(q.dtype) if cfg is None else cfg
     if G > cfg["BLOCK_M"]:
         raise ValueError(f"{G} query heads per kv head exceed the tile's BLOCK_M={cfg['BLOCK_M']}")
     out = torch.empty_like(q)
