@@ -11,10 +11,11 @@ s = (q @ k^T) * scale * log2(e) in an fp32-accumulating MMA, fp32 online softmax
 the value dtype, acc += p @ v (fp32 accumulation), out = acc / l.
 
 Batch invariance: one fixed launch configuration per operand dtype (CONFIGS["gpu"] for bf16/fp16)
-for every call, decode or prefill, paged or contiguous; no split over keys; a row's arithmetic never depends on the other rows of its
-tile (MMA rows are independent, row reductions run along N only) nor on chunks past its position
-(they multiply by exactly 1 and add exact zeros). Hence bitwise-equal outputs for a query whatever
-batch it is computed in. Against the reference: close, not bitwise (MMA and reduction order).
+for every call, decode or prefill, paged or contiguous; no split over keys; a row's arithmetic
+never depends on the other rows of its tile (MMA rows are independent, row reductions run along N
+only) nor on chunks past its position (they multiply by exactly 1 and add exact zeros). Hence
+bitwise-equal outputs for a query whatever batch it is computed in. Against the reference: close,
+not bitwise (MMA and reduction order).
 
 Operand dtypes: bf16/fp16/fp32 storage; tl.dot on the storage dtype on the GPU (fp32 with
 input_precision="ieee"). The CPU interpreter cannot do bf16 tl.dot (FACTS.md 2): there bf16
