@@ -121,15 +121,14 @@ def _w4a4_kernel(a_ptr, w_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, M, N,
              out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-# decode tiles by M padded (1: the FMA path); SPLIT_K is chosen per (N, K) by `decode_config`
+# decode tiles by M padded (1: the FMA path), from benchmarks/sweep_decode_gemm.py on the H200
+# (2026-11-30); SPLIT_K doubles (by `decode_config`) until the grid has MIN_PROGRAMS programs
 DECODE_TILES = {
-    1: dict(BM=1, BN=32, BK=256, num_warps=4, num_stages=4),
-    16: dict(BM=16, BN=32, BK=256, num_warps=4, num_stages=4),
-    32: dict(BM=32, BN=64, BK=256, num_warps=4, num_stages=4),
-    64: dict(BM=64, BN=128, BK=128, num_warps=4, num_stages=4),
+    1: dict(BM=1, BN=32, BK=256, SCALE_3D=True, MIN_PROGRAMS=264, num_warps=4, num_stages=4),
+    16: dict(BM=16, BN=128, BK=128, SCALE_3D=False, MIN_PROGRAMS=132, num_warps=4, num_stages=3),
+    32: dict(BM=32, BN=64, BK=256, SCALE_3D=True, MIN_PROGRAMS=132, num_warps=4, num_stages=4),
+    64: dict(BM=64, BN=128, BK=128, SCALE_3D=True, MIN_PROGRAMS=132, num_warps=4, num_stages=4),
 }
-# split K until the grid has this many programs (2 per SM of an H200), at most MAX_SPLIT_K ways
-DECODE_MIN_PROGRAMS = 264
 MAX_SPLIT_K = 16
 # the decode kernel's weight tiles hold e2m1 * s_b * 2^-7 (exact in fp16); the epilogue undoes it
 DECODE_W_SHIFT = 128.0
@@ -256,14 +255,15 @@ def _w4a4_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, part_
 
 def decode_config(m: int, n: int, k: int) -> dict:
     """The decode kernel's tile for this (M, N, K): by M padded (1, 16, 32, 64), then SPLIT_K (a power
-    of 2 dividing K // BK) until the grid reaches DECODE_MIN_PROGRAMS. Depends on M only through the
-    padding: rows of one padded size share the tile and the K order."""
+    of 2 dividing K // BK) until the grid reaches the tile's MIN_PROGRAMS. Depends on M only through
+    the padding: rows of one padded size share the tile and the K order."""
     if m > 64:
         raise ValueError(f"the decode config serves M <= 64, got M={m}; use 'aligned' or 'prefill'")
     bm = 1 if m == 1 else (16 if m <= 16 else (32 if m <= 32 else 64))
-    cfg = dict(DECODE_TILES[bm], kernel="decode", SCALE_3D=False)
+    cfg = dict(DECODE_TILES[bm], kernel="decode")
+    min_programs = cfg.pop("MIN_PROGRAMS")
     split = 1
-    while (triton.cdiv(n, cfg["BN"]) * split < DECODE_MIN_PROGRAMS and split < MAX_SPLIT_K
+    while (triton.cdiv(n, cfg["BN"]) * split < min_programs and split < MAX_SPLIT_K
            and k % (2 * split * cfg["BK"]) == 0):
         split *= 2
     cfg["SPLIT_K"] = split
