@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minite.nn.nvfp4_matmul import nvfp4_matmul, quantize_backend, use_kernels
+from minite.nn.nvfp4_matmul import nvfp4_matmul, use_kernels
 from minite.nn.quantized_weight import QuantizedWeight, quantize_weight, weight_key
 from minite.recipe import Recipe, get_recipe
 
@@ -89,7 +89,7 @@ class Linear(nn.Module):
         if not self.recipe.fp4:
             raise RuntimeError(f"recipe {self.recipe.name!r} does not quantize weights")
         if self._qweight is None or self._qweight.key != weight_key(self.weight, self.recipe.weight):
-            self._qweight = quantize_weight(self.weight, self.recipe.weight, quantize_backend(self.recipe))
+            self._qweight = quantize_weight(self.weight, self.recipe.weight)
         return self._qweight
 
     def refresh_quantized_weight(self) -> None:

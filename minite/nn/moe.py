@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minite.nn.linear import TE_AMAX_TO_SCALE, Linear
-from minite.nn.nvfp4_matmul import grouped_nvfp4_matmul, nvfp4_matmul, quantize_backend, use_kernels
+from minite.nn.nvfp4_matmul import grouped_nvfp4_matmul, nvfp4_matmul, use_kernels
 from minite.nn.quantized_weight import QuantizedWeight, quantize_weight, weight_key
 from minite.recipe import Recipe, get_recipe
 
@@ -138,7 +138,7 @@ class MoEExperts(nn.Module):
             raise RuntimeError(f"recipe {self.recipe.name!r} does not quantize weights")
         w, qw = getattr(self, name), self._qweights.get(name)
         if qw is None or qw.key != weight_key(w, self.recipe.weight):
-            qw = self._qweights[name] = quantize_weight(w, self.recipe.weight, quantize_backend(self.recipe))
+            qw = self._qweights[name] = quantize_weight(w, self.recipe.weight)
         return qw
 
     def refresh_quantized_weight(self) -> None:

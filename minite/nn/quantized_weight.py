@@ -73,7 +73,8 @@ def weight_key(weight: torch.Tensor, spec: QuantSpec) -> tuple:
 @torch.no_grad()
 def quantize_weight(weight: torch.Tensor, spec: QuantSpec, backend: str = "auto") -> QuantizedWeight:
     """weight [N, K] or [E, N, K] (one global scale per expert) -> QuantizedWeight. `backend` is
-    `minite.nvfp4.quantize`'s (the codes and scales are bitwise the same on both for RNE)."""
+    `minite.nvfp4.quantize`'s; modules keep the default 'auto' (the kernels on CUDA) whatever their
+    recipe's backend: RNE codes and scales are bitwise the same, and this runs once per update."""
     if weight.ndim not in (2, 3):
         raise ValueError(f"weights are [N, K] or [E, N, K]; got shape {tuple(weight.shape)}")
     key = weight_key(weight, spec)
