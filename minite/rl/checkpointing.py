@@ -2,7 +2,8 @@
 
 Layout of a run folder's `checkpoints/`:
 
-    step_000010/model/         the model in Hugging Face safetensors (`save_pretrained`)
+    step_000010/model/         the model in Hugging Face safetensors (`save_pretrained`); other models
+                               of the run (the KL reference: ref_model/) likewise
     step_000010/state.pt       {"step", "learner" (optimizer moments + fp32 masters), "rng", "data", ...}
     latest                     the name of the newest complete checkpoint ("step_000010")
 
@@ -55,17 +56,18 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(ckpt_dir: str | Path, step: int, model: torch.nn.Module, state: dict,
+def save_checkpoint(ckpt_dir: str | Path, step: int, models: dict[str, torch.nn.Module], state: dict,
                     keep: int = 2) -> Path:
-    """Write checkpoint `step` (model + `state`, to which "step" and "rng" are added) atomically,
-    point `latest` at it, and prune all but the newest `keep`. Returns its path."""
+    """Write checkpoint `step` (`models` by folder name, e.g. {"model": m}, and `state`, to which "step"
+    and "rng" are added) atomically, point `latest` at it, prune all but the newest `keep`."""
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     final = ckpt_dir / step_name(step)
     tmp = ckpt_dir / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        save_pretrained(model, tmp / "model")
+        for name, model in models.items():
+            save_pretrained(model, tmp / name)
         torch.save({**state, "step": step, "rng": rng_state()}, tmp / "state.pt")
         _fsync_tree(tmp)
         if final.exists():
@@ -92,12 +94,13 @@ def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
     return path
 
 
-def load_checkpoint(path: str | Path, recipe, dtype: torch.dtype, device) -> tuple[torch.nn.Module, dict]:
-    """(model, state) of a checkpoint; the caller restores learner state and then `set_rng_state`."""
+def load_checkpoint(path: str | Path, recipe, dtype: torch.dtype, device) -> tuple[dict, dict]:
+    """({name: model}, state) of a checkpoint; the caller restores learner state, then `set_rng_state`."""
     path = Path(path)
-    model = load_pretrained(path / "model", recipe=recipe, dtype=dtype, device=device)
+    models = {sub.name: load_pretrained(sub, recipe=recipe, dtype=dtype, device=device)
+              for sub in sorted(path.iterdir()) if (sub / "config.json").is_file()}
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
-    return model, state
+    return models, state
 
 
 def _prune(ckpt_dir: Path, keep: int) -> None:

@@ -130,12 +130,17 @@ def _plot(records: list[dict], path: Path) -> None:
     rl = [r for r in records if r.get("kind") == "rl"]
     ev = [r for r in records if r.get("kind") == "eval"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    axes[0].plot([r["step"] for r in rl], [r["reward"] for r in rl], label="rollout reward")
+    steps, rewards = [r["step"] for r in rl], [r["reward"] for r in rl]
+    axes[0].plot(steps, rewards, alpha=0.4, label="rollout reward")
+    w = max(1, len(rl) // 10)
+    windows = [rewards[max(0, i - w + 1):i + 1] for i in range(len(rl))]
+    smooth = [sum(x) / len(x) for x in windows]
+    axes[0].plot(steps, smooth, label=f"mean of last {w}")
     axes[0].set(title="reward", xlabel="RL step")
     axes[1].plot([r["step"] for r in ev], [r["eval/accuracy"] for r in ev], "o-", label="greedy")
     axes[1].set(title="held-out accuracy", xlabel="RL step", ylim=(0, 1))
     for key, label in (("mismatch/k3_kl", "k3_kl"), ("mismatch/logprob_abs_diff_max", "max |dlogp|")):
-        values = [max(r.get(key, 0.0), 1e-12) for r in rl]
+        values = [max(r.get(key, 0.0), 1e-18) for r in rl]
         axes[2].plot([r["step"] for r in rl], values, label=label)
     axes[2].set(title="learner vs sampler mismatch", xlabel="RL step", yscale="log")
     for ax in axes:

@@ -14,13 +14,16 @@ One RL step on `rl.prompts` training prompts:
    weights once, and the sampler, running the same model object, uses them for the next rollout.
 
 Before RL, `warmup.steps` supervised steps on the task's worked solutions (`Example.solution` + eos)
-give a tiny randomly initialized model a policy worth reinforcing. Held-out greedy accuracy is
-measured after the warm start, every `eval.every` steps and at the end; checkpoints every
-`checkpoint.every` steps (`minite.rl.checkpointing`); metrics and report go to the run folder.
+give a tiny randomly initialized model a policy worth reinforcing. With `rl.loss.kl_coef > 0` the
+loss adds k3 KL to a frozen reference: the model as RL starts (after the warm start), saved with
+every checkpoint. Held-out greedy accuracy is measured after the warm start, every `eval.every`
+steps and at the end; checkpoints every `checkpoint.every` steps (`minite.rl.checkpointing`);
+metrics and report go to the run folder.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 import time
@@ -34,7 +37,7 @@ import torch
 
 from minite.config import TrainConfig, to_dict, to_toml
 from minite.diagnostics.metrics import mismatch_metrics
-from minite.learner import Learner, SequenceBatch
+from minite.learner import Learner, SequenceBatch, sequence_logprobs
 from minite.models import Qwen3, load_pretrained
 from minite.recipe import get_recipe
 from minite.rl.advantages import advantage_metrics, group_advantages
@@ -87,8 +90,10 @@ class Trainer:
         self.dtype = getattr(torch, cfg.model.dtype)
         ckpt = latest_checkpoint(self.ckpt_dir) if resume else None
         state = None
+        self.ref_model = None
         if ckpt is not None:
-            self.model, state = load_checkpoint(ckpt, self.recipe, self.dtype, cfg.model.device)
+            models, state = load_checkpoint(ckpt, self.recipe, self.dtype, cfg.model.device)
+            self.model, self.ref_model = models["model"], models.get("ref_model")
         else:
             self.model = self._fresh_model()
         self.sampler = make_sampler(self.model)
@@ -130,6 +135,8 @@ class Trainer:
         if self.needs_warmup:
             self.warmup()
             self._make_learner()
+            if cfg.rl.loss.kl_coef > 0:
+                self.ref_model = copy.deepcopy(self.model).requires_grad_(False)
             self.evaluate()
             if cfg.checkpoint.every:
                 self.save()
@@ -150,7 +157,8 @@ class Trainer:
     def save(self) -> None:
         state = {"learner": self.learner.state_dict(), "data": {"position": self.data_pos},
                  "config": to_dict(self.cfg)}
-        save_checkpoint(self.ckpt_dir, self.step, self.model, state, self.cfg.checkpoint.keep)
+        models = {"model": self.model} | ({"ref_model": self.ref_model} if self.ref_model else {})
+        save_checkpoint(self.ckpt_dir, self.step, models, state, self.cfg.checkpoint.keep)
 
     def encode_prompt(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_bos=self.tokenizer.bos_token_id is not None)
@@ -216,6 +224,9 @@ class Trainer:
                                            [smp.logprobs for *_, smp in samples], advantages, params)
         old = self.learner.logprobs(batch)
         batch = replace(batch, old_logprobs=old)
+        if self.ref_model is not None:
+            with torch.no_grad():
+                batch = replace(batch, ref_logprobs=sequence_logprobs(self.ref_model, batch))
         mask = batch.mask(old.device)
         correction = apply_correction(batch.to_rl_batch(old), rl.correction)
         mismatch = mismatch_metrics(old, batch.sampler_logprobs.to(old.device), mask)

@@ -8,9 +8,11 @@ import torch
 from minite.learner import Learner
 from minite.rl import checkpointing
 from minite.rl.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
-from tests.rl.test_trainer import make_trainer
+from tests.rl.test_trainer import make_trainer, parity_reward
 
-RESUME = ["--rl.steps=4", "--checkpoint.every=1", "--checkpoint.keep=2", "--eval.every=0"]
+# with a KL penalty, so that the frozen reference model is checkpointed and restored too
+RESUME = ["--rl.steps=4", "--checkpoint.every=1", "--checkpoint.keep=2", "--eval.every=0",
+          "--rl.loss.kl_coef=0.05"]
 
 
 class Killed(RuntimeError):
@@ -19,10 +21,10 @@ class Killed(RuntimeError):
 
 @pytest.mark.slow
 def test_kill_mid_step_and_resume_gives_identical_parameters(tmp_path, monkeypatch):
-    straight = make_trainer(tmp_path / "straight", *RESUME)
+    straight = make_trainer(tmp_path / "straight", *RESUME, reward=parity_reward)
     straight.run()
 
-    killed = make_trainer(tmp_path / "killed", *RESUME)
+    killed = make_trainer(tmp_path / "killed", *RESUME, reward=parity_reward)
     real_step = Learner.step
     calls = []
 
@@ -39,7 +41,7 @@ def test_kill_mid_step_and_resume_gives_identical_parameters(tmp_path, monkeypat
     monkeypatch.setattr(Learner, "step", real_step)
     assert latest_checkpoint(tmp_path / "killed" / "run" / "checkpoints").name == "step_000002"
 
-    resumed = make_trainer(tmp_path / "killed", *RESUME, resume=True)
+    resumed = make_trainer(tmp_path / "killed", *RESUME, resume=True, reward=parity_reward)
     assert resumed.step == 2
     resumed.run()
     for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
@@ -47,23 +49,26 @@ def test_kill_mid_step_and_resume_gives_identical_parameters(tmp_path, monkeypat
         assert torch.equal(a, b), name
     for a, b in zip(straight.learner.optimizer.masters, resumed.learner.optimizer.masters):
         assert torch.equal(a, b)
-    rewards = lambda run: [(r["step"], r["reward"]) for r in map(json.loads, (run / "metrics.jsonl").open())
-                           if r["kind"] == "rl"]
+    rewards = lambda run: [(r["step"], r["reward"], r["loss/kl"])
+                           for r in map(json.loads, (run / "metrics.jsonl").open()) if r["kind"] == "rl"]
     assert rewards(tmp_path / "killed" / "run") == rewards(tmp_path / "straight" / "run")
+    # the policy really moved: advantages were nonzero and the KL to the reference grew
+    assert all(0 < r < 1 for _, r, _ in rewards(tmp_path / "straight" / "run"))
+    assert rewards(tmp_path / "straight" / "run")[-1][2] > 0
 
 
 def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     trainer = make_trainer(tmp_path, "--rl.steps=1", "--warmup.steps=0")
     ckpt = tmp_path / "ckpt"
     state = {"learner": {}, "data": {"position": 0}}
-    save_checkpoint(ckpt, 1, trainer.model, state)
+    save_checkpoint(ckpt, 1, {"model": trainer.model}, state)
 
     def torn_write(*args, **kwargs):
         raise OSError("disk full")
 
     monkeypatch.setattr(checkpointing.torch, "save", torn_write)
     with pytest.raises(OSError):
-        save_checkpoint(ckpt, 2, trainer.model, state)
+        save_checkpoint(ckpt, 2, {"model": trainer.model}, state)
     assert latest_checkpoint(ckpt).name == "step_000001"
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_000001"]
 
@@ -73,15 +78,16 @@ def test_hard_kill_leftovers_are_ignored_and_pruned(tmp_path):
     ckpt = tmp_path / "ckpt"
     state = {"learner": {}, "data": {"position": 0}}
     assert latest_checkpoint(ckpt) is None
-    save_checkpoint(ckpt, 1, trainer.model, state)
+    save_checkpoint(ckpt, 1, {"model": trainer.model}, state)
     # a process killed inside save leaves its temporary directory behind, never a step_ directory
     half = ckpt / ".step_000002.tmp-deadbeef"
     (half / "model").mkdir(parents=True)
     assert latest_checkpoint(ckpt).name == "step_000001"
     for step in (2, 3, 4):
-        save_checkpoint(ckpt, step, trainer.model, state, keep=2)
+        save_checkpoint(ckpt, step, {"model": trainer.model}, state, keep=2)
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_000003", "step_000004"]
-    model, loaded = load_checkpoint(ckpt / "step_000004", trainer.recipe, torch.float32, "cpu")
+    models, loaded = load_checkpoint(ckpt / "step_000004", trainer.recipe, torch.float32, "cpu")
+    model = models["model"]
     assert loaded["step"] == 4 and set(loaded["rng"]) >= {"torch", "python", "numpy"}
     for a, b in zip(trainer.model.parameters(), model.parameters()):
         assert torch.equal(a, b)

@@ -15,9 +15,17 @@ TINY = ["--model.config.hidden_size=32", "--model.config.intermediate_size=64", 
         "--eval.every=2", "--logging.progress=false", "--logging.tensorboard=false", "--threads=0"]
 
 
-def make_trainer(tmp_path, *overrides, resume=False):
+def parity_reward(completion, example):
+    """A reward that a random model earns half the time, so that every group has advantages."""
+    return float(sum(map(ord, completion)) % 2)
+
+
+def make_trainer(tmp_path, *overrides, resume=False, reward=None):
     cfg = load_config(None, TINY + list(overrides))
-    return Trainer(cfg, tmp_path / "run", resume=resume)
+    trainer = Trainer(cfg, tmp_path / "run", resume=resume)
+    if reward is not None:
+        trainer.task.reward = reward
+    return trainer
 
 
 def test_loop_writes_metrics_report_and_checkpoints(tmp_path):
@@ -41,15 +49,18 @@ def test_loop_writes_metrics_report_and_checkpoints(tmp_path):
 
 def test_triage_correction_runs_in_the_loop(tmp_path):
     make_trainer(tmp_path, "--rl.steps=1", "--checkpoint.every=0", "--rl.correction.name=triage",
-                 "--warmup.steps=0", "--eval.every=0").run()
+                 "--warmup.steps=0", "--eval.every=0", reward=parity_reward).run()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in records if r["kind"] == "rl"][0]
     assert any(k.startswith("triage/") for k in rl)
+    assert rl["adv/zero_std_frac"] < 1 and rl["update/grad_norm"] > 0
 
 
 def test_same_seed_same_run(tmp_path):
-    a = make_trainer(tmp_path / "a", "--rl.steps=1", "--checkpoint.every=0", "--warmup.steps=1")
-    b = make_trainer(tmp_path / "b", "--rl.steps=1", "--checkpoint.every=0", "--warmup.steps=1")
+    a = make_trainer(tmp_path / "a", "--rl.steps=1", "--checkpoint.every=0", "--warmup.steps=1",
+                     reward=parity_reward)
+    b = make_trainer(tmp_path / "b", "--rl.steps=1", "--checkpoint.every=0", "--warmup.steps=1",
+                     reward=parity_reward)
     a.run()
     b.run()
     for pa, pb in zip(a.model.parameters(), b.model.parameters()):
