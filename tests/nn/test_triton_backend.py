@@ -20,7 +20,7 @@ from minite.nn.moe import group_by_expert, sort_by_expert  # noqa: E402
 from minite.nn.nvfp4_matmul import use_kernels  # noqa: E402
 from minite.nvfp4 import dequantize, quantize  # noqa: E402
 from minite.nvfp4 import use_kernels as quantize_uses_kernels  # noqa: E402
-from minite.recipe import get_recipe  # noqa: E402
+from minite.recipe import QuantSpec, get_recipe  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="Triton is not installed")
 
@@ -125,6 +125,25 @@ def test_linear_triton_k_not_a_multiple_of_the_tile_and_fast_mode():
     tri.fast = True
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     _assert_gemm_close(tri(x), ref(x), _gemm_bound(x, tri), 256)
+
+
+VARIANTS = {"alpha": dict(epilogue="alpha"),
+            "w16x16": dict(weight=QuantSpec(scaling="tensor", block=(16, 16))),
+            "vllm_chain": dict(activation=QuantSpec(scaling="row", chain="vllm"))}
+if torch.cuda.is_available():  # the interpreter's fp32 -> bf16 cast truncates (FACTS.md 2: bf16 is broken)
+    VARIANTS["bf16_scalar"] = dict(epilogue="bf16_scalar")
+
+
+@pytest.mark.parametrize("changes", list(VARIANTS.values()), ids=list(VARIANTS))
+def test_linear_triton_covers_variants_of_aligned(changes):
+    recipe = get_recipe("aligned", **changes)
+    torch.manual_seed(0)
+    ref = Linear(64, 40, recipe=recipe).to(DEVICE)
+    tri = Linear(64, 40, recipe=recipe.replace(backend="triton")).to(DEVICE)
+    tri.load_state_dict(ref.state_dict())
+    assert use_kernels(tri.recipe, DEVICE)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    assert torch.equal(tri(x), ref(x))
 
 
 def test_linear_uncovered_recipe_falls_back_to_the_reference():
