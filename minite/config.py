@@ -105,6 +105,19 @@ class SamplingSection:
 
 
 @dataclass(frozen=True)
+class SamplerSection:
+    """Rollout engine sizing (`minite.sampler.Sampler`): sequences decoded together, and the share of
+    free GPU memory its KV cache takes (the learner needs the rest)."""
+
+    max_num_seqs: int = 256
+    kv_memory_fraction: float = 0.3
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1 or not 0 < self.kv_memory_fraction < 1:
+            raise ValueError("need max_num_seqs >= 1 and 0 < kv_memory_fraction < 1")
+
+
+@dataclass(frozen=True)
 class RLSection:
     """One RL step = `prompts` x `n` rollouts, then `minibatches` updates on them."""
 
@@ -179,6 +192,7 @@ class TrainConfig:
     recipe: RecipeSection = field(default_factory=RecipeSection)
     task: TaskSection = field(default_factory=TaskSection)
     sampling: SamplingSection = field(default_factory=SamplingSection)
+    sampler: SamplerSection = field(default_factory=SamplerSection)
     rl: RLSection = field(default_factory=RLSection)
     warmup: WarmupSection = field(default_factory=WarmupSection)
     logging: LoggingSection = field(default_factory=LoggingSection)

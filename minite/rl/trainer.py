@@ -54,10 +54,11 @@ MISMATCH_KEYS = ("kl", "k3_kl", "chi2_token", "ess", "logprob_abs_diff_mean", "l
                  "logprob_abs_diff_p99", "bitwise_equal_frac", "prob_abs_diff_mean")
 
 
-def default_sampler(model):
+def default_sampler(model, cfg: TrainConfig):
     from minite.sampler import Sampler
 
-    return Sampler(model)
+    return Sampler(model, max_num_seqs=cfg.sampler.max_num_seqs,
+                   kv_memory_fraction=cfg.sampler.kv_memory_fraction)
 
 
 def sft_loss(batch: RLBatch) -> tuple[torch.Tensor, dict]:
@@ -72,7 +73,7 @@ def new_run_dir() -> Path:
 
 class Trainer:
     """`Trainer(cfg, run_dir).run()`; with `resume=True` it continues from the run's latest checkpoint.
-    `make_sampler(model)` builds the rollout engine on the learner's model object."""
+    `make_sampler(model, cfg)` builds the rollout engine on the learner's model object."""
 
     def __init__(self, cfg: TrainConfig, run_dir: str | Path | None = None, resume: bool = False,
                  make_sampler=default_sampler, progress_stream=None):
@@ -96,7 +97,7 @@ class Trainer:
             self.model, self.ref_model = models["model"], models.get("ref_model")
         else:
             self.model = self._fresh_model()
-        self.sampler = make_sampler(self.model)
+        self.sampler = make_sampler(self.model, cfg)
         self.step, self.data_pos = 0, cfg.warmup.steps * cfg.warmup.batch_size
         self.log = MetricsLog(self.run_dir, cfg.logging.tensorboard)
         self.progress = Progress(cfg.rl.steps, cfg.logging.progress, progress_stream)
