@@ -89,7 +89,10 @@ class Trainer:
         self.task = make_task(cfg.task.name, seed=cfg.task.seed, **cfg.task.args)
         self.recipe = get_recipe(cfg.recipe.name, **cfg.recipe.overrides)
         self.dtype = getattr(torch, cfg.model.dtype)
-        ckpt = latest_checkpoint(self.ckpt_dir) if resume else None
+        ckpt = latest_checkpoint(self.ckpt_dir)
+        if ckpt is not None and not resume:
+            raise ValueError(f"{self.run_dir} already holds a run (checkpoint {ckpt.name}); resume it with "
+                             "--resume or choose another run_dir")
         state = None
         self.ref_model = None
         if ckpt is not None:
@@ -103,6 +106,10 @@ class Trainer:
         self.progress = Progress(cfg.rl.steps, cfg.logging.progress, progress_stream)
         self.needs_warmup = ckpt is None
         self.learner = None
+        self._heldout = None
+        if ckpt is None:
+            # a resumed run killed before its first checkpoint starts over
+            self.log.path.unlink(missing_ok=True)
         if state is not None:
             self._make_learner()
             self.learner.load_state_dict(state["learner"])
@@ -190,7 +197,9 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Greedy accuracy (reward >= 1) and mean reward on `eval.size` held-out examples."""
-        examples = self.task.heldout(self.cfg.eval.size)
+        if self._heldout is None:
+            self._heldout = self.task.heldout(self.cfg.eval.size)
+        examples = self._heldout
         params = SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.sampling.max_tokens,
                                 stop_token_ids=self.stop_ids())
         outs = self._generate([self.encode_prompt(ex.prompt) for ex in examples], params)

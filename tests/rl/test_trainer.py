@@ -45,6 +45,8 @@ def test_loop_writes_metrics_report_and_checkpoints(tmp_path):
     assert json.loads((run / "summary.json").read_text())["rl_steps"] == 2
     assert (run / "config.toml").is_file()
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    with pytest.raises(ValueError, match="--resume"):
+        make_trainer(tmp_path, "--rl.steps=2")
 
 
 def test_triage_correction_runs_in_the_loop(tmp_path):
