@@ -177,7 +177,7 @@ def _dense_kernel(x2: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe, fa
     n = qweight.unscaled.shape[-2]
     sw = _weight_scale(qweight, recipe)
     config = "prefill" if fast else "aligned"
-    if fast and m <= FAST_DECODE_MAX_M and k % kg.pick_config("decode", m, n)["BK"] == 0:
+    if fast and m <= FAST_DECODE_MAX_M and k % kg.pick_config("decode", m, n, k, packed=True)["BK"] == 0:
         q = qweight.q
         out = kg.w4a4_gemm(a, row_factor, q.codes[:n], sw, q.block_scales[:n], recipe.epilogue, x2.dtype,
                            "decode")
