@@ -15,7 +15,6 @@ import dataclasses
 import json
 import math
 import tomllib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -232,27 +231,10 @@ def build(cls: type, data: dict, prefix: str = "") -> Any:
 def _coerce(tp, value, key: str):
     if dataclasses.is_dataclass(tp):
         return build(tp, value, key + ".")
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        for option in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(option, value, key)
-            except ConfigError:
-                pass
-        raise ConfigError(f"{key}={value!r} has the wrong type; expected {tp}")
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}={value!r} must be a list")
-        inner = args[0] if args else Any
-        return tuple(_coerce(inner, v, f"{key}[{i}]") for i, v in enumerate(value))
-    if origin is dict or tp is dict:
+    if typing.get_origin(tp) is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}={value!r} must be a table")
         return dict(value)
-    if tp is Any:
-        return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is int and isinstance(value, float) and value.is_integer():
