@@ -24,9 +24,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import env_info, report  # noqa: E402
 
-from minite.diagnostics.agreement import model_preset  # noqa: E402
 from minite.learner import Learner, SequenceBatch  # noqa: E402
 from minite.models import Qwen3  # noqa: E402
+from minite.models.presets import model_preset  # noqa: E402
 from minite.recipe import get_recipe  # noqa: E402
 from minite.rl.losses import LossConfig, policy_loss  # noqa: E402
 

@@ -33,17 +33,10 @@ from bench_common import report  # noqa: E402
 
 from minite.models import ModelConfig, Qwen3, tiny_qwen3, tiny_qwen3_moe  # noqa: E402
 from minite.models.checkpoint import EXPERT_PARAM, expert_pieces, fused_expert_name, hf_name  # noqa: E402
+from minite.models.presets import qwen3_1_7b, qwen3_30b_a3b  # noqa: E402
 from minite.recipe import get_recipe  # noqa: E402
 from minite.sampler import Sampler  # noqa: E402
 from minite.sampling import SamplingParams  # noqa: E402
-
-DENSE_1_7B = ModelConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                         num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                         tie_word_embeddings=True)
-MOE_30B_A3B = ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=151936, hidden_size=2048,
-                          intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
-                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-                          moe_intermediate_size=768, norm_topk_prob=True)
 
 
 def parse_args(argv=None):
@@ -75,8 +68,9 @@ def model_config(kind: str, args) -> ModelConfig:
         if kind == "dense":  # tied like Qwen3-1.7B
             return tiny_qwen3(eos_token_id=None, tie_word_embeddings=True)
         return tiny_qwen3_moe(eos_token_id=None)
-    base = DENSE_1_7B if kind == "dense" else MOE_30B_A3B
-    return base.replace(num_hidden_layers=args.dense_layers if kind == "dense" else args.moe_layers)
+    if kind == "dense":
+        return qwen3_1_7b(num_hidden_layers=args.dense_layers, eos_token_id=None)
+    return qwen3_30b_a3b(num_hidden_layers=args.moe_layers, eos_token_id=None)
 
 
 def build_model(config: ModelConfig, device, dtype, seed: int) -> Qwen3:

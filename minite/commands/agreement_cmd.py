@@ -5,7 +5,8 @@ import sys
 
 import torch
 
-from minite.diagnostics.agreement import PRESETS, measure_agreement, model_preset, random_prompts
+from minite.diagnostics.agreement import measure_agreement, random_prompts
+from minite.models.presets import MODEL_PRESETS, model_preset
 from minite.recipe import RECIPES
 from minite.sampling import SamplingParams
 
@@ -16,7 +17,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def add_parser(sub, name):
     p = sub.add_parser(name, help=HELP, description=HELP)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--preset", choices=sorted(PRESETS), help="random-weight model of this shape")
+    src.add_argument("--preset", choices=sorted(MODEL_PRESETS), help="random-weight model of this shape")
     src.add_argument("--model", metavar="DIR", help="a Hugging Face Qwen3 / Qwen3-MoE model directory")
     p.add_argument("--layers", type=int, help="override the preset's number of decoder layers")
     p.add_argument("--learner-recipe", default="aligned", choices=sorted(RECIPES))

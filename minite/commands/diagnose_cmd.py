@@ -22,6 +22,7 @@ from minite.diagnostics.direction import direction, heatmap_rows
 from minite.diagnostics.localize import Sequences, Side, localize, prepare, recipe_of, side_logprobs
 from minite.diagnostics.metrics import mismatch_metrics
 from minite.diagnostics.report import write_report
+from minite.models.presets import MODEL_PRESETS, model_preset
 from minite.recipe import RECIPES
 from minite.rl.advantages import group_advantages
 from minite.rl.rewards import exact_match_reward
@@ -29,14 +30,15 @@ from minite.rl.tasks import Example
 from minite.rl.triage import TriageConfig
 
 HELP = "measure where and why learner and sampler disagree on the same tokens; write an HTML report"
-PRESETS = ("tiny-qwen3", "tiny-qwen3-moe")
+TINY_PRESETS = ("tiny-qwen3", "tiny-qwen3-moe")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def add_parser(sub, name):
     p = sub.add_parser(name, help=HELP, description=HELP)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--preset", choices=PRESETS, help="a tiny random-weight model (CPU friendly)")
+    src.add_argument("--preset", choices=sorted(MODEL_PRESETS),
+                     help="a random-weight model: tiny-* for the CPU, real shapes for a GPU")
     src.add_argument("--model", help="a Hugging Face Qwen3 / Qwen3-MoE model directory")
     prompts = p.add_mutually_exclusive_group()
     prompts.add_argument("--task", choices=["arithmetic", "countdown"], default="arithmetic")
@@ -58,6 +60,8 @@ def add_parser(sub, name):
                         "preset with a task, else 0)")
     p.add_argument("--segment-len", type=int, default=8, help="TRIAGE response segment length")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--layers", type=int, help="override the preset's number of decoder layers")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print report.json instead of the summary")
 
@@ -67,10 +71,11 @@ def run(args) -> int:
     torch.manual_seed(args.seed)
     model, tok = _model(args)
     examples, task = _examples(args, tok)
-    steps = args.warmup_steps if args.warmup_steps is not None else (60 if args.preset and task else 0)
+    default_steps = 60 if args.preset in TINY_PRESETS and task else 0
+    steps = args.warmup_steps if args.warmup_steps is not None else default_steps
     if steps:
         _warm_start(model, tok, task, steps, args.seed)
-    model.to(DTYPES[args.dtype]).eval()
+    model.to(device=args.device, dtype=DTYPES[args.dtype]).eval()
     learner = Side(args.learner_recipe, args.learner_batching)
     sampler = Side(args.sampler_recipe, args.sampler_batching)
     prompts = [tok.encode(ex.prompt, add_bos=tok.bos_token_id is not None) for ex in examples]
@@ -116,16 +121,18 @@ def _exact(text: str, ex: Example) -> float:
 
 
 def _model(args):
-    from minite.models import Qwen3, load_pretrained, tiny_qwen3, tiny_qwen3_moe
+    from minite.models import Qwen3, load_pretrained
     from minite.rl.tokenizer import CharTokenizer, HFTokenizer
 
     if args.model:
         return load_pretrained(args.model, recipe="bf16", dtype=torch.float32), HFTokenizer(args.model)
+    # Character prompts: their ids are valid in every preset's vocabulary.
     tok = CharTokenizer(unknown="replace")
-    config = (tiny_qwen3 if args.preset == "tiny-qwen3" else tiny_qwen3_moe)(
-        vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id)
+    tiny = args.preset in TINY_PRESETS
+    changes = {"vocab_size": tok.vocab_size} if tiny else {}
+    config = model_preset(args.preset, args.layers, eos_token_id=tok.eos_token_id, **changes)
     model = Qwen3(config, recipe="bf16")
-    model.init_weights(std=0.1, generator=torch.Generator().manual_seed(args.seed))
+    model.init_weights(std=0.1 if tiny else 0.02, generator=torch.Generator().manual_seed(args.seed))
     return model, tok
 
 

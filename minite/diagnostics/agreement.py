@@ -29,8 +29,7 @@ import torch
 
 from minite.diagnostics.metrics import mismatch_metrics
 from minite.learner import SequenceBatch, batch_logprobs
-from minite.models import ModelConfig, Qwen3, tiny_qwen3, tiny_qwen3_moe
-from minite.models.config import MOE
+from minite.models import ModelConfig, Qwen3
 from minite.nn.calibrate import calibrate
 from minite.recipe import Recipe, get_recipe
 from minite.sampling import SamplingParams
@@ -38,28 +37,6 @@ from minite.sampling import SamplingParams
 SUMMARY = ("bitwise_equal_frac", "logprob_abs_diff_max", "logprob_abs_diff_mean", "k3_kl", "kl", "n_tokens")
 
 GenerateFn = Callable[[Qwen3, list[list[int]], SamplingParams], Sequence]
-
-# Model shapes of the engines benchmarks (random weights): Qwen3-1.7B and Qwen3-30B-A3B (the MoE with
-# fewer layers by default; `layers` overrides).
-PRESETS: dict[str, Callable[..., ModelConfig]] = {
-    "tiny-qwen3": lambda layers=None: tiny_qwen3(num_hidden_layers=layers or 2),
-    "tiny-qwen3-moe": lambda layers=None: tiny_qwen3_moe(num_hidden_layers=layers or 2),
-    "qwen3-1.7b": lambda layers=None: ModelConfig(
-        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=layers or 28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-        eos_token_id=151645),
-    "qwen3-30b-a3b": lambda layers=None: ModelConfig(
-        architecture=MOE, vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-        num_hidden_layers=layers or 8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, eos_token_id=151645),
-}
-
-
-def model_preset(name: str, layers: int | None = None) -> ModelConfig:
-    if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
-    return PRESETS[name](layers)
-
 
 def recipe_view(model: Qwen3, recipe: str | Recipe) -> Qwen3:
     """`model` itself when it already runs `recipe`, else a second Qwen3 under `recipe` whose

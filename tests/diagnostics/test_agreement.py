@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from minite.commands import agreement_cmd
-from minite.diagnostics.agreement import measure_agreement, model_preset, random_prompts, recipe_view
+from minite.diagnostics.agreement import measure_agreement, random_prompts, recipe_view
 from minite.models import Qwen3
+from minite.models.presets import model_preset
 from minite.sampling import SamplingParams, processed_logprobs
 
 AGREE_TOL = 1e-5
