@@ -7,7 +7,7 @@ import torch
 
 from minite.diagnostics.agreement import measure_agreement, random_prompts
 from minite.models.presets import MODEL_PRESETS, model_preset
-from minite.recipe import RECIPES
+from minite.recipe import RECIPES, get_recipe
 from minite.sampling import SamplingParams
 
 HELP = "learner-vs-sampler agreement on sampled tokens (bitwise share, |log-prob diff|, k3_kl)"
@@ -35,6 +35,8 @@ def add_parser(sub, name):
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="default: float32 on CPU, bfloat16 on CUDA (a --model keeps its own unless set)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--backend", choices=["ref", "triton"], default="ref",
+                   help="NVFP4 execution backend of both recipes (triton: the kernels, on CUDA)")
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="sampler KV slots (default: auto)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -53,7 +55,9 @@ def run(args) -> int:
     vocab = source.config.vocab_size if args.model else source.vocab_size
     prompts = random_prompts(args.num_prompts, args.prompt_len, vocab, args.seed)
     kw = {} if args.kv_cache_tokens is None else {"kv_cache_tokens": args.kv_cache_tokens}
-    report = measure_agreement(source, prompts, params, args.learner_recipe, args.sampler_recipe,
+    learner = get_recipe(args.learner_recipe, backend=args.backend)
+    sampler = get_recipe(args.sampler_recipe or args.learner_recipe, backend=args.backend)
+    report = measure_agreement(source, prompts, params, learner, sampler,
                                init_std=args.init_std, seed=args.seed, dtype=dtype, device=args.device,
                                sampler_kwargs=kw)
     report["model"] = args.model or f"{args.preset}" + (f" ({args.layers} layers)" if args.layers else "")
