@@ -82,11 +82,12 @@ class RecipeSection:
 
 @dataclass(frozen=True)
 class TaskSection:
-    """`minite.rl.tasks.make_task(name, seed=seed, **args)`."""
+    """`minite.rl.tasks.make_task(name, seed=seed, **args)`; `args` belong to the task `name` (set both
+    when switching tasks: `--task.name=countdown --task.args={}`)."""
 
     name: str = "arithmetic"
     seed: int = 0
-    args: dict[str, Any] = field(default_factory=dict)
+    args: dict[str, Any] = field(default_factory=lambda: {"operands": [2, 4]})
 
 
 @dataclass(frozen=True)
@@ -120,8 +121,8 @@ class SamplerSection:
 class RLSection:
     """One RL step = `prompts` x `n` rollouts, then `minibatches` updates on them."""
 
-    steps: int = 100
-    lr: float = 3e-4
+    steps: int = 150
+    lr: float = 1e-4
     prompts: int = 32
     n: int = 8
     minibatches: int = 4
@@ -146,7 +147,7 @@ class RLSection:
 class WarmupSection:
     """Supervised warm start on `Example.solution` before RL (steps = 0 skips it)."""
 
-    steps: int = 100
+    steps: int = 150
     lr: float = 3e-3
     batch_size: int = 64
 
@@ -165,7 +166,7 @@ class LoggingSection:
 class CheckpointSection:
     """Save every `every` RL steps (0: never), keeping the last `keep`."""
 
-    every: int = 20
+    every: int = 25
     keep: int = 2
 
     def __post_init__(self):
@@ -175,14 +176,17 @@ class CheckpointSection:
 
 @dataclass(frozen=True)
 class EvalSection:
-    """Greedy accuracy on `size` held-out examples every `every` RL steps (0: only before and after)."""
+    """Held-out evaluation every `every` RL steps (0: only before and after RL) on `size` examples:
+    greedy accuracy, and the mean reward of `samples` samples per example at the training temperature
+    (0: none)."""
 
-    every: int = 20
+    every: int = 25
     size: int = 256
+    samples: int = 4
 
     def __post_init__(self):
-        if self.every < 0 or self.size < 1:
-            raise ValueError("need every >= 0 and size >= 1")
+        if self.every < 0 or self.size < 1 or self.samples < 0:
+            raise ValueError("need every >= 0, size >= 1 and samples >= 0")
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,8 @@ def summarize(records: list[dict], extra: dict | None = None) -> dict:
     if ev:
         out.update(eval_accuracy_first=ev[0]["eval/accuracy"], eval_accuracy_last=ev[-1]["eval/accuracy"],
                    eval_accuracy_best=max(r["eval/accuracy"] for r in ev),
-                   eval_steps=[r["step"] for r in ev], eval_accuracy=[r["eval/accuracy"] for r in ev])
+                   eval_steps=[r["step"] for r in ev], eval_accuracy=[r["eval/accuracy"] for r in ev],
+                   eval_sampled_reward=[r.get("eval/sampled_reward") for r in ev])
     return out
 
 
@@ -137,8 +138,11 @@ def _plot(records: list[dict], path: Path) -> None:
     smooth = [sum(x) / len(x) for x in windows]
     axes[0].plot(steps, smooth, label=f"mean of last {w}")
     axes[0].set(title="reward", xlabel="RL step")
-    axes[1].plot([r["step"] for r in ev], [r["eval/accuracy"] for r in ev], "o-", label="greedy")
-    axes[1].set(title="held-out accuracy", xlabel="RL step", ylim=(0, 1))
+    axes[1].plot([r["step"] for r in ev], [r["eval/accuracy"] for r in ev], "o-", label="greedy accuracy")
+    if ev and "eval/sampled_reward" in ev[0]:
+        axes[1].plot([r["step"] for r in ev], [r["eval/sampled_reward"] for r in ev], "s-",
+                     label="sampled reward")
+    axes[1].set(title="held-out", xlabel="RL step", ylim=(0, 1))
     for key, label in (("mismatch/k3_kl", "k3_kl"), ("mismatch/logprob_abs_diff_max", "max |dlogp|")):
         values = [max(r.get(key, 0.0), 1e-18) for r in rl]
         axes[2].plot([r["step"] for r in rl], values, label=label)

@@ -175,13 +175,15 @@ class Trainer:
         return (self.tokenizer.eos_token_id,)
 
     def warmup(self) -> None:
-        """Supervised steps on `Example.solution` + eos, with their own AdamW (not kept for RL)."""
+        """Supervised steps on `Example.solution` + eos, with their own AdamW (not kept for RL) and a
+        learning rate decaying linearly from `warmup.lr` to a tenth of it."""
         w = self.cfg.warmup
         if not w.steps:
             return
         sft = Learner(self.model, lr=w.lr, max_grad_norm=1.0)
         t0 = time.perf_counter()
         for i in range(w.steps):
+            sft.optimizer.lr = w.lr * (1 - 0.9 * i / max(w.steps - 1, 1))
             examples = self.task.batch("train", i * w.batch_size, w.batch_size)
             if any(ex.solution is None for ex in examples):
                 raise ValueError(f"task {self.cfg.task.name!r} has no worked solutions; set warmup.steps = 0")
@@ -196,21 +198,30 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Greedy accuracy (reward >= 1) and mean reward on `eval.size` held-out examples."""
+        """On `eval.size` held-out examples: greedy accuracy (reward >= 1) and mean reward, and the
+        mean reward of `eval.samples` samples per example drawn as in training (fixed seed)."""
         if self._heldout is None:
             self._heldout = self.task.heldout(self.cfg.eval.size)
-        examples = self._heldout
-        params = SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.sampling.max_tokens,
-                                stop_token_ids=self.stop_ids())
-        outs = self._generate([self.encode_prompt(ex.prompt) for ex in examples], params)
-        rewards = [self.task.reward(self.tokenizer.decode(o.samples[0].token_ids), ex)
-                   for ex, o in zip(examples, outs)]
+        examples, s = self._heldout, self.cfg.sampling
+        prompts = [self.encode_prompt(ex.prompt) for ex in examples]
+        greedy = SamplingParams(n=1, temperature=0.0, max_tokens=s.max_tokens, stop_token_ids=self.stop_ids())
+        rewards = self._rewards(examples, self._generate(prompts, greedy))
         metrics = {"eval/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
                    "eval/reward": sum(rewards) / len(rewards), "eval/size": len(rewards)}
+        if self.cfg.eval.samples:
+            sampled = SamplingParams(n=self.cfg.eval.samples, temperature=s.temperature, top_p=s.top_p,
+                                     top_k=s.top_k, max_tokens=s.max_tokens, stop_token_ids=self.stop_ids(),
+                                     seed=(1 << 40) + self.cfg.seed)
+            rewards = self._rewards(examples, self._generate(prompts, sampled))
+            metrics["eval/sampled_reward"] = sum(rewards) / len(rewards)
         self.log.log({"kind": "eval", "step": self.step, **metrics})
         if self.step == 0:
             self.progress.message(f"held-out greedy accuracy before RL: {metrics['eval/accuracy']:.3f}")
         return metrics
+
+    def _rewards(self, examples: list, outs: list) -> list[float]:
+        return [self.task.reward(self.tokenizer.decode(smp.token_ids), ex)
+                for ex, o in zip(examples, outs) for smp in o.samples]
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list:
         outs = self.sampler.generate(prompts, params)
