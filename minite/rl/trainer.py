@@ -151,7 +151,7 @@ class Trainer:
         while self.step < cfg.rl.steps:
             self.step += 1
             record = self.rl_step()
-            if cfg.eval.every and self.step % cfg.eval.every == 0 or self.step == cfg.rl.steps:
+            if (cfg.eval.every and self.step % cfg.eval.every == 0) or self.step == cfg.rl.steps:
                 record.update(self.evaluate())
             self.progress.update(self.step, record)
             if cfg.checkpoint.every and (self.step % cfg.checkpoint.every == 0 or self.step == cfg.rl.steps):
@@ -165,7 +165,9 @@ class Trainer:
     def save(self) -> None:
         state = {"learner": self.learner.state_dict(), "data": {"position": self.data_pos},
                  "config": to_dict(self.cfg)}
-        models = {"model": self.model} | ({"ref_model": self.ref_model} if self.ref_model else {})
+        models = {"model": self.model}
+        if self.ref_model is not None:
+            models["ref_model"] = self.ref_model
         save_checkpoint(self.ckpt_dir, self.step, models, state, self.cfg.checkpoint.keep)
 
     def encode_prompt(self, prompt: str) -> list[int]:
