@@ -65,7 +65,7 @@ def build(kind: str, recipe: str, args) -> Qwen3:
             else model_preset("qwen3-30b-a3b", args.moe_layers)
     with torch.device(device):
         model = Qwen3(config, get_recipe(recipe, backend=args.backend) if recipe != "bf16" else recipe)
-    model.init_weights(0.02, torch.Generator().manual_seed(0))  # CPU draws, copied to the device
+    model.init_weights(0.02, torch.Generator().manual_seed(0))  # drawn on the model's device
     return model.to(dtype)
 
 

@@ -87,7 +87,10 @@ def run(args) -> int:
     mu = forward_mu if engine_mu is None else engine_mu
     pi = side_logprobs(model, learner, seqs, args.temperature)
     gap = pi - mu
-    texts = [tok.decode(s[p:]) for s, p in zip(seqs.tokens, seqs.prompt_lens)]
+    decode = lambda i: tok.decode([i]) if i < tok.vocab_size else f"<{i}>"
+    # Random-weight presets sample ids beyond the char tokenizer's vocabulary: show those as <id>.
+    texts = [tok.decode(r) if max(r, default=0) < tok.vocab_size else "".join(map(decode, r))
+             for r in (s[p:] for s, p in zip(seqs.tokens, seqs.prompt_lens))]
     report = {"config": _config(args, model, steps, len(seqs.tokens), int(mask.sum())),
               "metrics": mismatch_metrics(pi, mu, mask)}
     report["localization"] = localize(model, learner, sampler, seqs).to_dict()
@@ -104,7 +107,6 @@ def run(args) -> int:
         adv = group_advantages(rewards, args.samples) if args.samples >= 2 else rewards - rewards.mean()
         report["config"]["reward_mean"] = rewards.mean().item()
         report["direction"] = direction(gap, adv, mask, TriageConfig(segment_len=args.segment_len))
-    decode = lambda i: tok.decode([i]) if i < tok.vocab_size else f"<{i}>"
     report["heatmap"] = heatmap_rows(gap, mask, targets, decode, adv)
     report["samples"] = texts[:8]
     paths = write_report(args.out, report, deltas=gap[mask])
@@ -131,7 +133,8 @@ def _model(args):
     tiny = args.preset in TINY_PRESETS
     changes = {"vocab_size": tok.vocab_size} if tiny else {}
     config = model_preset(args.preset, args.layers, eos_token_id=tok.eos_token_id, **changes)
-    model = Qwen3(config, recipe="bf16")
+    with torch.device("cpu" if tiny else args.device):  # tiny presets warm-start on the CPU first
+        model = Qwen3(config, recipe="bf16")
     model.init_weights(std=0.1 if tiny else 0.02, generator=torch.Generator().manual_seed(args.seed))
     return model, tok
 

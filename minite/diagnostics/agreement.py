@@ -84,7 +84,8 @@ def measure_agreement(model_or_config: Qwen3 | ModelConfig, prompts: list[list[i
     """Generate with the sampler view, recompute with the learner view, compare (module docstring).
     A config builds a random-weight model (N(0, init_std), seeded). Returns a JSON-able dict."""
     if isinstance(model_or_config, ModelConfig):
-        model = Qwen3(model_or_config, learner_recipe)
+        with torch.device(device or "cpu"):
+            model = Qwen3(model_or_config, learner_recipe)
         model.init_weights(init_std, torch.Generator().manual_seed(seed))
         model = model.to(device=device, dtype=dtype)
     else:

@@ -144,9 +144,17 @@ class Qwen3(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
-        """Random weights for tests and benchmarks: N(0, std) matrices, ones for the norms."""
+        """Random weights for tests and benchmarks: N(0, std) matrices, ones for the norms. Draws run on
+        each parameter's device; a generator on another device seeds one there (so a GPU model never
+        draws its billions of values on the CPU)."""
+        local = {}
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
-            else:
-                param.copy_(torch.randn(param.shape, generator=generator) * std)
+                continue
+            g = generator
+            if g is not None and g.device.type != param.device.type:
+                if param.device not in local:
+                    local[param.device] = torch.Generator(param.device).manual_seed(g.initial_seed())
+                g = local[param.device]
+            param.copy_(torch.randn(param.shape, generator=g, device=param.device) * std)
