@@ -103,3 +103,16 @@ def test_dry_run_prints_the_resolved_config(capsys, tmp_path, monkeypatch):
 def test_cli_reports_config_errors(capsys):
     assert main(["train", "--dry-run", "--rl.lrr=1e-6"]) == 2
     assert "rl.lrr" in capsys.readouterr().err
+
+
+def test_resume_needs_a_run_folder(tmp_path, capsys):
+    assert main(["train", "--resume", str(tmp_path / "nope")]) == 2
+    assert "config.toml" in capsys.readouterr().err
+    assert main(["train", "--resume", str(tmp_path), "--config", "x.toml"]) == 2
+
+
+def test_resume_reads_the_runs_config_with_overrides(tmp_path, capsys):
+    (tmp_path / "config.toml").write_text(to_toml(load_config(None, ["--rl.steps=7"])))
+    assert main(["train", "--resume", str(tmp_path), "--dry-run", "--rl.lr=1e-5"]) == 0
+    cfg = build(TrainConfig, tomllib.loads(capsys.readouterr().out))
+    assert cfg.rl.steps == 7 and cfg.rl.lr == 1e-5
