@@ -71,9 +71,11 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, models: dict[str, torch.nn.
         torch.save({**state, "step": step, "rng": rng_state()}, tmp / "state.pt")
         _fsync_tree(tmp)
         if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(ckpt_dir)
+            # a complete checkpoint of this step (`latest` may name it) is never replaced in place
+            shutil.rmtree(tmp)
+        else:
+            os.rename(tmp, final)
+            _fsync_dir(ckpt_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
