@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minite.models.config import ModelConfig, tiny_qwen3, tiny_qwen3_moe
+from minite.models.config import ModelConfig, tiny_qwen3
+from minite.models.presets import MODEL_PRESETS as SHARED_PRESETS
 from minite.recipe import get_recipe
 from minite.rl.advantages import AdvantageConfig
 from minite.rl.corrections import CorrectionConfig
@@ -37,7 +38,7 @@ def tiny_char(**changes) -> ModelConfig:
     return base.replace(**changes)
 
 
-MODEL_PRESETS = {"tiny_char": tiny_char, "tiny_qwen3": tiny_qwen3, "tiny_qwen3_moe": tiny_qwen3_moe}
+MODEL_PRESETS = {"tiny-char": tiny_char, **SHARED_PRESETS}
 
 
 class ConfigError(ValueError):
@@ -47,10 +48,11 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class ModelSection:
     """An HF model directory `path` (its weights; `tokenizer = ""` takes its tokenizer), or, when
-    `path` is empty, a randomly initialized `preset` of `MODEL_PRESETS` with `config` overriding
+    `path` is empty, a randomly initialized `preset` of `MODEL_PRESETS` (this module's tiny-char and
+    `minite.models.presets`'s shapes) with `config` overriding
     `ModelConfig` fields (`hidden_size = 256`)."""
 
-    preset: str = "tiny_char"
+    preset: str = "tiny-char"
     path: str = ""
     config: dict[str, Any] = field(default_factory=dict)
     tokenizer: str = "char"

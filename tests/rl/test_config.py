@@ -68,6 +68,7 @@ def test_unknown_keys_are_errors_naming_the_key(override, names):
     ("--rl.correction.name=magic", "rl.correction: name"),
     ("--rl.minibatches=3", "rl: minibatches"),
     ("--model.dtype=float8", "model: dtype"),
+    ("--model.preset=huge", "model: preset"),
     ("--recipe.name=fp2", "recipe"),
     ("--task.args.ops=%", "task.args"),
     ("--rl=3", "rl"),
