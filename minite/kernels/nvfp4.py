@@ -190,7 +190,7 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, vals_ptr, sdec_out_ptr, amax_
     elif GS == 1:
         amax = tl.load(gs_ptr + tl.zeros([BLOCK_R], dtype=tl.int32))
         s_enc, s_dec = _global_scales(amax, CHAIN)
-        first = (tl.arange(0, BLOCK_R) == 0) & (pid == 0)
+        first = (tl.arange(0, BLOCK_R) + pid * BLOCK_R) == 0  # one lane of the whole grid
         tl.store(sdec_out_ptr + tl.zeros([BLOCK_R], dtype=tl.int32), s_dec, mask=first)
         s_enc = s_enc[:, None]
         s_dec = s_dec[:, None]
