@@ -6,7 +6,8 @@
   the `tensorboard` package is installed, written as scalars under `tensorboard/`. A record has a
   "kind" ("warmup", "rl" or "eval") and a "step".
 - `write_report`: `report.png` (reward, held-out accuracy and mismatch curves over RL steps;
-  matplotlib, Agg backend) and `summary.json` (first/last/best numbers, timings) in the run folder.
+  matplotlib, Agg backend), `summary.json` (first/last/best numbers, timings) and the diagnostics
+  report of the run (`report.html`, `report.json`, `curves.png`: mismatch metrics over steps).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import json
 import math
 import sys
 from pathlib import Path
+
+from minite.diagnostics.report import write_training_report
 
 METRICS_FILE = "metrics.jsonl"
 REPORT_PNG = "report.png"
@@ -113,12 +116,15 @@ def summarize(records: list[dict], extra: dict | None = None) -> dict:
 
 
 def write_report(run_dir: str | Path, extra: dict | None = None) -> dict:
-    """Write report.png and summary.json from the run folder's metrics.jsonl; returns the summary."""
+    """Write report.png, summary.json and the diagnostics report (report.html / report.json with the
+    mismatch curves over steps) from the run folder's metrics.jsonl; returns the summary."""
     run_dir = Path(run_dir)
     records = read_metrics(run_dir / METRICS_FILE)
     summary = summarize(records, extra)
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
     _plot(records, run_dir / REPORT_PNG)
+    rl = [r for r in records if r.get("kind") == "rl"]
+    write_training_report(run_dir, rl, report={"summary": summary})  # report.html: mismatch curves
     return summary
 
 

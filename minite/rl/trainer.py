@@ -159,7 +159,7 @@ class Trainer:
         self.log.close()
         summary = write_report(self.run_dir, {"wall_seconds": time.perf_counter() - start,
                                               "run_dir": str(self.run_dir)})
-        self.progress.message(f"report: {self.run_dir}/report.png, summary.json, metrics.jsonl")
+        self.progress.message(f"report: {self.run_dir}/report.png, report.html, summary.json, metrics.jsonl")
         return summary
 
     def save(self) -> None:

@@ -41,6 +41,8 @@ def test_loop_writes_metrics_report_and_checkpoints(tmp_path):
     # fp32 reference path: the learner's theta_old log-probs match the sampler's closely
     assert rl[0]["mismatch/logprob_abs_diff_max"] < 1e-4
     assert (run / "report.png").stat().st_size > 1000
+    assert (run / "curves.png").stat().st_size > 1000  # the diagnostics report of the run
+    assert "k3_kl" in json.loads((run / "report.json").read_text())["curves"]
     assert summary["rl_steps"] == 2 and "eval_accuracy_last" in summary
     assert json.loads((run / "summary.json").read_text())["rl_steps"] == 2
     assert (run / "config.toml").is_file()
