@@ -20,7 +20,7 @@ import torch
 from minite.sampler.graphs import DecodeGraphs, bucket_rows, bucket_width
 from minite.sampler.kv_cache import BlockManager, KVCache, num_kv_blocks
 from minite.sampler.rng import key_tensor, sample_key
-from minite.sampler.runner import build_batch, cached_forward
+from minite.sampler.runner import build_batch, build_decode_batch, cached_forward
 from minite.sampler.sample import sample
 from minite.sampler.scheduler import Scheduler, cdiv
 from minite.sampler.sequence import Group, RequestOutput, Sequence, request_output
@@ -132,8 +132,12 @@ class Sampler:
         if kind == "decode" and self.device.type == "cuda":
             # The graphs' padded shapes, so that graphed and eager decode compute the same numbers.
             rows, width = bucket_rows(len(seqs)), bucket_width(max(map(len, tables)))
-        batch = build_batch(tokens, starts, tables, self.block_size, self.cache.scratch_block, self.device,
-                            width=width, rows=rows)
+        if kind == "decode":
+            batch = build_decode_batch(tokens, tables, self.block_size, self.cache.scratch_block, self.device,
+                                       width=width, rows=rows)
+        else:
+            batch = build_batch(tokens, starts, tables, self.block_size, self.cache.scratch_block,
+                                self.device, width=width, rows=rows)
         return cached_forward(self.model, self.cache, batch)[: len(seqs)]
 
     def generate(self, prompts: list[list[int]],

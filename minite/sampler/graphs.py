@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from minite.sampler.kv_cache import KVCache
-from minite.sampler.runner import CachedBatch, build_batch, cached_forward
+from minite.sampler.runner import CachedBatch, build_batch, build_decode_batch, cached_forward
 
 ROW_BUCKETS = (1, 2, 4, 8, 16)
 
@@ -79,9 +79,8 @@ class DecodeGraphs:
         if (rows, width) not in self.graphs:
             self._capture(rows, width)
         graph, static, logits = self.graphs[(rows, width)]
-        starts = [len(t) - 1 for t in token_lists]
-        batch = build_batch(token_lists, starts, block_tables, self.cache.block_size,
-                            self.cache.scratch_block, self.cache.k.device, width=width, rows=rows)
+        batch = build_decode_batch(token_lists, block_tables, self.cache.block_size, self.cache.scratch_block,
+                                   self.cache.k.device, width=width, rows=rows)
         for name in ("input_ids", "positions", "slots", "block_tables", "context_lens", "query_pos"):
             getattr(static, name).copy_(getattr(batch, name))
         graph.replay()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from minite.nn.attention import attention, kernel_enabled
@@ -74,6 +75,31 @@ def build_batch(token_lists: list[list[int]], starts: list[int], block_tables: l
     as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)
     return CachedBatch(as_t(ids), as_t(pos), as_t(slots), as_t(tables), as_t(ctx), as_t(qrows), as_t(qpos),
                        as_t(unpad), as_t(last))
+
+
+def build_decode_batch(token_lists: list[list[int]], block_tables: list[list[int]], block_size: int,
+                       scratch_block: int, device, width: int | None = None,
+                       rows: int | None = None) -> CachedBatch:
+    """`build_batch` for a decode step (one new token per sequence: its last), built with numpy
+    instead of per-token Python lists; the same tensors, in a fraction of the host time."""
+    B = len(token_lists)
+    rows = B if rows is None else rows
+    width = max(len(t) for t in block_tables) if width is None else width
+    tables = np.full((rows, width), scratch_block, dtype=np.int64)
+    for i, table in enumerate(block_tables):
+        tables[i, : len(table)] = table
+    ctx = np.zeros(rows, dtype=np.int64)
+    ctx[:B] = np.fromiter(map(len, token_lists), dtype=np.int64, count=B)
+    pos = np.maximum(ctx - 1, 0)  # padding rows: position 0
+    ids = np.zeros(rows, dtype=np.int64)
+    ids[:B] = np.fromiter((t[-1] for t in token_lists), dtype=np.int64, count=B)
+    slots = np.full(rows, scratch_block * block_size, dtype=np.int64)
+    slots[:B] = tables[np.arange(B), pos[:B] // block_size] * block_size + pos[:B] % block_size
+    qpos = np.where(np.arange(rows) < B, pos, -1)[:, None]
+    ar = np.arange(rows, dtype=np.int64)
+    as_t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to(device)
+    return CachedBatch(as_t(ids), as_t(pos), as_t(slots), as_t(tables), as_t(ctx), as_t(ar[:, None]),
+                       as_t(qpos), as_t(ar), as_t(ar))
 
 
 def cached_forward(model, cache: KVCache, batch: CachedBatch) -> torch.Tensor:
