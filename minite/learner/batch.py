@@ -25,7 +25,7 @@ from torch import Tensor
 from minite.rl.batch import RLBatch
 from minite.sampling import SamplingParams
 
-PER_TOKEN = ("sampler_logprobs", "old_logprobs", "ref_logprobs")
+PER_TOKEN = ("sampler_logprobs", "old_logprobs", "ref_logprobs", "token_mask")
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class SequenceBatch:
     ref_logprobs: Tensor | None = None  # [S, T]
     params: SamplingParams = SamplingParams()
     width: int | None = None  # T; None: the longest response
+    token_mask: Tensor | None = None  # [S, T] bool; False drops a response token from loss and metrics
 
     def __post_init__(self):
         seqs = tuple(torch.as_tensor(s, dtype=torch.long) for s in self.sequences)
@@ -97,9 +98,10 @@ class SequenceBatch:
         return [s.numel() - p for s, p in zip(self.sequences, self.prompt_lens)]
 
     def mask(self, device=None) -> Tensor:
-        """[S, T] bool, True on response tokens."""
+        """[S, T] bool, True on response tokens (and, with `token_mask`, only where it is True)."""
         lens = torch.tensor(self.response_lens, device=device)
-        return torch.arange(self.width, device=device)[None] < lens[:, None]
+        mask = torch.arange(self.width, device=device)[None] < lens[:, None]
+        return mask if self.token_mask is None else mask & self.token_mask.to(device)
 
     def rows(self, index: Sequence[int]) -> SequenceBatch:
         """The sub-batch of sequences `index`; per-token fields keep the full width T."""
@@ -108,7 +110,7 @@ class SequenceBatch:
         return SequenceBatch(tuple(self.sequences[i] for i in index),
                              tuple(self.prompt_lens[i] for i in index), pick(self.sampler_logprobs),
                              pick(self.advantages), pick(self.old_logprobs), pick(self.ref_logprobs),
-                             self.params, self.width)
+                             self.params, self.width, pick(self.token_mask))
 
     def to_rl_batch(self, logprobs: Tensor) -> RLBatch:
         """RLBatch for the losses from the current log-probs `logprobs` [S, T]."""

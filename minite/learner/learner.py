@@ -90,7 +90,7 @@ class Learner:
         start = time.perf_counter()
         self.model.train()
         self.optimizer.zero_grad()
-        lens = torch.tensor(batch.response_lens)
+        lens = batch.mask().sum(1)  # [S] tokens each sequence contributes to the loss
         total = lens.sum() if aggregation == "token_mean" else (lens > 0).sum()
         if total == 0:
             raise ValueError("the batch has no response tokens to train on")

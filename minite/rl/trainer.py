@@ -246,7 +246,7 @@ class Trainer:
         batch = SequenceBatch.from_samples([p for _, p, _ in samples], [smp.token_ids for *_, smp in samples],
                                            [smp.logprobs for *_, smp in samples], advantages, params)
         old = self.learner.logprobs(batch)
-        batch = replace(batch, old_logprobs=old)
+        batch, outside = drop_unsupported(replace(batch, old_logprobs=old))
         if self.ref_model is not None:
             with torch.no_grad():
                 batch = replace(batch, ref_logprobs=sequence_logprobs(self.ref_model, batch))
@@ -268,12 +268,26 @@ class Trainer:
                   **{f"mismatch/{k}": mismatch[k] for k in MISMATCH_KEYS},
                   **{k: float(v) for k, v in correction.metrics.items()},
                   "mismatch/gap_mean": float(masked_mean(old - batch.sampler_logprobs.to(old.device), mask)),
+                  "mismatch/outside_learner_support": outside,
                   **_mean_dicts(updates),
                   "rollout/tokens_per_s": generated / max(t_rollout, 1e-9),
                   "learner/tokens_per_s": sum(u["tokens"] for u in updates) / max(now - t_update, 1e-9),
                   "time/rollout_s": t_rollout, "time/update_s": now - t_update, "time/step_s": now - t0}
         self.log.log(record)
         return record
+
+
+def drop_unsupported(batch: SequenceBatch) -> tuple[SequenceBatch, float]:
+    """Leave out of the loss the sampled tokens the learner gives probability 0 (log pi_old = -inf:
+    outside its top-k / top-p set when sampler and learner disagree near the cut-off); their importance
+    ratio is 0 and their gradient undefined. Returns the batch and the share of response tokens dropped."""
+    old = batch.old_logprobs
+    response = batch.mask(old.device)
+    supported = torch.isfinite(old) | ~response
+    dropped = int((~supported).sum())
+    if not dropped:
+        return batch, 0.0
+    return replace(batch, token_mask=supported), dropped / int(response.sum())
 
 
 def _mean_dicts(dicts: list[dict]) -> dict:
