@@ -71,18 +71,39 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     return out.reshape(B, Tq, Hq, D).to(q.dtype)
 
 
+VARLEN_SCORE_BUDGET = 1 << 28  # fp32 score elements (1 GiB) one padded varlen_attention call may use
+
+
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                      cu_seqlens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Causal GQA over packed sequences: q `[N, Hq, D]`, k/v `[N, Hkv, D]`, positions `[N]`,
-    cu_seqlens `[S + 1]` (sequence s is rows `cu_seqlens[s]:cu_seqlens[s + 1]`) -> `[N, Hq, D]`."""
+    cu_seqlens `[S + 1]` (sequence s is rows `cu_seqlens[s]:cu_seqlens[s + 1]`) -> `[N, Hq, D]`.
+
+    Sequences of similar length are scattered into right-padded `[S_g, T_g]` groups (padding keys get
+    position -1: invisible), one `attention` call per group, each group's padded scores within
+    `VARLEN_SCORE_BUDGET` (a single sequence may exceed it alone)."""
     bounds = cu_seqlens.tolist()
     if bounds[0] != 0 or bounds[-1] != q.shape[0] or any(a > b for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"cu_seqlens {bounds} must rise from 0 to the packed length {q.shape[0]}")
-    outs = []
-    for a, b in zip(bounds, bounds[1:]):
-        pos = positions[None, a:b]
-        outs.append(attention(q[None, a:b], k[None, a:b], v[None, a:b], pos, pos, scale)[0])
-    return torch.cat(outs, dim=0)
+    spans = sorted(((b - a, a) for a, b in zip(bounds, bounds[1:]) if b > a), reverse=True)
+    out = q.new_empty(q.shape)
+    i = 0
+    while i < len(spans):
+        T = spans[i][0]
+        S = max(1, min(len(spans) - i, VARLEN_SCORE_BUDGET // (T * T * q.shape[1])))
+        group = spans[i: i + S]
+        rows = torch.tensor([a + t for n, a in group for t in range(n)], device=q.device)
+        idx = torch.tensor([s * T + t for s, (n, _) in enumerate(group) for t in range(n)], device=q.device)
+
+        def padded(x: torch.Tensor, fill, rows=rows, idx=idx, S=S, T=T) -> torch.Tensor:
+            buf = x.new_full((S * T, *x.shape[1:]), fill)
+            return buf.index_copy(0, idx, x[rows]).view(S, T, *x.shape[1:])
+
+        pos = padded(positions, -1)  # [S, T]
+        o = attention(padded(q, 0), padded(k, 0), padded(v, 0), pos, pos, scale)  # [S, T, Hq, D]
+        out = out.index_copy(0, rows, o.reshape(S * T, *q.shape[1:])[idx])
+        i += S
+    return out
 
 
 class Attention(nn.Module):
@@ -148,8 +169,8 @@ def packed_kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
 
 
 class _KernelAttention(torch.autograd.Function):
-    """Forward: the kernel over contiguous packed k/v. Backward: the reference math (fp32 einsum per
-    sequence) recomputed under autograd; its gradient is that of the exact softmax attention."""
+    """Forward: the kernel over contiguous packed k/v. Backward: the reference math (`varlen_attention`,
+    fp32, padded groups of sequences) recomputed under autograd: the exact softmax attention's gradient."""
 
     @staticmethod
     def forward(ctx, q, k, v, seq, positions, cu):

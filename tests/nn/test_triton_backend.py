@@ -1,23 +1,17 @@
 """Backend 'triton' of minite.nn against backend 'ref': Linear, MoE experts, a tiny model, CUDA graphs.
 
-Without CUDA the kernels run in the Triton interpreter (tiny shapes, fp32 inputs, fp16 operands);
-TRITON_INTERPRET must be set before the first @triton.jit function is created, so it is set here at
-import, only without CUDA, exactly as tests/kernels/conftest.py does.
+Without CUDA the kernels run in the Triton interpreter (tiny shapes, fp32 inputs, fp16 operands;
+tests/conftest.py turns it on).
 """
-
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from minite import kernels  # noqa: E402
-from minite.models import Qwen3, tiny_qwen3, tiny_qwen3_moe  # noqa: E402
-from minite.nn import Linear, MoEExperts, moe_reference  # noqa: E402
-from minite.nn.moe import group_by_expert, sort_by_expert  # noqa: E402
-from minite.nn.nvfp4_matmul import use_kernels  # noqa: E402
+from minite import kernels
+from minite.models import Qwen3, tiny_qwen3, tiny_qwen3_moe
+from minite.nn import Linear, MoEExperts, moe_reference
+from minite.nn.moe import group_by_expert, sort_by_expert
+from minite.nn.nvfp4_matmul import use_kernels
 from minite.nvfp4 import dequantize, quantize  # noqa: E402
 from minite.nvfp4 import use_kernels as quantize_uses_kernels  # noqa: E402
 from minite.recipe import QuantSpec, get_recipe  # noqa: E402
