@@ -19,7 +19,8 @@ the gap is a mismatch metric of (pi, mu) over the response tokens (`k3_kl` by de
     gemm_kernel       recipe.backend (ref / triton)
     batch_composition Side.batching (packed with the other sequences / each sequence alone)
     other_recipe      the remaining forward fields: fp4, rounding, hadamard, bf16 first/last layers
-    attention_kernel  not available: the codebase has one attention implementation
+    attention_kernel  not available: both sides run the same attention (the Triton kernel on CUDA,
+                      the reference elsewhere); the Side has no attention setting to switch yet
     sampler_path      not switchable: the learner has no decode path. When mu comes from the
                       sampler engine (decode with a paged KV cache), the residual after all switches
                       is the share of the sampler's execution path vs the sampler recipe's full forward
@@ -95,7 +96,7 @@ KNOBS = (
          lambda a, b: a.replace(batching=b.batching)),
     Knob("other_recipe", "fp4 on/off, rounding, Hadamard, bf16 first/last layers", _other),
     Knob("attention_kernel", "attention kernel", None,
-         lambda: "one attention implementation (minite.nn.attention.attention); nothing to switch"),
+         lambda: "both sides run the same attention (Triton kernel on CUDA, reference elsewhere)"),
     Knob("sampler_path", "sampler decode with KV cache vs full forward", None,
          lambda: "the learner has no decode path; the residual is this knob's share"),
 )
