@@ -20,25 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minite.models.config import ModelConfig, tiny_qwen3
-from minite.models.presets import MODEL_PRESETS as SHARED_PRESETS
+from minite.models.config import ModelConfig
+from minite.models.presets import MODEL_PRESETS
 from minite.recipe import get_recipe
 from minite.rl.advantages import AdvantageConfig
 from minite.rl.corrections import CorrectionConfig
 from minite.rl.losses import LossConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-def tiny_char(**changes) -> ModelConfig:
-    """~0.3M-parameter dense Qwen3 for the char tokenizer (its 100 ids; bos 1, eos 2, pad 0)."""
-    base = tiny_qwen3(vocab_size=100, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                      eos_token_id=2, pad_token_id=0, bos_token_id=1)
-    return base.replace(**changes)
-
-
-MODEL_PRESETS = {"tiny-char": tiny_char, **SHARED_PRESETS}
 
 
 class ConfigError(ValueError):
@@ -48,9 +37,8 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class ModelSection:
     """An HF model directory `path` (its weights; `tokenizer = ""` takes its tokenizer), or, when
-    `path` is empty, a randomly initialized `preset` of `MODEL_PRESETS` (this module's tiny-char and
-    `minite.models.presets`'s shapes) with `config` overriding
-    `ModelConfig` fields (`hidden_size = 256`)."""
+    `path` is empty, a randomly initialized `preset` of `minite.models.presets` with `config`
+    overriding `ModelConfig` fields (`hidden_size = 256`)."""
 
     preset: str = "tiny-char"
     path: str = ""

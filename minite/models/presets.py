@@ -24,7 +24,16 @@ def qwen3_30b_a3b(**changes) -> ModelConfig:
                        norm_topk_prob=True, eos_token_id=151645).replace(**changes)
 
 
+def tiny_char(**changes) -> ModelConfig:
+    """~0.3M-parameter dense Qwen3 for the char tokenizer (its 100 ids; bos 1, eos 2, pad 0): the
+    embedded `minite train` default."""
+    return tiny_qwen3(vocab_size=100, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      eos_token_id=2, pad_token_id=0, bos_token_id=1).replace(**changes)
+
+
 MODEL_PRESETS = {
+    "tiny-char": tiny_char,
     "tiny-qwen3": tiny_qwen3,
     "tiny-qwen3-moe": tiny_qwen3_moe,
     "qwen3-1.7b": qwen3_1_7b,
