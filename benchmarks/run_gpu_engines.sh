@@ -1,42 +1,61 @@
 #!/usr/bin/env bash
-# The engines' GPU work in one device call: GPU tests, rollout and learner benchmarks, agreement on the
-# benchmark model, the GPU training preset. Usage (repo root): bash benchmarks/run_gpu_engines.sh PART
-# PART tests: the GPU tests; PART engines: rollout and learner benchmarks, agreement, diagnose reports, the
-# GPU training preset.
-# Outputs under $OUT (default benchmarks/results/gpu); each step has a time cap so the call ends in time.
+# The engines' GPU work in one device call. Usage (repo root): bash benchmarks/run_gpu_engines.sh PART...
+#   tests     the GPU tests
+#   profile   where a rollout decode step spends its time (benchmarks/profile_rollout.py)
+#   rollout   rollout benchmarks (dense 1.7B, MoE 4 layers) against HF generate
+#   learner   learner train-step benchmark
+#   agreement agreement on the benchmark model for bf16/bf16, aligned/aligned, te/vllm
+#   diagnose  minite diagnose reports at the benchmark model's full depth, te/vllm and aligned
+#   train     the GPU training preset (configs/gpu_arith.toml), whatever time is left of BUDGET
+# Outputs under $OUT (default benchmarks/results/gpu): the JSON results, log.txt, extra.tgz. Each step
+# has a time cap so that the call ends inside the device's 10 minutes (BUDGET seconds, default 570).
 set -o pipefail
 OUT=${OUT:-benchmarks/results/gpu}
+BUDGET=${BUDGET:-570}
 mkdir -p "$OUT/extra"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-unknown}
-part=$1
-log="$OUT/log_part$part.txt"
+log="$OUT/log.txt"
+t_start=$(date +%s)
 step() {
   local cap=$1; shift
+  local left=$((BUDGET - ($(date +%s) - t_start)))
+  [ "$cap" -gt "$left" ] && cap=$left
+  if [ "$cap" -le 5 ]; then echo "== skipped (no time left): $*" | tee -a "$log"; return; fi
   echo "== [$(date +%T)] $* (cap ${cap}s)" | tee -a "$log"
   timeout "$cap" "$@" > "$OUT/extra/step.txt" 2>&1
   echo "rc=$?" >> "$OUT/extra/step.txt"
-  tail -n 45 "$OUT/extra/step.txt" | tee -a "$log"
+  tail -n 40 "$OUT/extra/step.txt" | tee -a "$log"
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv | tee "$log"
-if [ "$part" = tests ]; then
-  step 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests
-else
-  step 150 python3 benchmarks/bench_rollout.py --models dense --backend triton --out "$OUT/rollout_dense.json"
-  step 80 python3 benchmarks/bench_rollout.py --models moe --moe-layers 4 --new-tokens 256 --backend triton \
-    --out "$OUT/rollout_moe.json"
-  step 60 python3 benchmarks/bench_learner.py --out "$OUT/learner.json"
-  for pair in "bf16 bf16 triton" "aligned aligned triton" "te vllm ref"; do
-    read -r lr sr backend <<< "$pair"
-    step 40 python3 -m minite.cli agreement --preset qwen3-1.7b --learner-recipe "$lr" --sampler-recipe "$sr" \
-      --backend "$backend" --num-prompts 16 --n 4 --max-tokens 64 --json
-    cp "$OUT/extra/step.txt" "$OUT/extra/agreement_${lr}_$sr.txt"
-  done
-  for pair in "te vllm" "aligned aligned"; do
-    read -r lr sr <<< "$pair"
-    step 40 python3 -m minite.cli diagnose --preset qwen3-1.7b --layers 8 --learner-recipe "$lr" \
-      --sampler-recipe "$sr" --n-prompts 16 --max-tokens 48 --out "$OUT/extra/diagnose_${lr}_$sr"
-  done
-  step 100 python3 -m minite.cli train --config configs/gpu_arith.toml --rl.steps=10 \
-    --recipe.overrides.backend=triton --run_dir="$OUT/extra/train"
-fi
-tar czf "$OUT/extra_part$part.tgz" -C "$OUT" extra && rm -rf "$OUT/extra"
+for part in "$@"; do
+  case $part in
+    tests) step 110 python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
+    profile) step 90 python3 benchmarks/profile_rollout.py --out "$OUT/profile_rollout.json" ;;
+    rollout)
+      step 150 python3 benchmarks/bench_rollout.py --models dense --backend triton --out "$OUT/rollout_dense.json"
+      step 80 python3 benchmarks/bench_rollout.py --models moe --moe-layers 4 --new-tokens 256 --backend triton \
+        --out "$OUT/rollout_moe.json" ;;
+    learner) step 60 python3 benchmarks/bench_learner.py --out "$OUT/learner.json" ;;
+    agreement)
+      for pair in "bf16 bf16 triton" "aligned aligned triton" "te vllm ref"; do
+        read -r lr sr backend <<< "$pair"
+        step 40 python3 -m minite.cli agreement --preset qwen3-1.7b --learner-recipe "$lr" \
+          --sampler-recipe "$sr" --backend "$backend" --num-prompts 16 --n 4 --max-tokens 64 --json
+        cp "$OUT/extra/step.txt" "$OUT/extra/agreement_${lr}_$sr.txt"
+      done ;;
+    diagnose)
+      for pair in "te vllm 150" "aligned aligned 110"; do
+        read -r lr sr cap <<< "$pair"
+        step "$cap" python3 -m minite.cli diagnose --preset qwen3-1.7b --learner-recipe "$lr" \
+          --sampler-recipe "$sr" --n-prompts 16 --max-tokens 48 --out "$OUT/extra/diagnose_${lr}_$sr"
+      done ;;
+    train)
+      step 600 python3 -m minite.cli train --config configs/gpu_arith.toml --recipe.overrides.backend=triton \
+        --run_dir=/tmp/minite_train
+      mkdir -p "$OUT/extra/train"
+      find /tmp/minite_train -maxdepth 1 -type f -exec cp {} "$OUT/extra/train/" \; ;;
+    *) echo "unknown part $part" | tee -a "$log" ;;
+  esac
+done
+rm -f "$OUT/extra/step.txt"
+tar czf "$OUT/extra.tgz" -C "$OUT" extra && rm -rf "$OUT/extra"

@@ -11,6 +11,7 @@ and the report (`report.html`, `report.json`, PNGs under --out).
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -68,21 +69,32 @@ def add_parser(sub, name):
 
 def run(args) -> int:
     t0 = time.time()
+    phases: dict[str, float] = {}
+
+    def phase(name: str) -> None:  # progress on stderr; the phase times go into report.json
+        phases[name] = round(time.time() - t0, 1)
+        print(f"[{phases[name]:7.1f}s] {name}", file=sys.stderr, flush=True)
+
+    phase("building the model")
     torch.manual_seed(args.seed)
     model, tok = _model(args)
     examples, task = _examples(args, tok)
     default_steps = 60 if args.preset in TINY_PRESETS and task else 0
     steps = args.warmup_steps if args.warmup_steps is not None else default_steps
     if steps:
+        phase(f"warm start: {steps} supervised steps")
         _warm_start(model, tok, task, steps, args.seed)
     model.to(device=args.device, dtype=DTYPES[args.dtype]).eval()
     learner = Side(args.learner_recipe, args.learner_batching)
     sampler = Side(args.sampler_recipe, args.sampler_batching)
     prompts = [tok.encode(ex.prompt, add_bos=tok.bos_token_id is not None) for ex in examples]
+    phase("quantizing the weights of both recipes")
     prepare(model, Sequences(prompts, [len(p) for p in prompts]), [learner, sampler])
+    phase("sampling responses")
     seqs, engine_mu = _generate(model, sampler, prompts, args, tok.eos_token_id)
     targets, mask = seqs.padded()
 
+    phase("log-probs on both paths")
     forward_mu = side_logprobs(model, sampler, seqs, args.temperature)
     mu = forward_mu if engine_mu is None else engine_mu
     pi = side_logprobs(model, learner, seqs, args.temperature)
@@ -93,7 +105,9 @@ def run(args) -> int:
              for r in (s[p:] for s, p in zip(seqs.tokens, seqs.prompt_lens))]
     report = {"config": _config(args, model, steps, len(seqs.tokens), int(mask.sum())),
               "metrics": mismatch_metrics(pi, mu, mask)}
+    phase("localization")
     report["localization"] = localize(model, learner, sampler, seqs).to_dict()
+    phase("attribution")
     report["attribution"] = attribute(model, learner, sampler, seqs, sampler_logprobs=engine_mu,
                                       temperature=args.temperature).to_dict()
     if engine_mu is not None:
@@ -109,6 +123,8 @@ def run(args) -> int:
         report["direction"] = direction(gap, adv, mask, TriageConfig(segment_len=args.segment_len))
     report["heatmap"] = heatmap_rows(gap, mask, targets, decode, adv)
     report["samples"] = texts[:8]
+    phase("report")
+    report["config"]["phase_start_seconds"] = phases
     paths = write_report(args.out, report, deltas=gap[mask])
     report["config"]["seconds"] = round(time.time() - t0, 1)
     if args.json:

@@ -1,0 +1,129 @@
+"""Where a rollout decode step spends its time: host phases (schedule, batch build + graph replay
+launch, sampling launch, the token read-back that waits for the GPU, bookkeeping) timed around the
+sampler's own methods, the GPU time of one graph replay and of one sampling call (CUDA events), and
+a torch.profiler table of a few decode steps. Same model and workload as `bench_rollout.py` (dense,
+bf16 by default). Prints the breakdown and writes JSON to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_rollout  # noqa: E402
+from bench_common import env_info  # noqa: E402
+
+import minite.sampler.engine as engine  # noqa: E402
+from minite.recipe import get_recipe  # noqa: E402
+from minite.sampler import Sampler  # noqa: E402
+from minite.sampling import SamplingParams  # noqa: E402
+
+
+def timed(store: dict, name: str, fn):
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        out = fn(*a, **k)
+        store[name] += time.perf_counter() - t
+        return out
+    return wrapper
+
+
+def cuda_ms(fn, reps: int = 20) -> float:
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=None)
+    p.add_argument("--recipe", default="bf16")
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--profile-steps", type=int, default=8)
+    args = p.parse_args()
+    bargs = bench_rollout.parse_args(["--backend", "triton"])
+    device = torch.device("cuda")
+    config = bench_rollout.model_config("dense", bargs)
+    model = bench_rollout.build_model(config, device, torch.bfloat16, 0)
+    model.set_recipe(get_recipe(args.recipe, backend="triton"))
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, config.vocab_size, (bargs.prompts, bargs.prompt_len), generator=g).tolist()
+    seqs = bargs.prompts * bargs.samples
+    sampler = Sampler(model, max_num_seqs=512, kv_cache_tokens=(seqs + 16) * (bargs.prompt_len + 512 + 16))
+    params = SamplingParams(n=bargs.samples, max_tokens=args.new_tokens, seed=0)
+    # Warm: captures every decode graph width the timed run will need.
+    sampler.generate(prompts, params)
+    torch.cuda.synchronize()
+
+    phases = defaultdict(float)
+    sampler.scheduler.schedule = timed(phases, "schedule", sampler.scheduler.schedule)
+    sampler._forward = timed(phases, "forward_launch", sampler._forward)
+    engine.sample = timed(phases, "sample_launch", engine.sample)
+    engine.key_tensor = timed(phases, "key_tensor", engine.key_tensor)
+    groups = [sampler.add_request(pr, params, i) for i, pr in enumerate(prompts)]
+    step_times, kinds = [], []
+    t_all = time.perf_counter()
+    prof_rows = None
+    while sampler.has_unfinished():
+        if len(step_times) == 40:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(args.profile_steps):
+                    sampler.step()
+                torch.cuda.synchronize()
+            prof_rows = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+            cpu_rows = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
+            continue
+        t = time.perf_counter()
+        before = sampler.stats["decode_steps"]
+        sampler.step()
+        step_times.append(time.perf_counter() - t)
+        kinds.append("decode" if sampler.stats["decode_steps"] > before else "prefill")
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t_all
+    tokens = sum(len(s.tokens) - s.prompt_len for gr in groups for s in gr.seqs)
+    decode = [s for s, k in zip(step_times, kinds) if k == "decode"]
+    n = len(step_times)
+    other = sum(step_times) - sum(phases.values())
+
+    # GPU-only time of one decode graph replay and of one sampling call at 512 rows.
+    graphs = sampler.graphs
+    key = max(graphs.graphs)
+    graph = graphs.graphs[key][0]
+    replay_ms = cuda_ms(graph.replay)
+    logits = torch.randn(512, config.vocab_size, device=device, dtype=torch.bfloat16)
+    keys = torch.arange(512, device=device)
+    steps = torch.zeros(512, dtype=torch.int64, device=device)
+    sample_ms = cuda_ms(lambda: engine.sample(logits, [params] * 512, keys, steps))
+    result = dict(env=env_info(), recipe=args.recipe, steps=n, decode_steps=len(decode), wall_s=wall,
+                  tokens=tokens, tokens_per_s=tokens / wall,
+                  decode_step_ms_mean=1e3 * sum(decode) / max(len(decode), 1),
+                  phase_ms_per_step={k: 1e3 * v / n for k, v in phases.items()},
+                  other_ms_per_step=1e3 * other / n, graph_key=list(key),
+                  graph_replay_gpu_ms=replay_ms, sample_gpu_ms=sample_ms)
+    for k, v in result.items():
+        print(f"{k}: {v}")
+    print(prof_rows)
+    print(cpu_rows)
+    if args.out:
+        import json
+        with open(args.out, "w") as f:
+            json.dump(dict(result, profile_cuda=prof_rows, profile_cpu=cpu_rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
