@@ -9,11 +9,13 @@
 #   train     the GPU training preset (configs/gpu_arith.toml), whatever time is left of BUDGET
 # Outputs under $OUT (default benchmarks/results/gpu): the JSON results, log.txt, extra.tgz. Each step
 # has a time cap so that the call ends inside the device's 10 minutes (BUDGET seconds, default 570).
+# Triton's kernel cache lives in .triton_cache (carry it to skip recompiling on a fresh machine); it
+# comes back as triton_cache.tgz when small enough.
 set -o pipefail
 OUT=${OUT:-benchmarks/results/gpu}
 BUDGET=${BUDGET:-570}
 mkdir -p "$OUT/extra"
-export PYTHONPATH=. PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-unknown}
+export PYTHONPATH=. PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-unknown} TRITON_CACHE_DIR=$PWD/.triton_cache
 log="$OUT/log.txt"
 t_start=$(date +%s)
 step() {
@@ -58,4 +60,6 @@ for part in "$@"; do
   esac
 done
 rm -f "$OUT/extra/step.txt"
+tar czf "$OUT/triton_cache.tgz" .triton_cache 2>/dev/null
+[ "$(stat -c %s "$OUT/triton_cache.tgz" 2>/dev/null || echo 0)" -gt 15000000 ] && rm -f "$OUT/triton_cache.tgz"
 tar czf "$OUT/extra.tgz" -C "$OUT" extra && rm -rf "$OUT/extra"

@@ -147,16 +147,81 @@ def _hook_points(model) -> list[tuple[str, nn.Module, bool]]:
 
 @contextmanager
 def capture(model):
-    """Record every hook point's tensor as `[tokens, features]` rows (fp64), appended per call."""
+    """Record every hook point's tensor as `[tokens, features]` rows, on its device and in its dtype
+    (exact: no conversion), concatenated over calls at the end of the block."""
     store: dict[str, list[torch.Tensor]] = {}
     handles = []
     for name, module, use_input in _hook_points(model):
         def hook(mod, args, out, name=name, use_input=use_input):
             t = args[0] if use_input else (out[0] if isinstance(out, tuple) else out)
-            store.setdefault(name, []).append(t.detach().reshape(-1, t.shape[-1]).double().cpu())
+            store.setdefault(name, []).append(t.detach().reshape(-1, t.shape[-1]).clone())
         handles.append(module.register_forward_hook(hook))
     try:
         yield store
+    finally:
+        for h in handles:
+            h.remove()
+        for name, parts in store.items():
+            store[name] = [torch.cat(parts)]
+
+
+class _Compare:
+    """Running fp64 sums of one op's ||a - b||^2 and ||b||^2 (and router agreement) while side B runs,
+    against side A's captured rows; row chunks bound the fp64 temporaries (logits are [T, vocab])."""
+
+    CHUNK = 512
+
+    def __init__(self, a: torch.Tensor, top_k: int | None):
+        self.a, self.top_k, self.row = a, top_k, 0
+        zero = torch.zeros((), dtype=torch.float64, device=a.device)
+        self.sums = {"num": zero.clone(), "den": zero.clone(), "same": zero.clone(), "overlap": zero.clone()}
+
+    def add(self, b: torch.Tensor) -> None:
+        for s in range(0, b.shape[0], self.CHUNK):
+            bb = b[s: s + self.CHUNK].double()
+            aa = self.a[self.row + s: self.row + s + bb.shape[0]].double()
+            self.sums["num"] += (aa - bb).square().sum()
+            self.sums["den"] += bb.square().sum()
+            if self.top_k:
+                ta = aa.topk(self.top_k, dim=-1).indices.sort(-1).values
+                tb = bb.topk(self.top_k, dim=-1).indices.sort(-1).values
+                self.sums["same"] += (ta == tb).all(-1).double().sum()
+                self.sums["overlap"] += (ta[:, :, None] == tb[:, None, :]).any(-1).double().mean(-1).sum()
+        self.row += b.shape[0]
+
+    def result(self) -> dict:
+        num, den = self.sums["num"].sqrt().item(), self.sums["den"].sqrt().item()
+        out = {"rel_diff": (0.0 if num == 0 else float("inf")) if den == 0 else num / den}
+        if self.top_k:
+            n = max(self.row, 1)
+            out.update(router_topk_same=self.sums["same"].item() / n,
+                       router_topk_overlap=self.sums["overlap"].item() / n)
+        return out
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in fp64 (0 when both are 0, inf when only b is)."""
+    c = _Compare(a.reshape(-1, a.shape[-1]) if a.dim() else a.reshape(1, 1), None)
+    c.add(b.reshape(-1, b.shape[-1]) if b.dim() else b.reshape(1, 1))
+    return c.result()["rel_diff"]
+
+
+@contextmanager
+def compare(model, reference: dict[str, list[torch.Tensor]]):
+    """While the block runs side B, compare every hook point's tensor with side A's (`capture`) row
+    by row; yields {op: _Compare}."""
+    cmp: dict[str, _Compare] = {}
+    handles = []
+    for name, module, use_input in _hook_points(model):
+        top_k = model.layers[int(name.split(".")[1])].mlp.top_k if name.endswith(".router") else None
+        cmp[name] = _Compare(reference[name][0], top_k)
+
+        def hook(mod, args, out, name=name, use_input=use_input):
+            t = args[0] if use_input else (out[0] if isinstance(out, tuple) else out)
+            cmp[name].add(t.detach().reshape(-1, t.shape[-1]))
+        handles.append(module.register_forward_hook(hook))
+    try:
+        yield cmp
     finally:
         for h in handles:
             h.remove()
@@ -178,41 +243,19 @@ class Localization:
                 "ops": self.ops}
 
 
-def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| in fp64 (0 when both are 0, inf when only b is)."""
-    num, den = (a - b).norm().item(), b.norm().item()
-    if den == 0:
-        return 0.0 if num == 0 else float("inf")
-    return num / den
-
-
-def _router_agreement(la: torch.Tensor, lb: torch.Tensor, k: int) -> dict:
-    ta, tb = la.topk(k, dim=-1).indices.sort(-1).values, lb.topk(k, dim=-1).indices.sort(-1).values
-    overlap = (ta[:, :, None] == tb[:, None, :]).any(-1).double().mean(-1)  # [T]
-    return {"router_topk_same": (ta == tb).all(-1).double().mean().item(),
-            "router_topk_overlap": overlap.mean().item()}
-
-
 @torch.no_grad()
 def localize(model, side_a: Side, side_b: Side, seqs: Sequences, tol: float = 0.0) -> Localization:
     """Per-op relative differences of side A against side B on the same sequences."""
     prepare(model, seqs, [side_a, side_b])
-    captured = []
-    for side in (side_a, side_b):
-        with recipe_of(model, side), capture(model) as store:
-            _forward_logits(model, seqs, side.batching)
-        captured.append({k: torch.cat(v) for k, v in store.items()})
-    a, b = captured
+    with recipe_of(model, side_a), capture(model) as reference:
+        _forward_logits(model, seqs, side_a.batching)
+    with recipe_of(model, side_b), compare(model, reference) as cmp:
+        _forward_logits(model, seqs, side_b.batching)
+    del reference
     ops = []
     for name, _, _ in _hook_points(model):
         parts = name.split(".")
         layer = int(parts[1]) if parts[0] == "layers" else None
-        kind = parts[-1]
-        if kind == "router":
-            k = model.layers[layer].mlp.top_k
-            ops.append({"op": name, "layer": layer, "kind": kind, "rel_diff": rel_diff(a[name], b[name]),
-                        **_router_agreement(a[name], b[name], k)})
-            continue
-        ops.append({"op": name, "layer": layer, "kind": kind, "rel_diff": rel_diff(a[name], b[name])})
+        ops.append({"op": name, "layer": layer, "kind": parts[-1], **cmp[name].result()})
     first = next((o["op"] for o in ops if o["rel_diff"] > tol), None)
     return Localization(ops, first, side_a.name, side_b.name)
