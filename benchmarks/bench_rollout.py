@@ -55,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="default: enough for the workload")
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--sync-recipes", default="",
+                   help="recipes also run without lookahead decode (Sampler(async_decode=False)), e.g. bf16")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -85,13 +87,13 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def run_ours(model, recipe: str, prompts, args, device) -> dict:
+def run_ours(model, recipe: str, prompts, args, device, async_decode: bool | None = None) -> dict:
     model.set_recipe(get_recipe(recipe, backend=args.backend))
     params = SamplingParams(n=args.samples, max_tokens=args.new_tokens, seed=args.seed)
     seqs = len(prompts) * args.samples
     kv_tokens = args.kv_cache_tokens or (seqs + 16) * (args.prompt_len + args.new_tokens + 16)
     sampler = Sampler(model, max_num_seqs=args.max_num_seqs, kv_cache_tokens=kv_tokens,
-                      cuda_graphs=False if args.no_cuda_graphs else None)
+                      cuda_graphs=False if args.no_cuda_graphs else None, async_decode=async_decode)
     sampler.generate(prompts, SamplingParams(n=args.samples, max_tokens=min(16, args.new_tokens), seed=1))
     sync(device)
     start = time.perf_counter()
@@ -101,7 +103,8 @@ def run_ours(model, recipe: str, prompts, args, device) -> dict:
     tokens = sum(len(s.token_ids) for r in out for s in r.samples)
     row = dict(engine="minite", recipe=recipe, seconds=seconds, gen_tokens=tokens,
                tokens_per_s=tokens / seconds,
-               cuda_graphs=sampler.use_graphs, preemptions=sampler.num_preemptions,
+               cuda_graphs=sampler.use_graphs, async_decode=sampler.async_decode,
+               preemptions=sampler.num_preemptions,
                steps=sampler.stats["steps"])
     del sampler, out
     model.set_recipe("bf16")  # drops the quantized weight copies before the next engine runs
@@ -176,8 +179,10 @@ def main(argv=None):
         g = torch.Generator().manual_seed(args.seed + 1)
         prompts = torch.randint(0, config.vocab_size, (args.prompts, args.prompt_len), generator=g).tolist()
         shape = dict(model=kind, layers=config.num_hidden_layers)
-        for recipe in args.recipes.split(","):
-            rows.append(dict(shape, **run_ours(model, recipe, prompts, args, device)))
+        runs = [(r, None) for r in args.recipes.split(",")]
+        runs += [(r, False) for r in args.sync_recipes.split(",") if r]
+        for recipe, async_decode in runs:
+            rows.append(dict(shape, **run_ours(model, recipe, prompts, args, device, async_decode)))
             print(rows[-1], flush=True)
         if not args.no_hf:
             rows.append(dict(shape, **run_hf(model, prompts, args, device, dtype)))

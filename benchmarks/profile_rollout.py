@@ -86,7 +86,7 @@ def main():
         kinds.append("decode" if sampler.stats["decode_steps"] > before else "prefill")
     torch.cuda.synchronize()
     wall = time.perf_counter() - t_all
-    tokens = sum(len(s.tokens) - s.prompt_len for gr in groups for s in gr.seqs)
+    tokens = sum(s.num_generated for gr in groups for s in gr.seqs)
     decode = [s for s, k in zip(step_times, kinds) if k == "decode"]
     n = len(step_times)
     other = sum(step_times) - sum(phases.values())

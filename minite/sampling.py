@@ -52,7 +52,8 @@ def processed_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_k: in
     if temperature == 0:
         hot = torch.nn.functional.one_hot(z.argmax(-1), vocab).bool()
         return torch.where(hot, 0.0, float("-inf"))
-    z = z / temperature
+    if temperature != 1:  # z / 1 == z exactly: skip a pass over [.., V]
+        z = z / temperature
     if (top_k <= 0 or top_k >= vocab) and top_p >= 1:
         return torch.log_softmax(z, dim=-1)
     # Stable sort of -z: descending z, ties in ascending token id.

@@ -6,6 +6,15 @@ One engine step = schedule (prefill or decode, see `scheduler`), a cached forwar
 sequence (`sample`), then bookkeeping: a stop token ends a sample with "stop" (the token is kept),
 reaching `max_tokens` with "length"; finished samples free their blocks and leave the batch.
 
+Lookahead decode (`async_decode`, on by default with CUDA graphs): a decode step is launched before
+the previous step's tokens are read back. Each sequence then holds a placeholder (`PENDING`) for its
+last token; the next step feeds the sampled token straight from the GPU, and the host reads a step's
+tokens while the GPU runs the following one, so scheduling and bookkeeping overlap the forward
+instead of leaving the GPU idle. A sequence that drew a stop token is found one step late: the extra
+step's token is discarded (its KV write lands in the sequence's own blocks before they are freed, in
+stream order). Tokens and log-probs are those of the synchronous engine, up to the effect of batch
+shapes (a stopped sequence rides along one extra step) on paths that are not batch invariant.
+
 Randomness: sample s of request r draws its t-th token from the uniform `rng.uniforms(key, t)` with
 `key = sample_key(seed, r, s)`; r is the request's index in the `generate` call. The tokens therefore
 do not depend on batch composition, scheduling or preemption (up to the floating-point effect of
@@ -15,16 +24,26 @@ a seed from torch's global CPU generator.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from minite.sampler.graphs import DecodeGraphs, bucket_rows, bucket_width
 from minite.sampler.kv_cache import BlockManager, KVCache, num_kv_blocks
 from minite.sampler.rng import key_tensor, sample_key
-from minite.sampler.runner import build_batch, build_decode_batch, cached_forward
+from minite.sampler.runner import build_batch, build_decode_batch, cached_forward, to_device
 from minite.sampler.sample import sample
 from minite.sampler.scheduler import Scheduler, cdiv
-from minite.sampler.sequence import Group, RequestOutput, Sequence, request_output
+from minite.sampler.sequence import PENDING, Group, RequestOutput, Sequence, request_output
 from minite.sampling import SamplingParams
+
+
+class _Launched:
+    """A decode step whose tokens are still on the GPU: `seqs[i]` gets `new[i]` at `index[i]`."""
+
+    def __init__(self, seqs: list[Sequence], new: torch.Tensor, logprobs: torch.Tensor):
+        self.seqs, self.new, self.logprobs = seqs, new, logprobs
+        self.index = [len(s.tokens) for s in seqs]
+        self.row = {id(s): i for i, s in enumerate(seqs)}
 
 
 class Sampler:
@@ -36,12 +55,13 @@ class Sampler:
     blocks; cuda_graphs: None = on for CUDA models whose decode step can be captured (every module
     `graph_safe()`: bf16 layers, NVFP4 layers and MoE experts on the Triton backend; the reference
     NVFP4 path and the padded MoE grouping of bf16 experts synchronize), False = off, True = on
-    (error on CPU).
+    (error on CPU); async_decode: lookahead decode (see the module doc), None = on with CUDA graphs.
     """
 
     def __init__(self, model, max_num_seqs: int = 256, kv_cache_tokens: int | None = None,
                  block_size: int = 16, max_num_batched_tokens: int = 8192, prefix_sharing: bool = True,
-                 cuda_graphs: bool | None = None, kv_memory_fraction: float = 0.8):
+                 cuda_graphs: bool | None = None, kv_memory_fraction: float = 0.8,
+                 async_decode: bool | None = None):
         param = next(model.parameters())
         self.model, self.device, self.dtype = model, param.device, param.dtype
         cfg = model.config
@@ -54,6 +74,8 @@ class Sampler:
                                    prefix_sharing)
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
         self.use_graphs = self._want_graphs(cuda_graphs)
+        self.async_decode = self.use_graphs if async_decode is None else async_decode
+        self._launched: _Launched | None = None
         self.graphs: DecodeGraphs | None = None
         self._weights_seen = None
         self.stats = dict(steps=0, prefill_steps=0, decode_steps=0, graph_steps=0, peak_blocks_used=0)
@@ -89,11 +111,18 @@ class Sampler:
         return group
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._launched is not None
 
     @torch.no_grad()
     def step(self) -> list[Sequence]:
-        """One prefill or decode step; returns the sequences that finished in it."""
+        """One prefill or decode step; returns the sequences found finished in it (with lookahead, a
+        stop is found one step after it was drawn)."""
+        finished = []
+        # Prefill (waiting sequences) needs every token on the host; so does the end of the run.
+        if self._launched is not None and (self.scheduler.waiting or not self.scheduler.running):
+            finished = self._read_back()
+            if not self.scheduler.has_unfinished():
+                return finished
         kind, seqs, starts = self.scheduler.schedule()
         self.stats["steps"] += 1
         self.stats["peak_blocks_used"] = max(self.stats["peak_blocks_used"], self.blocks.num_used)
@@ -104,9 +133,10 @@ class Sampler:
         self.stats[f"{kind}_steps"] += 1
         logits = self._forward(kind, seqs, starts)
         keys = key_tensor([s.key for s in seqs], self.device)
-        steps = torch.tensor([s.num_generated for s in seqs], dtype=torch.int64, device=self.device)
+        steps = key_tensor([s.num_generated for s in seqs], self.device)
         new, logprobs = sample(logits, [s.params for s in seqs], keys, steps)
-        finished = []
+        if kind == "decode" and self.async_decode:
+            return finished + self._launch(seqs, new, logprobs)
         for seq, token, logprob in zip(seqs, new.tolist(), logprobs.tolist()):
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
@@ -119,6 +149,55 @@ class Sampler:
             finished.append(seq)
         return finished
 
+    def _launch(self, seqs: list[Sequence], new: torch.Tensor, logprobs: torch.Tensor) -> list[Sequence]:
+        """Lookahead: placeholders now, `max_tokens` decided now; the previous step read back."""
+        previous, self._launched = self._launched, _Launched(seqs, new, logprobs)
+        finished = []
+        for seq in seqs:
+            seq.tokens.append(PENDING)
+            seq.logprobs.append(float("nan"))
+            if seq.num_generated >= seq.params.max_tokens:
+                self.scheduler.finish(seq, "length")
+                finished.append(seq)
+        if previous is not None:
+            finished += self._read_back(previous)
+        return finished
+
+    def _read_back(self, launched: _Launched | None = None) -> list[Sequence]:
+        """Fill a launched step's placeholders; a stop token ends its sequence there (dropping the
+        placeholder of a later step) and outranks a "length" finish decided at launch."""
+        if launched is None:
+            launched, self._launched = self._launched, None
+        finished = []
+        for seq, i, token, logprob in zip(launched.seqs, launched.index, launched.new.tolist(),
+                                          launched.logprobs.tolist()):
+            if i >= len(seq.tokens):  # cut off by a stop token found earlier
+                continue
+            seq.tokens[i], seq.logprobs[i - seq.num_prompt] = token, logprob
+            if token in seq.params.stop_token_ids:
+                del seq.tokens[i + 1:], seq.logprobs[i + 1 - seq.num_prompt:]
+                if seq.finish_reason is None:
+                    self.scheduler.finish(seq, "stop")
+                    finished.append(seq)
+                seq.finish_reason = "stop"
+        return finished
+
+    def _pending_ids(self, seqs: list[Sequence], rows: int) -> torch.Tensor | None:
+        """Input tokens `[rows]` on the device for a decode step whose last tokens may be placeholders:
+        those come from the launched step's samples, without a host round trip."""
+        launched = self._launched
+        if launched is None or all(s.tokens[-1] != PENDING for s in seqs):
+            return None
+        src = np.full(rows, -1, dtype=np.int64)
+        host = np.zeros(rows, dtype=np.int64)
+        for i, s in enumerate(seqs):
+            if s.tokens[-1] == PENDING:
+                src[i] = launched.row[id(s)]
+            else:
+                host[i] = s.tokens[-1]
+        src_t, host_t = to_device(src, self.device), to_device(host, self.device)
+        return torch.where(src_t >= 0, launched.new[src_t.clamp(min=0)], host_t)
+
     def _forward(self, kind: str, seqs: list[Sequence], starts: list[int]) -> torch.Tensor:
         """Logits `[B, V]` at each sequence's last token, after computing its tokens from `starts`."""
         tokens = [s.tokens for s in seqs]
@@ -127,7 +206,8 @@ class Sampler:
             starts = [len(t) - 1 for t in tokens]
             if self.graphs is not None and self.graphs.fits(len(seqs), max(map(len, tables))):
                 self.stats["graph_steps"] += 1
-                return self.graphs.run(tokens, tables)
+                rows = bucket_rows(len(seqs))
+                return self.graphs.run(tokens, tables, ids=self._pending_ids(seqs, rows))
         rows = width = None
         if kind == "decode" and self.device.type == "cuda":
             # The graphs' padded shapes, so that graphed and eager decode compute the same numbers.
@@ -135,6 +215,9 @@ class Sampler:
         if kind == "decode":
             batch = build_decode_batch(tokens, tables, self.block_size, self.cache.scratch_block, self.device,
                                        width=width, rows=rows)
+            ids = self._pending_ids(seqs, batch.input_ids.shape[0])
+            if ids is not None:
+                batch.input_ids = ids
         else:
             batch = build_batch(tokens, starts, tables, self.block_size, self.cache.scratch_block,
                                 self.device, width=width, rows=rows)

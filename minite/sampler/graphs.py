@@ -72,8 +72,10 @@ class DecodeGraphs:
             logits = cached_forward(self.model, self.cache, batch)
         self.graphs[(rows, width)] = (graph, batch, logits)
 
-    def run(self, token_lists: list[list[int]], block_tables: list[list[int]]) -> torch.Tensor:
-        """Decode the last token of each sequence -> logits `[B, V]` (a view of the graph's output)."""
+    def run(self, token_lists: list[list[int]], block_tables: list[list[int]],
+            ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode the last token of each sequence -> logits `[B, V]` (a view of the graph's output);
+        `ids` (device, `[rows]`) replaces the last tokens (lookahead decode)."""
         B = len(token_lists)
         rows, width = bucket_rows(B), bucket_width(max(len(t) for t in block_tables))
         if (rows, width) not in self.graphs:
@@ -81,6 +83,8 @@ class DecodeGraphs:
         graph, static, logits = self.graphs[(rows, width)]
         batch = build_decode_batch(token_lists, block_tables, self.cache.block_size, self.cache.scratch_block,
                                    self.cache.k.device, width=width, rows=rows)
+        if ids is not None:
+            batch.input_ids = ids
         for name in ("input_ids", "positions", "slots", "block_tables", "context_lens", "query_pos"):
             getattr(static, name).copy_(getattr(batch, name))
         graph.replay()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import torch
 
 MASK32 = 0xFFFFFFFF
@@ -47,6 +48,9 @@ def uniforms(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
 
 
 def key_tensor(keys: list[int], device=None) -> torch.Tensor:
-    """64-bit unsigned keys -> int64 tensor [B] holding the same bits."""
-    signed = [k - (1 << 64) if k >= 1 << 63 else k for k in keys]
-    return torch.tensor(signed, dtype=torch.int64, device=device)
+    """64-bit unsigned keys (or small non-negative ints) -> int64 tensor [B] holding the same bits,
+    copied to `device` without synchronizing it (`runner.to_device`)."""
+    from minite.sampler.runner import to_device
+
+    bits = np.fromiter((k & 0xFFFFFFFFFFFFFFFF for k in keys), dtype=np.uint64, count=len(keys))
+    return to_device(bits.view(np.int64), device if device is not None else "cpu")

@@ -77,6 +77,15 @@ def build_batch(token_lists: list[list[int]], starts: list[int], block_tables: l
                        as_t(unpad), as_t(last))
 
 
+def to_device(x: np.ndarray, device) -> torch.Tensor:
+    """A host array on `device` without waiting for the GPU: a blocking host-to-device copy would
+    synchronize the stream, so CUDA copies go through pinned memory, non-blocking."""
+    t = torch.from_numpy(np.ascontiguousarray(x))
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def build_decode_batch(token_lists: list[list[int]], block_tables: list[list[int]], block_size: int,
                        scratch_block: int, device, width: int | None = None,
                        rows: int | None = None) -> CachedBatch:
@@ -97,7 +106,7 @@ def build_decode_batch(token_lists: list[list[int]], block_tables: list[list[int
     slots[:B] = tables[np.arange(B), pos[:B] // block_size] * block_size + pos[:B] % block_size
     qpos = np.where(np.arange(rows) < B, pos, -1)[:, None]
     ar = np.arange(rows, dtype=np.int64)
-    as_t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to(device)
+    as_t = lambda x: to_device(x, device)
     return CachedBatch(as_t(ids), as_t(pos), as_t(slots), as_t(tables), as_t(ctx), as_t(ar[:, None]),
                        as_t(qpos), as_t(ar), as_t(ar))
 

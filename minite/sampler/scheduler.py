@@ -105,8 +105,9 @@ class Scheduler:
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        """End a running sequence, or a preempted one (lookahead decode finds a stop token late)."""
         seq.finish_reason = reason
-        self.running.remove(seq)
+        (self.running if seq in self.running else self.waiting).remove(seq)
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:

@@ -14,6 +14,8 @@ import torch
 
 from minite.sampling import SamplingParams
 
+PENDING = -1  # a sampled token still on the GPU (lookahead decode, see `minite.sampler.engine`)
+
 
 @dataclass
 class Group:
