@@ -34,7 +34,8 @@ for part in "$@"; do
     tests) step 110 python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
     profile) step 90 python3 benchmarks/profile_rollout.py --out "$OUT/profile_rollout.json" ;;
     rollout)
-      step 150 python3 benchmarks/bench_rollout.py --models dense --backend triton --out "$OUT/rollout_dense.json"
+      step 170 python3 benchmarks/bench_rollout.py --models dense --backend triton --sync-recipes bf16 \
+        --out "$OUT/rollout_dense.json"
       step 80 python3 benchmarks/bench_rollout.py --models moe --moe-layers 4 --new-tokens 256 --backend triton \
         --out "$OUT/rollout_moe.json" ;;
     learner) step 60 python3 benchmarks/bench_learner.py --out "$OUT/learner.json" ;;
