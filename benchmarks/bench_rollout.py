@@ -58,6 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--sync-recipes", default="",
                    help="recipes also run without lookahead decode (Sampler(async_decode=False)), e.g. bf16")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
+    p.add_argument("--hf-first", action="store_true", help="run the Hugging Face baseline before our engine")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.tiny:
@@ -181,13 +182,18 @@ def main(argv=None):
         shape = dict(model=kind, layers=config.num_hidden_layers)
         runs = [(r, None) for r in args.recipes.split(",")]
         runs += [(r, False) for r in args.sync_recipes.split(",") if r]
+        if not args.no_hf and args.hf_first:
+            rows.append(dict(shape, **run_hf(model, prompts, args, device, dtype)))
+            print(rows[-1], flush=True)
         for recipe, async_decode in runs:
             rows.append(dict(shape, **run_ours(model, recipe, prompts, args, device, async_decode)))
             print(rows[-1], flush=True)
-        if not args.no_hf:
+        if not args.no_hf and not args.hf_first:
             rows.append(dict(shape, **run_hf(model, prompts, args, device, dtype)))
             print(rows[-1], flush=True)
-            hf_tps = rows[-1]["tokens_per_s"]
+        if not args.no_hf:
+            hf_tps = next(r["tokens_per_s"] for r in rows
+                          if r["model"] == kind and r["engine"] == "hf_generate")
             for r in rows:
                 if r["model"] == kind and r["engine"] == "minite":
                     r["speedup_vs_hf"] = r["tokens_per_s"] / hf_tps
