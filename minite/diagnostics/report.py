@@ -57,8 +57,8 @@ def plot_layer_divergence(loc: dict, path: Path) -> None:
     floor = min(nonzero) / 10 if nonzero else FLOOR
     y = np.array([max(o["rel_diff"], floor) for o in ops])
     x = np.arange(len(ops))
-    fig, ax = plt.subplots(figsize=(max(7, 0.3 * len(ops)), 4.5))
-    ax.plot(x, y, "-o", color="#1f77b4", ms=3, lw=1, label="every op")
+    fig, ax = plt.subplots(figsize=(min(14, max(7, 0.3 * len(ops))), 4.5))
+    ax.plot(x, y, "-o", color="#1f77b4", ms=3 if len(ops) <= 40 else 1.5, lw=1, label="every op")
     out = [i for i, o in enumerate(ops) if o["kind"] in ("output", "lm_head")]
     ax.plot(out, y[out], "s-", color="#d62728", ms=6, lw=2, label="residual stream after each layer, logits")
     if loc.get("first_divergent"):
@@ -66,9 +66,12 @@ def plot_layer_divergence(loc: dict, path: Path) -> None:
         ax.axvline(i, color="k", ls=":", lw=1, label=f"first divergent: {loc['first_divergent']}")
     ax.set_yscale("log")
     ax.set_ylabel(f"||a - b|| / ||b||  (0 drawn at {floor:.1g})")
-    labels = [o["op"].removeprefix("layers.") for o in ops]
-    step = 1 if len(ops) <= 40 else math.ceil(len(ops) / 40)
-    ax.set_xticks(x[::step], labels[::step], rotation=90, fontsize=7)
+    if len(ops) <= 40:  # every op named
+        ax.set_xticks(x, [o["op"].removeprefix("layers.") for o in ops], rotation=90, fontsize=7)
+    else:  # deep models: one tick per layer output (at most 40), then the final norm and logits
+        step = math.ceil(len(out) / 40)
+        ticks = out[:-1][::step] + out[-1:]
+        ax.set_xticks(ticks, [ops[i]["op"].removesuffix(".output") for i in ticks], rotation=90, fontsize=7)
     ax.set_title(f"Per-op relative difference with depth: {loc['side_a']} vs {loc['side_b']}")
     ax.legend(fontsize=8, loc="lower right")
     _save(fig, path)
