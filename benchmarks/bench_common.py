@@ -65,3 +65,27 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return "" if v is None else str(v)
+
+
+def profile_table(fn, reps: int = 1, top: int = 25) -> list[dict]:
+    """torch.profiler over `reps` calls of fn(): the ops (CPU) or kernels (CUDA) with the most self
+    time, per call and as a share of the total. Keep CUDA graph replays out of fn."""
+    cuda = torch.cuda.is_available()
+    act = torch.profiler.ProfilerActivity
+    with torch.profiler.profile(activities=[act.CUDA] if cuda else [act.CPU]) as prof:
+        for _ in range(reps):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, attr) > 0]
+    total = sum(getattr(e, attr) for e in events)
+    events.sort(key=lambda e: -getattr(e, attr))
+    return [dict(name=e.key[:120], calls=e.count / reps, us=getattr(e, attr) / reps,
+                 share=getattr(e, attr) / total) for e in events[:top]]
+
+
+def print_profile(title: str, rows: list[dict]) -> None:
+    print(f"\n-- {title}")
+    for r in rows:
+        print(f"{100 * r['share']:6.1f}%  {r['us']:10.1f} us  {r['calls']:6.1f} x  {r['name']}")

@@ -22,7 +22,7 @@ from functools import partial
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import env_info, report  # noqa: E402
+from bench_common import env_info, print_profile, profile_table, report  # noqa: E402
 
 from minite.learner import Learner, SequenceBatch  # noqa: E402
 from minite.models import Qwen3  # noqa: E402
@@ -46,6 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--kernels", action="store_true",
+                   help="also profile one step: the kernels (CPU: ops) with the most time, per recipe")
     p.add_argument("--out", default=None, help="JSON file to write")
     args = p.parse_args(argv)
     if args.tiny:
@@ -98,6 +100,10 @@ def bench_one(kind: str, recipe: str, args) -> dict:
     if torch.cuda.is_available() and not args.tiny:
         row["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
         torch.cuda.reset_peak_memory_stats()
+    if args.kernels:
+        table = profile_table(partial(learner.step, batch, loss_fn))
+        print_profile(f"{kind} {recipe}: one learner step", table)
+        row["kernels"] = table
     del learner, model
     return row
 
@@ -124,8 +130,12 @@ def main(argv=None) -> list[dict]:
                 r["vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
     setup = {k: getattr(args, k) for k in ("seqs", "seq_len", "prompt_len", "micro_batch_tokens", "backend",
                                            "activation_checkpointing", "steps", "warmup", "tiny")}
-    report("learner train step (tokens/s)", rows, args.out, extra={"setup": setup})
-    print(json.dumps({"benchmark": "learner", "env": env_info(), "setup": setup, "rows": rows}))
+    table_rows = [{k: v for k, v in r.items() if k != "kernels"} for r in rows]
+    report("learner train step (tokens/s)", table_rows, None)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"benchmark": "learner", "env": env_info(), "setup": setup, "rows": rows}, f, indent=1)
+    print(json.dumps({"benchmark": "learner", "env": env_info(), "setup": setup, "rows": table_rows}))
     return rows
 
 

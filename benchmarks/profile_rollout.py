@@ -1,9 +1,10 @@
 """Where a rollout decode step spends its time: host phases (schedule, batch build + graph replay
 launch, sampling launch, the token read-back that waits for the GPU, bookkeeping) timed around the
 sampler's own methods, and the GPU time of one graph replay and of one sampling call (CUDA events).
-Same model and workload as `bench_rollout.py` (dense,
-bf16 by default). Prints the breakdown and writes JSON to `--out`. (torch.profiler is left out: with
-CUDA graph replays it ran past a 90 s cap on the H200.)
+With `--kernels N`, also the CUDA kernels of N eager (graph-free) decode steps under torch.profiler,
+grouped by name: which of attention, GEMMs, norms and sampling fill the step. (The profiler is kept
+away from graph replays: with them it ran past a 90 s cap on the H200.) Same model and workload as
+`bench_rollout.py` (dense, bf16 by default). Prints the breakdown and writes JSON to `--out`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_rollout  # noqa: E402
-from bench_common import env_info  # noqa: E402
+from bench_common import env_info, print_profile, profile_table  # noqa: E402
 
 import minite.sampler.engine as engine  # noqa: E402
 from minite.recipe import get_recipe  # noqa: E402
@@ -49,11 +50,22 @@ def cuda_ms(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
+def kernel_table(model, prompts, params, n_steps: int, kv_tokens: int) -> list[dict]:
+    """CUDA time per kernel over eager decode steps taken mid-generation (per step)."""
+    sampler = Sampler(model, max_num_seqs=512, kv_cache_tokens=kv_tokens, cuda_graphs=False)
+    for i, pr in enumerate(prompts):
+        sampler.add_request(pr, params, i)
+    for _ in range(40):  # past the prefill, into steady decode
+        sampler.step()
+    return profile_table(sampler.step, reps=n_steps)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None)
     p.add_argument("--recipe", default="bf16")
     p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--kernels", type=int, default=0, help="profile this many eager decode steps")
     args = p.parse_args()
     bargs = bench_rollout.parse_args(["--backend", "triton"])
     device = torch.device("cuda")
@@ -63,7 +75,8 @@ def main():
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, config.vocab_size, (bargs.prompts, bargs.prompt_len), generator=g).tolist()
     seqs = bargs.prompts * bargs.samples
-    sampler = Sampler(model, max_num_seqs=512, kv_cache_tokens=(seqs + 16) * (bargs.prompt_len + 512 + 16))
+    kv_tokens = (seqs + 16) * (bargs.prompt_len + 512 + 16)
+    sampler = Sampler(model, max_num_seqs=512, kv_cache_tokens=kv_tokens)
     params = SamplingParams(n=bargs.samples, max_tokens=args.new_tokens, seed=0)
     # Warm: captures every decode graph width the timed run will need.
     sampler.generate(prompts, params)
@@ -106,8 +119,14 @@ def main():
                   phase_ms_per_step={k: 1e3 * v / n for k, v in phases.items()},
                   other_ms_per_step=1e3 * other / n, graph_key=list(key),
                   graph_replay_gpu_ms=replay_ms, sample_gpu_ms=sample_ms)
+    if args.kernels:
+        del sampler, graphs, graph
+        result["kernels"] = kernel_table(model, prompts, params, args.kernels, kv_tokens)
     for k, v in result.items():
-        print(f"{k}: {v}")
+        if k != "kernels":
+            print(f"{k}: {v}")
+    if args.kernels:
+        print_profile(f"CUDA kernels per eager decode step ({args.kernels} steps)", result["kernels"])
     if args.out:
         import json
         with open(args.out, "w") as f:

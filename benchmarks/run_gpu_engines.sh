@@ -32,13 +32,13 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv | tee "$log"
 for part in "$@"; do
   case $part in
     tests) step 110 python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
-    profile) step 90 python3 benchmarks/profile_rollout.py --out "$OUT/profile_rollout.json" ;;
+    profile) step 120 python3 benchmarks/profile_rollout.py --kernels 6 --out "$OUT/profile_rollout.json" ;;
     rollout)
       step 170 python3 benchmarks/bench_rollout.py --models dense --backend triton --sync-recipes bf16 \
         --out "$OUT/rollout_dense.json"
       step 80 python3 benchmarks/bench_rollout.py --models moe --moe-layers 4 --new-tokens 256 --backend triton \
         --out "$OUT/rollout_moe.json" ;;
-    learner) step 60 python3 benchmarks/bench_learner.py --out "$OUT/learner.json" ;;
+    learner) step 90 python3 benchmarks/bench_learner.py --kernels --out "$OUT/learner.json" ;;
     agreement)
       for pair in "bf16 bf16 triton" "aligned aligned triton" "te vllm ref"; do
         read -r lr sr backend <<< "$pair"
