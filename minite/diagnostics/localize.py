@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from minite.nn.calibrate import calibrate
+from minite.nn.calibrate import calibrate, needs_calibration
 from minite.recipe import Recipe, get_recipe
 from minite.sampling import token_logprobs
 
@@ -80,11 +80,6 @@ class Sequences:
             targets[i, : len(s) - 1] = torch.tensor(s[1:])
             mask[i, p - 1: len(s) - 1] = True
         return targets, mask
-
-
-def needs_calibration(model: nn.Module) -> bool:
-    return any(getattr(m, "input_scale", 0) is None for m in model.modules()) or any(
-        getattr(m, "gate_up_input_scale", 0) is None for m in model.modules())
 
 
 @torch.no_grad()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minite.nn.calibrate import STATIC_SCALE_BUFFERS
 from minite.nn.linear import Linear
 from minite.nn.moe import EXPERT_WEIGHTS, MoEExperts
 from minite.nn.quantized_weight import QuantizedWeight, refresh_quantized_weights
@@ -30,7 +31,6 @@ from minite.nvfp4 import NVFP4Tensor
 
 CONTAINER_TENSORS = ("codes", "block_scales", "global_scale", "amax")
 CONTAINER_META = ("shape", "block", "scaling", "chain", "hadamard")
-STATIC_SCALE_BUFFERS = ("input_scale", "gate_up_input_scale", "down_input_scale")
 
 
 def sync_weights(model: nn.Module) -> int:

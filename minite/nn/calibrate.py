@@ -6,14 +6,48 @@
 
 Modules take part by defining `start_calibration()` and `finish_calibration(commit)`. During
 calibration they record the running max |input| and compute unquantized. If the block raises, no
-scale is stored.
+scale is stored. `static_scales` / `load_static_scales` save and restore the calibrated scales (they
+are non-persistent buffers, outside the state dict: checkpoints carry them separately).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 
+import torch
 from torch import nn
+
+STATIC_SCALE_BUFFERS = ("input_scale", "gate_up_input_scale", "down_input_scale")
+
+
+def uses_static_scales(model: nn.Module) -> bool:
+    recipe = getattr(model, "recipe", None)
+    return recipe is not None and recipe.fp4 and recipe.activation.scaling == "static"
+
+
+def needs_calibration(model: nn.Module) -> bool:
+    """True when some module that takes part in calibration has no static scale yet."""
+    return any(getattr(m, leaf, 0) is None for m in model.modules() if hasattr(m, "start_calibration")
+               for leaf in STATIC_SCALE_BUFFERS)
+
+
+def static_scales(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The calibrated static input scales, by buffer name (copies, on the CPU)."""
+    return {name: b.detach().cpu().clone() for name, b in model.named_buffers()
+            if name.rsplit(".", 1)[-1] in STATIC_SCALE_BUFFERS}
+
+
+def load_static_scales(model: nn.Module, scales: dict[str, torch.Tensor]) -> None:
+    """Install scales from `static_scales` (same model config); unknown names are errors."""
+    for name, t in scales.items():
+        prefix, _, leaf = name.rpartition(".")
+        if leaf not in STATIC_SCALE_BUFFERS:
+            raise ValueError(f"{name!r} is not a static input scale")
+        module = model.get_submodule(prefix)
+        ref = getattr(module, "weight", None)
+        if ref is None:
+            ref = next(module.parameters())
+        setattr(module, leaf, t.to(ref.device))
 
 
 @contextmanager

@@ -14,7 +14,10 @@ One RL step on `rl.prompts` training prompts:
    weights once, and the sampler, running the same model object, uses them for the next rollout.
 
 Before RL, `warmup.steps` supervised steps on the task's worked solutions (`Example.solution` + eos)
-give a tiny randomly initialized model a policy worth reinforcing. With `rl.loss.kl_coef > 0` the
+give a tiny randomly initialized model a policy worth reinforcing. A recipe with static activation
+scales (e.g. `vllm`) is calibrated on training examples before the warm start and again after it
+(the weights moved); the scales then stay fixed through RL, as in a deployment with calibrated
+scales, and travel with every checkpoint. With `rl.loss.kl_coef > 0` the
 loss adds k3 KL to a frozen reference: the model as RL starts (after the warm start), saved with
 every checkpoint. Held-out greedy accuracy is measured after the warm start, every `eval.every`
 steps and at the end; checkpoints every `checkpoint.every` steps (`minite.rl.checkpointing`);
@@ -39,6 +42,7 @@ from minite.config import TrainConfig, to_dict, to_toml
 from minite.diagnostics.metrics import mismatch_metrics
 from minite.learner import Learner, SequenceBatch, sequence_logprobs
 from minite.models import Qwen3, load_pretrained
+from minite.nn.calibrate import calibrate, load_static_scales, static_scales, uses_static_scales
 from minite.recipe import get_recipe
 from minite.rl.advantages import advantage_metrics, group_advantages
 from minite.rl.batch import RLBatch, masked_mean
@@ -113,6 +117,7 @@ class Trainer:
         if state is not None:
             self._make_learner()
             self.learner.load_state_dict(state["learner"])
+            load_static_scales(self.model, state.get("static_scales", {}))
             set_rng_state(state["rng"])
             self.step, self.data_pos = state["step"], state["data"]["position"]
             self.log.truncate_after(self.step)
@@ -164,7 +169,7 @@ class Trainer:
 
     def save(self) -> None:
         state = {"learner": self.learner.state_dict(), "data": {"position": self.data_pos},
-                 "config": to_dict(self.cfg)}
+                 "config": to_dict(self.cfg), "static_scales": static_scales(self.model)}
         models = {"model": self.model}
         if self.ref_model is not None:
             models["ref_model"] = self.ref_model
@@ -180,6 +185,7 @@ class Trainer:
         """Supervised steps on `Example.solution` + eos, with their own AdamW (not kept for RL) and a
         learning rate decaying linearly from `warmup.lr` to a tenth of it."""
         w = self.cfg.warmup
+        self.calibrate()
         if not w.steps:
             return
         sft = Learner(self.model, lr=w.lr, max_grad_norm=1.0)
@@ -197,6 +203,24 @@ class Trainer:
                 self.log.log({"kind": "warmup", "step": i + 1, "nll": m["sft/nll"],
                               "grad_norm": m["grad_norm"], "seconds": time.perf_counter() - t0})
                 self.progress.message(f"warm start {i + 1}/{w.steps}: nll {m['sft/nll']:.3f}")
+        self.calibrate()
+
+    @torch.no_grad()
+    def calibrate(self, size: int = 64) -> None:
+        """Static activation scales (recipes with `activation.scaling == "static"`) from the model's
+        inputs on `size` training examples: prompt + worked solution where the task has one."""
+        if not uses_static_scales(self.model):
+            return
+        examples = self.task.batch("train", 0, size)
+        seqs = [self.encode_prompt(ex.prompt) + self.tokenizer.encode(ex.solution or "", add_eos=True)
+                for ex in examples]
+        device = next(self.model.parameters()).device
+        lens = [len(q) for q in seqs]
+        ids = torch.tensor([sum(seqs, [])], device=device)
+        cu = torch.tensor([0, *np.cumsum(lens).tolist()], device=device)
+        with calibrate(self.model):
+            self.model(ids, cu_seqlens=cu)
+        self.progress.message(f"calibrated static activation scales on {size} training examples")
 
     @torch.no_grad()
     def evaluate(self) -> dict:

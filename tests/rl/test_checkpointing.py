@@ -97,3 +97,32 @@ def test_latest_pointing_at_a_missing_checkpoint_is_an_error(tmp_path):
     (tmp_path / "latest").write_text("step_000009\n")
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         latest_checkpoint(tmp_path)
+
+
+def test_static_scale_recipe_calibrates_and_its_scales_survive_resume(tmp_path, monkeypatch):
+    from minite.nn.calibrate import static_scales
+    from minite.rl.trainer import Trainer
+
+    args = ["--recipe.name=vllm", "--rl.steps=2", "--checkpoint.every=1", "--eval.every=0"]
+    seen = []
+    real = Trainer.calibrate
+
+    def calibrate_and_record(self):
+        real(self)
+        seen.append(static_scales(self.model))
+
+    monkeypatch.setattr(Trainer, "calibrate", calibrate_and_record)
+    run = make_trainer(tmp_path, *args)
+    run.run()
+    assert len(seen) == 2  # before the warm start, and again after it (the weights moved)
+    before, after = seen
+    assert before and before.keys() == after.keys()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    final = static_scales(run.model)
+    assert all(torch.equal(final[k], after[k]) for k in after)  # fixed through RL
+
+    resumed = make_trainer(tmp_path, *args[:1], "--rl.steps=3", resume=True)
+    assert len(seen) == 2  # resume restores, never recalibrates
+    assert all(torch.equal(static_scales(resumed.model)[k], final[k]) for k in final)
+    resumed.run()
+    assert resumed.step == 3
