@@ -75,6 +75,15 @@ def packed_w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, stride_cn, stride_s
 
 
 @triton.jit
+def _round_bf16(x):
+    """fp32 -> the nearest bf16 value (ties to even), as fp32; on the bits, so that the CPU interpreter
+    (whose bf16 casts truncate) and the GPU agree. Finite inputs (an overflow rounds to inf)."""
+    bits = x.to(tl.int32, bitcast=True)
+    r = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return r.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def epilogue(acc, sa, sw, EPILOGUE: tl.constexpr):
     """fp32 accumulator [BM, BN], per-row sa [BM], scalar sw -> the scaled fp32 (or bf16) output."""
     if EPILOGUE == 1:
@@ -82,9 +91,12 @@ def epilogue(acc, sa, sw, EPILOGUE: tl.constexpr):
     else:
         scale = sa * sw
     if EPILOGUE == 2:
-        prod = acc.to(tl.bfloat16).to(tl.float32) * scale.to(tl.bfloat16).to(tl.float32)[:, None]
-        return prod.to(tl.bfloat16)
-    return acc * scale[:, None]
+        # bf16 * bf16 is exact in fp32, so rounding the fp32 product once is the bf16 multiply. The
+        # result stays fp32 (bf16-exact): one return type for every epilogue (Triton needs that).
+        out = _round_bf16(_round_bf16(acc) * _round_bf16(scale)[:, None])
+    else:
+        out = acc * scale[:, None]
+    return out
 
 
 @triton.jit
