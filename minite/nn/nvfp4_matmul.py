@@ -29,10 +29,11 @@ device-side mark: a row ('row' scaling) or a whole batch entry ('tensor' / 'stat
 non-finite value gets a NaN global scale, so its outputs (and gradients) are NaN.
 
 Backward (see `minite.nn.linear` for the three GEMMs), the same for both backends: 'dequantized' uses
-dY as is and the dequantized forward operands; 'nvfp4' quantizes dY for dgrad (1x16 along N,
+dY as is and the dequantized forward operands (bf16 models: bf16 GEMMs on the unscaled operands, the
+scales applied around them; fp32 models: fp32 GEMMs); 'nvfp4' quantizes dY for dgrad (1x16 along N,
 stochastic rounding, per-tensor scale) and dY^T, X^T for wgrad (1x16 along the tokens M, zero-padded
-to 16, RHT on both, stochastic rounding on dY^T, RNE on X^T). Backward GEMMs run in fp32 on
-dequantized values; the grouped form pads its rows to [E, C, *] first (one host sync, C = the largest
+to 16, RHT on both, stochastic rounding on dY^T, RNE on X^T), its GEMMs in fp32 on dequantized
+values. The grouped form pads its rows to [E, C, *] first (one host sync, C = the largest
 expert's row count).
 """
 
@@ -242,7 +243,7 @@ class NVFP4Matmul(torch.autograd.Function):
         wu, ws, _ = ctx.qweight.batched()
         if ctx.experts is not None:
             wu, ws = wu[ctx.experts], ws[ctx.experts]
-        dx, dw = _grads(ctx, dy.float(), wu, ws, ctx.saved_tensors)
+        dx, dw = _grads(ctx, dy, wu, ws, ctx.saved_tensors)
         if dx is not None:
             dx = dx.to(ctx.x_dtype)
         if dw is not None:
@@ -272,7 +273,7 @@ class GroupedNVFP4Matmul(torch.autograd.Function):
             return t.new_zeros(num_experts, cap, t.shape[-1]).index_put((row_experts, rank), t)
 
         wu, ws, _ = ctx.qweight.batched()
-        dx, dw = _grads(ctx, pad(dy.float()), wu, ws, [pad(t) for t in saved])
+        dx, dw = _grads(ctx, pad(dy), wu, ws, [pad(t) for t in saved])
         if dx is not None:
             dx = dx[row_experts, rank].to(ctx.x_dtype)
         if dw is not None:
@@ -280,10 +281,24 @@ class GroupedNVFP4Matmul(torch.autograd.Function):
         return dx, dw, None, None, None, None, None
 
 
-def _grads(ctx, dyf: torch.Tensor, wu: torch.Tensor, ws: torch.Tensor, saved):
-    """(dX [B, M, K], dW [B, N, K]) in fp32 from dY [B, M, N] fp32 (None where not needed)."""
-    w_dq = wu.float() * ws  # [B, N, K]
+def _grads(ctx, dy: torch.Tensor, wu: torch.Tensor, ws: torch.Tensor, saved):
+    """(dX [B, M, K], dW [B, N, K]) in fp32 from dY [B, M, N] (None where not needed).
+
+    'dequantized' with bf16 dY (bf16 models): the two GEMMs run in bf16 with fp32 accumulation, on
+    the unscaled operands (e2m1 * s_b: exact in bf16) with the global and row scales applied around
+    them, as a bf16 model's own backward would; one extra bf16 rounding of dY * S_dec_x[m] for dW.
+    Otherwise (fp32 dY, or the 'nvfp4' backward): fp32 GEMMs on the dequantized values."""
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if ctx.mode == "dequantized" and dy.dtype == torch.bfloat16:
+        xu, xs = saved
+        dx = torch.matmul(dy, wu.to(dy.dtype)).float() * ws if need_dx else None
+        dw = None
+        if need_dw:
+            dyx = (dy.float() * xs).to(dy.dtype).transpose(1, 2)  # [B, N, M]
+            dw = torch.matmul(dyx, xu.to(dy.dtype)).float()
+        return dx, dw
+    dyf = dy.float()
+    w_dq = wu.float() * ws  # [B, N, K]
     if ctx.mode == "dequantized":
         xu, xs = saved
         dx = dyf @ w_dq if need_dx else None
