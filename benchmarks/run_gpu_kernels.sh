@@ -10,3 +10,8 @@ python3 -m pytest -q -m gpu tests/kernels -x -p no:cacheprovider 2>&1 | tail -40
 for b in quantize decode_gemm gemm grouped_gemm; do
   python3 benchmarks/bench_$b.py --out "$OUT/kernels_$b.json" "$@" 2>&1 | tee -a "$OUT/kernels_log.txt"
 done
+# the quantize kernel's launch configurations (bitwise-checked), when asked for: SWEEP=1
+if [ "${SWEEP:-0}" = 1 ]; then
+  timeout 240 python3 benchmarks/sweep_quantize.py --out "$OUT/kernels_quantize_sweep.json" 2>&1 | tail -30 \
+    | tee -a "$OUT/kernels_log.txt"
+fi
