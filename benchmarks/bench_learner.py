@@ -27,6 +27,7 @@ from bench_common import env_info, print_profile, profile_table, report  # noqa:
 from minite.learner import Learner, SequenceBatch  # noqa: E402
 from minite.models import Qwen3  # noqa: E402
 from minite.models.presets import model_preset  # noqa: E402
+from minite.nn import use_grouped_mm  # noqa: E402
 from minite.recipe import get_recipe  # noqa: E402
 from minite.rl.losses import LossConfig, policy_loss  # noqa: E402
 
@@ -44,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--moe-grouped-mm", action="store_true",
+                   help="bf16 MoE experts on torch._grouped_mm (minite.nn.use_grouped_mm), not padded bmm")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--kernels", action="store_true",
@@ -68,7 +71,10 @@ def build(kind: str, recipe: str, args) -> Qwen3:
     with torch.device(device):
         model = Qwen3(config, get_recipe(recipe, backend=args.backend) if recipe != "bf16" else recipe)
     model.init_weights(0.02, torch.Generator().manual_seed(0))  # drawn on the model's device
-    return model.to(dtype)
+    model = model.to(dtype)
+    if args.moe_grouped_mm:
+        use_grouped_mm(model)
+    return model
 
 
 def make_batch(vocab: int, args) -> SequenceBatch:
@@ -129,7 +135,8 @@ def main(argv=None) -> list[dict]:
             if base and r["model"] == kind:
                 r["vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
     setup = {k: getattr(args, k) for k in ("seqs", "seq_len", "prompt_len", "micro_batch_tokens", "backend",
-                                           "activation_checkpointing", "steps", "warmup", "tiny")}
+                                           "activation_checkpointing", "moe_grouped_mm", "steps", "warmup",
+                                           "tiny")}
     table_rows = [{k: v for k, v in r.items() if k != "kernels"} for r in rows]
     report("learner train step (tokens/s)", table_rows, None)
     if args.out:

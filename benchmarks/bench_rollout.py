@@ -34,6 +34,7 @@ from bench_common import report  # noqa: E402
 from minite.models import ModelConfig, Qwen3, tiny_qwen3, tiny_qwen3_moe  # noqa: E402
 from minite.models.checkpoint import EXPERT_PARAM, expert_pieces, fused_expert_name, hf_name  # noqa: E402
 from minite.models.presets import qwen3_1_7b, qwen3_30b_a3b  # noqa: E402
+from minite.nn import use_grouped_mm  # noqa: E402
 from minite.recipe import get_recipe  # noqa: E402
 from minite.sampler import Sampler  # noqa: E402
 from minite.sampling import SamplingParams  # noqa: E402
@@ -55,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="default: enough for the workload")
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--moe-grouped-mm", action="store_true",
+                   help="bf16 MoE experts on torch._grouped_mm (minite.nn.use_grouped_mm), not padded bmm")
     p.add_argument("--sync-recipes", default="",
                    help="recipes also run without lookahead decode (Sampler(async_decode=False)), e.g. bf16")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
@@ -177,6 +180,8 @@ def main(argv=None):
     for kind in args.models.split(","):
         config = model_config(kind, args)
         model = build_model(config, device, dtype, args.seed)
+        if args.moe_grouped_mm:
+            use_grouped_mm(model)
         g = torch.Generator().manual_seed(args.seed + 1)
         prompts = torch.randint(0, config.vocab_size, (args.prompts, args.prompt_len), generator=g).tolist()
         shape = dict(model=kind, layers=config.num_hidden_layers)
@@ -203,7 +208,8 @@ def main(argv=None):
             torch.cuda.empty_cache()
     workload = dict(prompts=args.prompts, samples=args.samples, new_tokens=args.new_tokens,
                     prompt_len=args.prompt_len, device=str(device), dtype=str(dtype), backend=args.backend,
-                    moe_layers_of_48=args.moe_layers, dense_layers_of_28=args.dense_layers, tiny=args.tiny)
+                    moe_layers_of_48=args.moe_layers, dense_layers_of_28=args.dense_layers, tiny=args.tiny,
+                    moe_grouped_mm=args.moe_grouped_mm)
     report("rollout", rows, args.out, extra=dict(workload=workload))
     return rows
 

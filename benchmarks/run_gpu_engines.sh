@@ -37,8 +37,13 @@ for part in "$@"; do
       step 170 python3 benchmarks/bench_rollout.py --models dense --backend triton --sync-recipes bf16 \
         --out "$OUT/rollout_dense.json"
       step 80 python3 benchmarks/bench_rollout.py --models moe --moe-layers 4 --new-tokens 256 --backend triton \
-        --out "$OUT/rollout_moe.json" ;;
-    learner) step 90 python3 benchmarks/bench_learner.py --kernels --out "$OUT/learner.json" ;;
+        --out "$OUT/rollout_moe.json"
+      step 60 python3 benchmarks/bench_rollout.py --models moe --moe-layers 4 --new-tokens 256 --backend triton \
+        --recipes bf16 --moe-grouped-mm --no-hf --out "$OUT/rollout_moe_grouped_mm.json" ;;
+    learner)
+      step 90 python3 benchmarks/bench_learner.py --kernels --out "$OUT/learner.json"
+      step 40 python3 benchmarks/bench_learner.py --models moe --recipes bf16 --moe-grouped-mm \
+        --out "$OUT/learner_moe_grouped_mm.json" ;;
     agreement)
       for pair in "bf16 bf16 triton" "aligned aligned triton" "te vllm ref"; do
         read -r lr sr backend <<< "$pair"

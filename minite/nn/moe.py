@@ -11,6 +11,9 @@ assignments are sorted by expert (stable; `sort_by_expert`, computed on the devi
   `minite.nn.nvfp4_matmul`): the sorted rows [T*k, H] and the per-expert row offsets [E + 1] go to one
   grouped W4A4 launch per projection (`grouped_nvfp4_matmul`, 'aligned' config). Nothing in the
   forward synchronizes with the host, so a decode step can be captured in a CUDA graph.
+- bf16 experts with `grouped_mm` on (opt-in, `use_grouped_mm(model)`; not yet measured on the GPU):
+  the same sorted rows and offsets go to `torch._grouped_mm`, one call per projection, with autograd;
+  no host sync, no copy of the expert weights (the padded path below gathers `w[experts]` per call).
 - Otherwise (the reference path, bf16 experts): the rows are laid out as [A, C, H] (A = experts that
   received tokens, C = the largest expert's token count, zero rows below; `group_by_expert`, whose
   A and C are read on the host) and each projection is one batched matmul (`nvfp4_matmul`) over the
@@ -97,9 +100,11 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int) -> Grouping:
 class MoEExperts(nn.Module):
     """Router `gate` [E, H] plus experts `gate_up_proj` [E, 2I, H] (gate rows, then up) and
     `down_proj` [E, H, I]; `forward(x [..., H]) -> [..., H]`. `fast` (default False) lets the Triton
-    backend use its faster grouped config instead of the aligned one."""
+    backend use its faster grouped config instead of the aligned one; `grouped_mm` (default False)
+    runs bf16 experts through `torch._grouped_mm` where it applies (`grouped_mm_applies`)."""
 
     fast: bool = False
+    grouped_mm: bool = False
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, top_k: int,
                  recipe: str | Recipe = "aligned", norm_topk_prob: bool = True, dtype=None, device=None):
@@ -185,11 +190,29 @@ class MoEExperts(nn.Module):
 
     def graph_safe(self) -> bool:
         """Whether forward never synchronizes with the host (a CUDA graph can capture it): NVFP4
-        experts on the Triton kernels (sorted rows + device offsets); the padded path reads A and C."""
-        return self.recipe.fp4 and use_kernels(self.recipe, self.down_proj.device)
+        experts on the Triton kernels or bf16 experts on `torch._grouped_mm` (sorted rows + device
+        offsets); the padded path reads A and C."""
+        if not self.recipe.fp4:
+            return self.grouped_mm_applies()
+        return use_kernels(self.recipe, self.down_proj.device)
+
+    def grouped_mm_applies(self) -> bool:
+        """`grouped_mm` is on and torch can run it here: `torch._grouped_mm` exists; on CUDA bf16
+        weights on sm90+; 16-byte aligned strides (hidden and intermediate sizes multiples of 8)."""
+        w = self.down_proj
+        if not (self.grouped_mm and hasattr(torch, "_grouped_mm")) or self.hidden_size % 8 or \
+                self.intermediate_size % 8:
+            return False
+        if w.device.type == "cuda":
+            return w.dtype == torch.bfloat16 and torch.cuda.get_device_capability(w.device) >= (9, 0)
+        return w.device.type == "cpu"
 
     def sorted_experts_forward(self, xs: torch.Tensor, s: SortedGrouping) -> torch.Tensor:
-        """SwiGLU experts on rows sorted by expert, on the kernels: xs [R, H] -> [R, H]."""
+        """SwiGLU experts on rows sorted by expert (kernels or `torch._grouped_mm`): xs [R, H] -> [R, H]."""
+        if not self.recipe.fp4:
+            offs = s.offsets[1:].to(torch.int32)  # group ends
+            gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+            return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
         gate_up = grouped_nvfp4_matmul(xs, self.gate_up_proj, self.quantized_weight("gate_up_proj"),
                                        self.recipe, s.offsets, s.experts, self.fast)
         gate, up = gate_up.chunk(2, dim=-1)  # [R, I] each
@@ -236,6 +259,15 @@ class MoEExperts(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, top_k={self.top_k}, recipe={self.recipe.name}")
+
+
+def use_grouped_mm(model: nn.Module, on: bool = True) -> int:
+    """Switch every MoEExperts of `model` to (or off) the `torch._grouped_mm` path for bf16 experts;
+    returns how many modules it applies to."""
+    mods = [m for m in model.modules() if isinstance(m, MoEExperts)]
+    for m in mods:
+        m.grouped_mm = on
+    return sum(m.grouped_mm_applies() for m in mods)
 
 
 def moe_reference(moe: MoEExperts, x: torch.Tensor) -> torch.Tensor:

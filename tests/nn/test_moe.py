@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from minite.nn import MoEExperts, calibrate, moe_reference
+from minite.nn import MoEExperts, calibrate, moe_reference, use_grouped_mm
 from minite.nn.moe import group_by_expert
 
 # Grouped and per-expert paths run the same quantizations; they differ only in GEMM batching (bmm
@@ -122,3 +122,36 @@ def test_bf16_matches_transformers_qwen3_moe_block(norm_topk_prob):
         hf.experts.down_proj.copy_(moe.down_proj)
     x = torch.randn(2, 7, 32)
     assert _rel(moe(x), hf(x)) < HF_RTOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bf16_experts_on_grouped_mm_equal_the_reference(dtype, monkeypatch):
+    moe = _moe("bf16", e=8, h=32, i=24, k=3).to(dtype)
+    assert not moe.graph_safe()  # the padded path (host sync) by default
+    assert use_grouped_mm(moe) == 1 and moe.graph_safe()
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = torch.randn(5, 9, 32, dtype=dtype, requires_grad=True)
+    g = torch.randn(5, 9, 32, dtype=dtype)
+    y = moe(x)
+    y.backward(g)
+    assert len(calls) == 2  # gate_up and down, one call each for all experts
+    grads = [p.grad.clone() for p in moe.parameters()]
+    dx = x.grad.clone()
+    moe.zero_grad()
+    x.grad = None
+    yr = moe_reference(moe, x)
+    yr.backward(g)
+    tol = MOE_RTOL if dtype == torch.float32 else 1e-2  # bf16: other GEMM kernels, other roundings
+    assert _rel(y.float(), yr.float()) <= tol
+    assert _rel(dx.float(), x.grad.float()) <= tol
+    for a, p in zip(grads, moe.parameters()):
+        assert _rel(a.float(), p.grad.float()) <= tol, p.shape
+
+
+def test_grouped_mm_needs_aligned_sizes():
+    moe = _moe("bf16", h=32, i=12)  # 12 * 2 bytes: not a 16-byte stride
+    assert use_grouped_mm(moe) == 0 and not moe.graph_safe()
+    x = torch.randn(6, 32)
+    assert _rel(moe(x), moe_reference(moe, x)) <= MOE_RTOL  # the padded path serves it
