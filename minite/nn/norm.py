@@ -3,7 +3,12 @@
 The normalization runs in fp32 whatever the input dtype, the result is cast back to the input dtype
 and only then scaled by the weight (in the weight's dtype), as transformers' Qwen3RMSNorm does.
 Norms are never quantized. The reduction is over the last dimension of one row, so a token's
-output does not depend on the other rows of the batch.
+output does not depend on the other rows of the batch (torch's own reduction kernels do not promise
+the same bits for every batch size on the GPU; the Triton kernel does).
+
+`use_norm_kernel(True)` routes every `rms_norm` on CUDA (or under TRITON_INTERPRET=1) through the
+one-launch Triton kernel `minite.kernels.norm.rms_norm`, for learner and sampler alike. Off by
+default until measured on the GPU.
 """
 
 from __future__ import annotations
@@ -11,9 +16,32 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+_KERNEL = {"on": False}
+
+
+def use_norm_kernel(on: bool = True) -> None:
+    """Run `rms_norm` on the Triton kernel where it can run (CUDA tensors, or the CPU interpreter)."""
+    _KERNEL["on"] = on
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS-normalize `x [..., D]` over its last dimension and scale by `weight [D]`."""
+    if _KERNEL["on"] and _kernel_applies(x):
+        from minite.kernels.norm import rms_norm as kernel_rms_norm
+
+        return kernel_rms_norm(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+def _kernel_applies(x: torch.Tensor) -> bool:
+    from minite import kernels
+    from minite.kernels.norm import MAX_D
+
+    return kernels.available() and (x.is_cuda or kernels.interpreted()) and x.shape[-1] <= MAX_D
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The reference: eight torch ops, fp32 statistics."""
     if x.shape[-1] != weight.shape[0]:
         raise ValueError(f"rms_norm: x has last dimension {x.shape[-1]}, weight has {weight.shape[0]}")
     xf = x.float()

@@ -1,0 +1,72 @@
+"""The Triton RMSNorm (CPU interpreter, fp32/fp16) against the reference formula: values, batch
+invariance, gradients, and the opt-in switch that routes a whole model through it."""
+
+import pytest
+import torch
+
+from minite.kernels import norm as kn
+from minite.models import Qwen3, tiny_qwen3
+from minite.nn import norm
+
+
+@pytest.mark.parametrize("dtype,d", [(torch.float32, 64), (torch.float32, 100), (torch.float16, 128)])
+def test_matches_reference_and_is_batch_invariant(dtype, d):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(37, d, generator=g) * 3).to(dtype)
+    w = (torch.rand(d, generator=g) + 0.5).to(dtype)
+    got = kn.rms_norm(x, w, 1e-6)
+    want = norm.rms_norm_reference(x, w, 1e-6)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    tol = dict(rtol=2e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(got, want, **tol)
+    for rows in (1, 5, 36):  # a row's bits do not depend on the batch it is normalized in
+        assert torch.equal(kn.rms_norm(x[-rows:], w, 1e-6), got[-rows:])
+
+
+def test_gradients_equal_the_reference():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 7, 48, generator=g, requires_grad=True)
+    w = (torch.rand(48, generator=g) + 0.5).requires_grad_()
+    dy = torch.randn(2, 7, 48, generator=g)
+    kn.rms_norm(x, w, 1e-6).backward(dy)
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    norm.rms_norm_reference(x, w, 1e-6).backward(dy)
+    torch.testing.assert_close(gx, x.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw, w.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_shapes_raise():
+    with pytest.raises(ValueError, match="last dimension"):
+        kn.rms_norm(torch.zeros(2, 8), torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="MAX_D"):
+        kn.rms_norm(torch.zeros(1, kn.MAX_D * 2), torch.ones(kn.MAX_D * 2), 1e-6)
+
+
+def test_switch_routes_the_model_through_the_kernel(monkeypatch):
+    model = Qwen3(tiny_qwen3(), recipe="bf16").float()
+    model.init_weights(std=0.2, generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    want = model(ids)
+    calls = []
+    real = kn._launch
+    monkeypatch.setattr(kn, "_launch", lambda *a: calls.append(1) or real(*a))
+    norm.use_norm_kernel(True)
+    try:
+        got = model(ids)
+    finally:
+        norm.use_norm_kernel(False)
+    assert len(calls) == 4 * model.config.num_hidden_layers + 1  # input, post-attn, q, k; final norm
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_close_to_reference_and_batch_invariant():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for d in (128, 2048, 4096):
+        x = torch.randn(3000, d, device="cuda", generator=g).to(torch.bfloat16)
+        w = (torch.rand(d, device="cuda", generator=g) + 0.5).to(torch.bfloat16)
+        got = kn.rms_norm(x, w, 1e-6)
+        torch.testing.assert_close(got, norm.rms_norm_reference(x, w, 1e-6), rtol=1.6e-2, atol=1e-2)
+        for rows in (1, 7, 64, 300):
+            assert torch.equal(kn.rms_norm(x[:rows], w, 1e-6), got[:rows])
