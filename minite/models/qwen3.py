@@ -23,6 +23,7 @@ from minite.nn.attention import Attention
 from minite.nn.linear import Linear
 from minite.nn.moe import MoEExperts
 from minite.nn.norm import RMSNorm
+from minite.nn.rope import shared_rope_tables
 from minite.recipe import Recipe, get_recipe
 
 
@@ -125,8 +126,9 @@ class Qwen3(nn.Module):
             position_ids = self.default_positions(input_ids, cu_seqlens)
         position_ids = position_ids.expand(input_ids.shape)
         x = self.embed_tokens(input_ids)  # [B, T, H]
-        for layer in self.layers:
-            x = layer(x, position_ids, cu_seqlens)
+        with shared_rope_tables():
+            for layer in self.layers:
+                x = layer(x, position_ids, cu_seqlens)
         return self.norm(x)
 
     def lm_head_weight(self) -> torch.Tensor:

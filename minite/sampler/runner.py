@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from minite.nn.attention import attention, kernel_enabled
+from minite.nn.rope import shared_rope_tables
 from minite.sampler.kv_cache import KVCache
 
 
@@ -127,17 +128,19 @@ def cached_forward(model, cache: KVCache, batch: CachedBatch) -> torch.Tensor:
         key_pos = torch.arange(Tk, device=batch.positions.device).expand(B, Tk)
         key_pos = torch.where(key_pos < batch.context_lens[:, None], key_pos, -1)  # [B, Tk]
     x = model.embed_tokens(batch.input_ids)  # [N, H]
-    for i, layer in enumerate(model.layers):
-        attn = layer.self_attn
-        q, k, v = attn.project_qkv(layer.input_layernorm(x), batch.positions)  # [N, Hq | Hkv, D]
-        cache.write(i, batch.slots, k, v)
-        if use_kernel:
-            out = paged_attention(q, cache.k[i], cache.v[i], query_seq, batch.positions, batch.block_tables,
-                                  batch.context_lens, tiles=tiles).flatten(1)  # [N, Hq * D]
-        else:
-            keys, values = cache.gather(i, batch.block_tables)  # [B, Tk, Hkv, D]
-            out = attention(q[batch.query_rows], keys, values, batch.query_pos, key_pos)  # [B, Tq, Hq, D]
-            out = out.reshape(B * Tq, -1)[batch.unpad]  # [N, Hq * D]
-        h = x + attn.o_proj(out)
-        x = h + layer.mlp(layer.post_attention_layernorm(h))
+    with shared_rope_tables():  # one cos/sin table for all layers
+        for i, layer in enumerate(model.layers):
+            attn = layer.self_attn
+            q, k, v = attn.project_qkv(layer.input_layernorm(x), batch.positions)  # [N, Hq | Hkv, D]
+            cache.write(i, batch.slots, k, v)
+            if use_kernel:
+                out = paged_attention(q, cache.k[i], cache.v[i], query_seq, batch.positions,
+                                      batch.block_tables, batch.context_lens, tiles=tiles).flatten(1)
+            else:
+                keys, values = cache.gather(i, batch.block_tables)  # [B, Tk, Hkv, D]
+                out = attention(q[batch.query_rows], keys, values, batch.query_pos, key_pos)  # [B, Tq, Hq, D]
+                out = out.reshape(B * Tq, -1)[batch.unpad]
+            # out: [N, Hq * D]
+            h = x + attn.o_proj(out)
+            x = h + layer.mlp(layer.post_attention_layernorm(h))
     return model.logits(model.norm(x[batch.last]))  # [B, V]
