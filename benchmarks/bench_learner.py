@@ -28,7 +28,7 @@ from minite.learner import Learner, SequenceBatch  # noqa: E402
 from minite.models import Qwen3  # noqa: E402
 from minite.models.presets import model_preset  # noqa: E402
 from minite.nn import use_grouped_mm  # noqa: E402
-from minite.nn.norm import use_norm_kernel  # noqa: E402
+from minite.nn.fused import use_fused_kernels  # noqa: E402
 from minite.recipe import get_recipe  # noqa: E402
 from minite.rl.losses import LossConfig, policy_loss  # noqa: E402
 
@@ -50,8 +50,8 @@ def parse_args(argv=None):
                    help="bf16 MoE experts on torch._grouped_mm (minite.nn.use_grouped_mm), not padded bmm")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--norm-kernel", action="store_true",
-                   help="RMSNorms on the Triton kernel (minite.nn.norm.use_norm_kernel)")
+    p.add_argument("--fused-kernels", action="store_true",
+                   help="the fused RMSNorm/RoPE kernels (minite.nn.fused.use_fused_kernels)")
     p.add_argument("--kernels", action="store_true",
                    help="also profile one step: the kernels (CPU: ops) with the most time, per recipe")
     p.add_argument("--out", default=None, help="JSON file to write")
@@ -124,7 +124,7 @@ def sync() -> None:
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    use_norm_kernel(args.norm_kernel)
+    use_fused_kernels(args.fused_kernels)
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("bench_learner needs CUDA (or --tiny for a CPU smoke run)")
     rows = []
@@ -139,7 +139,7 @@ def main(argv=None) -> list[dict]:
             if base and r["model"] == kind:
                 r["vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
     setup = {k: getattr(args, k) for k in ("seqs", "seq_len", "prompt_len", "micro_batch_tokens", "backend",
-                                           "activation_checkpointing", "moe_grouped_mm", "norm_kernel",
+                                           "activation_checkpointing", "moe_grouped_mm", "fused_kernels",
                                            "steps", "warmup", "tiny")}
     table_rows = [{k: v for k, v in r.items() if k != "kernels"} for r in rows]
     report("learner train step (tokens/s)", table_rows, None)

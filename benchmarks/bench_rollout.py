@@ -35,7 +35,7 @@ from minite.models import ModelConfig, Qwen3, tiny_qwen3, tiny_qwen3_moe  # noqa
 from minite.models.checkpoint import EXPERT_PARAM, expert_pieces, fused_expert_name, hf_name  # noqa: E402
 from minite.models.presets import qwen3_1_7b, qwen3_30b_a3b  # noqa: E402
 from minite.nn import use_grouped_mm  # noqa: E402
-from minite.nn.norm import use_norm_kernel  # noqa: E402
+from minite.nn.fused import use_fused_kernels  # noqa: E402
 from minite.recipe import get_recipe  # noqa: E402
 from minite.sampler import Sampler  # noqa: E402
 from minite.sampling import SamplingParams  # noqa: E402
@@ -59,8 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--moe-grouped-mm", action="store_true",
                    help="bf16 MoE experts on torch._grouped_mm (minite.nn.use_grouped_mm), not padded bmm")
-    p.add_argument("--norm-kernel", action="store_true",
-                   help="our engine's RMSNorms on the Triton kernel (minite.nn.norm.use_norm_kernel)")
+    p.add_argument("--fused-kernels", action="store_true",
+                   help="our engine on the fused RMSNorm/RoPE kernels (minite.nn.fused.use_fused_kernels)")
     p.add_argument("--sync-recipes", default="",
                    help="recipes also run without lookahead decode (Sampler(async_decode=False)), e.g. bf16")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
@@ -95,7 +95,7 @@ def sync(device) -> None:
 
 
 def run_ours(model, recipe: str, prompts, args, device, async_decode: bool | None = None) -> dict:
-    use_norm_kernel(args.norm_kernel)
+    use_fused_kernels(args.fused_kernels)
     model.set_recipe(get_recipe(recipe, backend=args.backend))
     params = SamplingParams(n=args.samples, max_tokens=args.new_tokens, seed=args.seed)
     seqs = len(prompts) * args.samples
@@ -115,7 +115,7 @@ def run_ours(model, recipe: str, prompts, args, device, async_decode: bool | Non
                preemptions=sampler.num_preemptions,
                steps=sampler.stats["steps"])
     del sampler, out
-    use_norm_kernel(False)
+    use_fused_kernels(False)
     model.set_recipe("bf16")  # drops the quantized weight copies before the next engine runs
     gc.collect()
     if device.type == "cuda":
@@ -214,7 +214,7 @@ def main(argv=None):
     workload = dict(prompts=args.prompts, samples=args.samples, new_tokens=args.new_tokens,
                     prompt_len=args.prompt_len, device=str(device), dtype=str(dtype), backend=args.backend,
                     moe_layers_of_48=args.moe_layers, dense_layers_of_28=args.dense_layers, tiny=args.tiny,
-                    moe_grouped_mm=args.moe_grouped_mm, norm_kernel=args.norm_kernel)
+                    moe_grouped_mm=args.moe_grouped_mm, fused_kernels=args.fused_kernels)
     report("rollout", rows, args.out, extra=dict(workload=workload))
     return rows
 

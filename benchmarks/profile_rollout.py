@@ -24,7 +24,7 @@ import bench_rollout  # noqa: E402
 from bench_common import env_info, print_profile, profile_table  # noqa: E402
 
 import minite.sampler.engine as engine  # noqa: E402
-from minite.nn.norm import use_norm_kernel  # noqa: E402
+from minite.nn.fused import use_fused_kernels  # noqa: E402
 from minite.recipe import get_recipe  # noqa: E402
 from minite.sampler import Sampler  # noqa: E402
 from minite.sampling import SamplingParams  # noqa: E402
@@ -67,9 +67,9 @@ def main():
     p.add_argument("--recipe", default="bf16")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--kernels", type=int, default=0, help="profile this many eager decode steps")
-    p.add_argument("--norm-kernel", action="store_true", help="RMSNorms on the Triton kernel")
+    p.add_argument("--fused-kernels", action="store_true", help="the fused RMSNorm/RoPE kernels")
     args = p.parse_args()
-    use_norm_kernel(args.norm_kernel)
+    use_fused_kernels(args.fused_kernels)
     bargs = bench_rollout.parse_args(["--backend", "triton"])
     device = torch.device("cuda")
     config = bench_rollout.model_config("dense", bargs)
@@ -116,7 +116,7 @@ def main():
     keys = torch.arange(512, device=device)
     steps = torch.zeros(512, dtype=torch.int64, device=device)
     sample_ms = cuda_ms(lambda: engine.sample(logits, [params] * 512, keys, steps))
-    result = dict(env=env_info(), recipe=args.recipe, norm_kernel=args.norm_kernel, steps=n,
+    result = dict(env=env_info(), recipe=args.recipe, fused_kernels=args.fused_kernels, steps=n,
                   decode_steps=len(decode), wall_s=wall,
                   tokens=tokens, tokens_per_s=tokens / wall,
                   decode_step_ms_mean=1e3 * sum(decode) / max(len(decode), 1),

@@ -34,12 +34,12 @@ for part in "$@"; do
     tests) step 110 python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
     profile)
       step 120 python3 benchmarks/profile_rollout.py --kernels 6 --out "$OUT/profile_rollout.json"
-      step 90 python3 benchmarks/profile_rollout.py --kernels 6 --norm-kernel --out "$OUT/profile_rollout_norm.json" ;;
+      step 90 python3 benchmarks/profile_rollout.py --kernels 6 --fused-kernels --out "$OUT/profile_rollout_fused.json" ;;
     rollout)
       step 170 python3 benchmarks/bench_rollout.py --models dense --backend triton --sync-recipes bf16 \
         --out "$OUT/rollout_dense.json"
-      step 90 python3 benchmarks/bench_rollout.py --models dense --backend triton --norm-kernel --no-hf \
-        --out "$OUT/rollout_dense_norm_kernel.json"
+      step 90 python3 benchmarks/bench_rollout.py --models dense --backend triton --fused-kernels --no-hf \
+        --out "$OUT/rollout_dense_fused.json"
       step 80 python3 benchmarks/bench_rollout.py --models moe --moe-layers 4 --new-tokens 256 --backend triton \
         --out "$OUT/rollout_moe.json"
       step 60 python3 benchmarks/bench_rollout.py --models moe --moe-layers 4 --new-tokens 256 --backend triton \

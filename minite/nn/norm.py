@@ -6,9 +6,8 @@ Norms are never quantized. The reduction is over the last dimension of one row, 
 output does not depend on the other rows of the batch (torch's own reduction kernels do not promise
 the same bits for every batch size on the GPU; the Triton kernel does).
 
-`use_norm_kernel(True)` routes every `rms_norm` on CUDA (or under TRITON_INTERPRET=1) through the
-one-launch Triton kernel `minite.kernels.norm.rms_norm`, for learner and sampler alike. Off by
-default until measured on the GPU.
+With `minite.nn.fused.use_fused_kernels(True)`, `rms_norm` runs the one-launch Triton kernel
+`minite.kernels.norm.rms_norm` instead (off by default until measured on the GPU).
 """
 
 from __future__ import annotations
@@ -16,28 +15,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-_KERNEL = {"on": False}
-
-
-def use_norm_kernel(on: bool = True) -> None:
-    """Run `rms_norm` on the Triton kernel where it can run (CUDA tensors, or the CPU interpreter)."""
-    _KERNEL["on"] = on
+from minite.nn.fused import fused_applies
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS-normalize `x [..., D]` over its last dimension and scale by `weight [D]`."""
-    if _KERNEL["on"] and _kernel_applies(x):
-        from minite.kernels.norm import rms_norm as kernel_rms_norm
+    if fused_applies(x):
+        from minite.kernels import norm as kernel
 
-        return kernel_rms_norm(x, weight, eps)
+        if x.shape[-1] <= kernel.MAX_D:
+            return kernel.rms_norm(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
-
-
-def _kernel_applies(x: torch.Tensor) -> bool:
-    from minite import kernels
-    from minite.kernels.norm import MAX_D
-
-    return kernels.available() and (x.is_cuda or kernels.interpreted()) and x.shape[-1] <= MAX_D
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

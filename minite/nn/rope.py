@@ -8,7 +8,9 @@ rotation depends only on its own position (the same for a cached key and a fresh
 
 Inside `shared_rope_tables()` (one model forward), every layer asking for the tables of the same
 positions tensor gets the ones the first layer computed: the same values, about a dozen kernel
-launches fewer per layer (a decode step is launch-bound in its small ops).
+launches fewer per layer (a decode step is launch-bound in its small ops). With
+`minite.nn.fused.use_fused_kernels(True)`, `apply_rope` runs the one-launch Triton kernel
+`minite.kernels.rope.apply_rope` (bitwise the same values).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+
+from minite.nn.fused import fused_applies
 
 _SHARED: list[dict] = []  # a stack of per-forward memos: key -> (positions, (cos, sin))
 
@@ -60,6 +64,34 @@ def _rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate `x [..., T, H, D]` by `cos`/`sin [..., T, D]` (broadcast over the heads)."""
+    d = x.shape[-1]
+    if fused_applies(x) and d & (d - 1) == 0 and cos.shape == (*x.shape[:-2], d) and cos.dtype == x.dtype:
+        return _RoPE.apply(x, cos, sin)
+    return apply_rope_reference(x, cos, sin)
+
+
+class _RoPE(torch.autograd.Function):
+    """The kernel forward; the backward through the reference, recomputed under autograd."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        from minite.kernels.rope import apply_rope as kernel_apply_rope
+
+        ctx.save_for_backward(cos, sin)
+        return kernel_apply_rope(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        with torch.enable_grad():
+            # rope is linear in x: the gradient of <grad, rope(x)> at any x is the same
+            x = torch.zeros_like(grad).requires_grad_()
+            (dx,) = torch.autograd.grad(apply_rope_reference(x, cos, sin), x, grad)
+        return dx, None, None
+
+
+def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The reference: `x * cos + rotate_half(x) * sin` in x's dtype (five torch ops)."""
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [..., T, 1, D]
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

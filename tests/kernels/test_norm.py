@@ -1,5 +1,6 @@
 """The Triton RMSNorm (CPU interpreter, fp32/fp16) against the reference formula: values, batch
-invariance, gradients, and the opt-in switch that routes a whole model through it."""
+invariance, gradients, and the opt-in switch (`use_fused_kernels`) that routes a whole model
+through it."""
 
 import pytest
 import torch
@@ -7,6 +8,7 @@ import torch
 from minite.kernels import norm as kn
 from minite.models import Qwen3, tiny_qwen3
 from minite.nn import norm
+from minite.nn.fused import use_fused_kernels
 
 
 @pytest.mark.parametrize("dtype,d", [(torch.float32, 64), (torch.float32, 100), (torch.float16, 128)])
@@ -51,11 +53,11 @@ def test_switch_routes_the_model_through_the_kernel(monkeypatch):
     calls = []
     real = kn._launch
     monkeypatch.setattr(kn, "_launch", lambda *a: calls.append(1) or real(*a))
-    norm.use_norm_kernel(True)
+    use_fused_kernels(True)
     try:
         got = model(ids)
     finally:
-        norm.use_norm_kernel(False)
+        use_fused_kernels(False)
     assert len(calls) == 4 * model.config.num_hidden_layers + 1  # input, post-attn, q, k; final norm
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
