@@ -46,7 +46,7 @@ for part in "$@"; do
         --recipes bf16 --moe-grouped-mm --no-hf --out "$OUT/rollout_moe_grouped_mm.json" ;;
     learner)
       step 90 python3 benchmarks/bench_learner.py --kernels --out "$OUT/learner.json"
-      step 40 python3 benchmarks/bench_learner.py --models moe --recipes bf16 --moe-grouped-mm \
+      step 50 python3 benchmarks/bench_learner.py --models moe --moe-grouped-mm \
         --out "$OUT/learner_moe_grouped_mm.json" ;;
     agreement)
       for pair in "bf16 bf16 triton" "aligned aligned triton" "te vllm ref"; do

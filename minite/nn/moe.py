@@ -101,7 +101,8 @@ class MoEExperts(nn.Module):
     """Router `gate` [E, H] plus experts `gate_up_proj` [E, 2I, H] (gate rows, then up) and
     `down_proj` [E, H, I]; `forward(x [..., H]) -> [..., H]`. `fast` (default False) lets the Triton
     backend use its faster grouped config instead of the aligned one; `grouped_mm` (default False)
-    runs bf16 experts through `torch._grouped_mm` where it applies (`grouped_mm_applies`)."""
+    runs bf16 experts through `torch._grouped_mm` where it applies (`grouped_mm_applies`), and the
+    'dequantized' backward of NVFP4 experts (bf16 models, Triton backend) too."""
 
     fast: bool = False
     grouped_mm: bool = False
@@ -214,10 +215,10 @@ class MoEExperts(nn.Module):
             gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
             return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
         gate_up = grouped_nvfp4_matmul(xs, self.gate_up_proj, self.quantized_weight("gate_up_proj"),
-                                       self.recipe, s.offsets, s.experts, self.fast)
+                                       self.recipe, s.offsets, s.experts, self.fast, self.grouped_mm)
         gate, up = gate_up.chunk(2, dim=-1)  # [R, I] each
         return grouped_nvfp4_matmul(F.silu(gate) * up, self.down_proj, self.quantized_weight("down_proj"),
-                                    self.recipe, s.offsets, s.experts, self.fast)
+                                    self.recipe, s.offsets, s.experts, self.fast, self.grouped_mm)
 
     def experts_forward(self, xg: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """SwiGLU experts on grouped tokens: xg [A, C, H], experts [A] -> [A, C, H]."""

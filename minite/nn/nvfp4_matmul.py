@@ -34,7 +34,7 @@ scales applied around them; fp32 models: fp32 GEMMs); 'nvfp4' quantizes dY for d
 stochastic rounding, per-tensor scale) and dY^T, X^T for wgrad (1x16 along the tokens M, zero-padded
 to 16, RHT on both, stochastic rounding on dY^T, RNE on X^T), its GEMMs in fp32 on dequantized
 values. The grouped form pads its rows to [E, C, *] first (one host sync, C = the largest
-expert's row count).
+expert's row count), or, opted in (`grouped_mm`), runs bf16 rows on `torch._grouped_mm` unpadded.
 """
 
 from __future__ import annotations
@@ -253,10 +253,11 @@ class NVFP4Matmul(torch.autograd.Function):
 
 class GroupedNVFP4Matmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, xs, weight, qweight: QuantizedWeight, recipe: Recipe, offsets, row_experts, fast):
+    def forward(ctx, xs, weight, qweight: QuantizedWeight, recipe: Recipe, offsets, row_experts, fast,
+                grouped_mm=False):
         out, a, sdec = _grouped_kernel(xs, qweight, recipe, offsets, fast)
         ctx.mode, ctx.qweight, ctx.x_dtype, ctx.w_dtype = recipe.backward, qweight, xs.dtype, weight.dtype
-        ctx.backend = quantize_backend(recipe)
+        ctx.backend, ctx.grouped_mm = quantize_backend(recipe), grouped_mm
         saved = (a, sdec) if recipe.backward == "dequantized" else (xs,)
         ctx.save_for_backward(offsets, row_experts, *saved)
         return out
@@ -264,6 +265,10 @@ class GroupedNVFP4Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         offsets, row_experts, *saved = ctx.saved_tensors
+        if ctx.grouped_mm and ctx.mode == "dequantized" and dy.dtype == torch.bfloat16 and \
+                grouped_mm_applies(dy, ctx.qweight.unscaled):
+            return (*_grouped_mm_grads(ctx, dy.contiguous(), offsets, row_experts, *saved), None, None, None,
+                    None, None, None)
         num_experts = offsets.numel() - 1
         # the padded [E, C, *] layout of the reference path; C costs one host sync (backward only)
         cap = int((offsets[1:] - offsets[:-1]).max())
@@ -278,7 +283,33 @@ class GroupedNVFP4Matmul(torch.autograd.Function):
             dx = dx[row_experts, rank].to(ctx.x_dtype)
         if dw is not None:
             dw = dw.to(ctx.w_dtype)
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
+
+
+def grouped_mm_applies(t: torch.Tensor, w: torch.Tensor) -> bool:
+    """`torch._grouped_mm` can take bf16 rows `t` [R, N] against weights `w` [E, N, K] here: it exists;
+    CUDA sm90+ or the CPU; 16-byte aligned strides (N and K multiples of 8)."""
+    if not hasattr(torch, "_grouped_mm") or t.shape[-1] % 8 or w.shape[-1] % 8:
+        return False
+    if t.device.type == "cuda":
+        return torch.cuda.get_device_capability(t.device) >= (9, 0)
+    return t.device.type == "cpu"
+
+
+def _grouped_mm_grads(ctx, dy, offsets, row_experts, a, sdec):
+    """The 'dequantized' backward of bf16 experts on sorted rows, one `torch._grouped_mm` per GEMM:
+    no padding to [E, C, *], no host sync. dX = (dY @ Wu_e) * S_dec_w[e]; dW_e = (dY * S_dec_x)^T @ Xu
+    over expert e's rows (bf16 operands, fp32 accumulation; the scales applied around the GEMMs)."""
+    wu, ws, _ = ctx.qweight.batched()  # [E, N, K] bf16, S_dec_w [E, 1, 1]
+    offs = offsets[1:].to(torch.int32)
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        dx = torch._grouped_mm(dy, wu.to(dy.dtype), offs=offs).float() * ws.reshape(-1)[row_experts][:, None]
+        dx = dx.to(ctx.x_dtype)
+    if ctx.needs_input_grad[1]:
+        dyx = (dy.float() * sdec).to(dy.dtype)  # [R, N]
+        dw = torch._grouped_mm(dyx.t(), a.to(dy.dtype), offs=offs).to(ctx.w_dtype)  # [E, N, K]
+    return dx, dw
 
 
 def _grads(ctx, dy: torch.Tensor, wu: torch.Tensor, ws: torch.Tensor, saved):
@@ -341,14 +372,15 @@ def nvfp4_matmul(x: torch.Tensor, weight: torch.Tensor, qweight: QuantizedWeight
 
 def grouped_nvfp4_matmul(xs: torch.Tensor, weight: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe,
                          offsets: torch.Tensor, row_experts: torch.Tensor,
-                         fast: bool = False) -> torch.Tensor:
+                         fast: bool = False, grouped_mm: bool = False) -> torch.Tensor:
     """xs [R, K] sorted by expert (expert e owns rows offsets[e] .. offsets[e + 1]; row_experts [R] the
     expert of each row), weight [E, N, K] -> [R, N] in xs.dtype, on the kernels only (`use_kernels`)
-    and without any host synchronization in the forward."""
+    and without any host synchronization in the forward. `grouped_mm`: the 'dequantized' backward of
+    bf16 rows runs on `torch._grouped_mm` (where `grouped_mm_applies`) instead of the padded layout."""
     if xs.ndim != 2 or weight.ndim != 3 or xs.shape[-1] != weight.shape[-1]:
         raise ValueError(f"grouped_nvfp4_matmul expects xs [R, K] and weight [E, N, K]; got "
                          f"{tuple(xs.shape)} and {tuple(weight.shape)}")
     if not use_kernels(recipe, xs.device):
         raise ValueError(f"recipe {recipe.name!r} (backend {recipe.backend!r}) on {xs.device} does not run "
                          "on the Triton kernels; use nvfp4_matmul on the padded layout")
-    return GroupedNVFP4Matmul.apply(xs, weight, qweight, recipe, offsets, row_experts, fast)
+    return GroupedNVFP4Matmul.apply(xs, weight, qweight, recipe, offsets, row_experts, fast, grouped_mm)

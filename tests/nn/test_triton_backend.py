@@ -9,7 +9,7 @@ import torch
 
 from minite import kernels
 from minite.models import Qwen3, tiny_qwen3, tiny_qwen3_moe
-from minite.nn import Linear, MoEExperts, moe_reference
+from minite.nn import Linear, MoEExperts, moe_reference, use_grouped_mm
 from minite.nn.moe import group_by_expert, sort_by_expert
 from minite.nn.nvfp4_matmul import use_kernels
 from minite.nvfp4 import dequantize, quantize  # noqa: E402
@@ -324,3 +324,24 @@ def test_gpu_sampler_graphs_on_for_triton_aligned(moe):
             assert (sa.logprobs - sb.logprobs).abs().max().item() <= GRAPH_LOGPROB_TOL
             ref = full_forward_logprobs(model, prompt, sa.token_ids, params)
             assert (ref - sa.logprobs).abs().max().item() <= FULL_FORWARD_LOGPROB_TOL
+
+
+def test_moe_grouped_mm_backward_matches_the_padded_one(monkeypatch):
+    """bf16 experts on the kernels: the 'dequantized' backward on torch._grouped_mm (unpadded, no host
+    sync) against the padded bmm layout; both bf16 GEMMs, so equal to bf16 rounding."""
+    _, tri = _pair(MoEExperts, 8, 64, 32, 2)
+    tri = tri.to(torch.bfloat16)
+    g = torch.Generator(DEVICE).manual_seed(3)
+    x = torch.randn(11, 64, device=DEVICE, generator=g).to(torch.bfloat16)
+    grads, calls = [], []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for on in (False, True):
+        use_grouped_mm(tri, on)
+        tri.zero_grad()
+        xi = x.clone().requires_grad_()
+        tri(xi).float().square().sum().backward()
+        grads.append((xi.grad.float(), tri.gate_up_proj.grad.float(), tri.down_proj.grad.float()))
+    assert len(calls) == 4  # dX and dW of both projections, only when switched on
+    for t, r in zip(grads[1], grads[0]):
+        assert ((t - r).norm() / r.norm()).item() <= 1e-2
