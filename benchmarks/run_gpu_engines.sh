@@ -7,8 +7,9 @@
 #   agreement agreement on the benchmark model for bf16/bf16, aligned/aligned, te/vllm
 #   diagnose  minite diagnose reports at the benchmark model's full depth, te/vllm and aligned
 #   train     the GPU training preset (configs/gpu_arith.toml), whatever time is left of BUDGET
-# Outputs under $OUT (default benchmarks/results/gpu): the JSON results, log.txt, extra.tgz. Each step
-# has a time cap so that the call ends inside the device's 10 minutes (BUDGET seconds, default 570).
+# Outputs under $OUT (default benchmarks/results/gpu): log.txt and results.tgz (the JSON results and the
+# extra folder: the device returns at most 8 files). Each step has a time cap so that the call ends
+# inside the device's 10 minutes (BUDGET seconds, default 570).
 # Triton's kernel cache lives in .triton_cache (carry it to skip recompiling on a fresh machine); it
 # comes back as triton_cache.tgz when small enough.
 set -o pipefail
@@ -72,4 +73,4 @@ done
 rm -f "$OUT/extra/step.txt"
 tar czf "$OUT/triton_cache.tgz" .triton_cache 2>/dev/null
 [ "$(stat -c %s "$OUT/triton_cache.tgz" 2>/dev/null || echo 0)" -gt 15000000 ] && rm -f "$OUT/triton_cache.tgz"
-tar czf "$OUT/extra.tgz" -C "$OUT" extra && rm -rf "$OUT/extra"
+(cd "$OUT" && tar czf results.tgz extra $(ls ./*.json 2>/dev/null) && rm -rf extra ./*.json)
