@@ -141,23 +141,31 @@ def _hook_points(model) -> list[tuple[str, nn.Module, bool]]:
 
 
 @contextmanager
-def capture(model):
-    """Record every hook point's tensor as `[tokens, features]` rows, on its device and in its dtype
-    (exact: no conversion), concatenated over calls at the end of the block."""
-    store: dict[str, list[torch.Tensor]] = {}
+def _on_every_op(model, fn):
+    """Inside the block, fn(op name, its tensor as detached `[tokens, features]` rows) on each call
+    of every hook point."""
     handles = []
     for name, module, use_input in _hook_points(model):
         def hook(mod, args, out, name=name, use_input=use_input):
             t = args[0] if use_input else (out[0] if isinstance(out, tuple) else out)
-            store.setdefault(name, []).append(t.detach().reshape(-1, t.shape[-1]).clone())
+            fn(name, t.detach().reshape(-1, t.shape[-1]))
         handles.append(module.register_forward_hook(hook))
     try:
-        yield store
+        yield
     finally:
         for h in handles:
             h.remove()
-        for name, parts in store.items():
-            store[name] = [torch.cat(parts)]
+
+
+@contextmanager
+def capture(model):
+    """Record every hook point's tensor as `[tokens, features]` rows, on its device and in its dtype
+    (exact: no conversion), concatenated over calls at the end of the block."""
+    store: dict[str, list[torch.Tensor]] = {}
+    with _on_every_op(model, lambda name, t: store.setdefault(name, []).append(t.clone())):
+        yield store
+    for name, parts in store.items():
+        store[name] = [torch.cat(parts)]
 
 
 class _Compare:
@@ -205,21 +213,11 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def compare(model, reference: dict[str, list[torch.Tensor]]):
     """While the block runs side B, compare every hook point's tensor with side A's (`capture`) row
     by row; yields {op: _Compare}."""
-    cmp: dict[str, _Compare] = {}
-    handles = []
-    for name, module, use_input in _hook_points(model):
-        top_k = model.layers[int(name.split(".")[1])].mlp.top_k if name.endswith(".router") else None
-        cmp[name] = _Compare(reference[name][0], top_k)
-
-        def hook(mod, args, out, name=name, use_input=use_input):
-            t = args[0] if use_input else (out[0] if isinstance(out, tuple) else out)
-            cmp[name].add(t.detach().reshape(-1, t.shape[-1]))
-        handles.append(module.register_forward_hook(hook))
-    try:
+    cmp = {name: _Compare(reference[name][0], model.layers[int(name.split(".")[1])].mlp.top_k
+                          if name.endswith(".router") else None)
+           for name, _, _ in _hook_points(model)}
+    with _on_every_op(model, lambda name, t: cmp[name].add(t)):
         yield cmp
-    finally:
-        for h in handles:
-            h.remove()
 
 
 @dataclass
