@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -67,22 +68,30 @@ def _fmt(v) -> str:
     return "" if v is None else str(v)
 
 
-def profile_table(fn, reps: int = 1, top: int = 25) -> list[dict]:
+def profile_table(fn, reps: int = 1, top: int = 40) -> list[dict]:
     """torch.profiler over `reps` calls of fn(): the ops (CPU) or kernels (CUDA) with the most self
-    time, per call and as a share of the total. Keep CUDA graph replays out of fn."""
+    time, per call and as a share of the total; then two summary rows, "(all kernels)" (the sum over
+    every kernel, not only the top ones) and "(wall)" (the profiled wall time: more than the sum means
+    the GPU idled, waiting for the host). Keep CUDA graph replays out of fn."""
     cuda = torch.cuda.is_available()
     act = torch.profiler.ProfilerActivity
     with torch.profiler.profile(activities=[act.CUDA] if cuda else [act.CPU]) as prof:
+        start = time.perf_counter()
         for _ in range(reps):
             fn()
         if cuda:
             torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - start) * 1e6
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
     events = [e for e in prof.key_averages() if getattr(e, attr) > 0]
     total = sum(getattr(e, attr) for e in events)
     events.sort(key=lambda e: -getattr(e, attr))
-    return [dict(name=e.key[:120], calls=e.count / reps, us=getattr(e, attr) / reps,
+    rows = [dict(name=e.key[:120], calls=e.count / reps, us=getattr(e, attr) / reps,
                  share=getattr(e, attr) / total) for e in events[:top]]
+    calls = sum(e.count for e in events) / reps
+    rows.append(dict(name="(all kernels)" if cuda else "(all ops)", calls=calls, us=total / reps, share=1.0))
+    rows.append(dict(name="(wall)", calls=1.0, us=wall_us / reps, share=wall_us / max(total, 1e-9)))
+    return rows
 
 
 def print_profile(title: str, rows: list[dict]) -> None:

@@ -46,12 +46,12 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
     p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--moe-grouped-mm", action="store_true",
-                   help="bf16 MoE experts on torch._grouped_mm (minite.nn.use_grouped_mm), not padded bmm")
+    p.add_argument("--no-moe-grouped-mm", action="store_true",
+                   help="bf16 MoE experts on padded bmm, not torch._grouped_mm (the CUDA default)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--fused-kernels", action="store_true",
-                   help="the fused RMSNorm/RoPE kernels (minite.nn.fused.use_fused_kernels)")
+    p.add_argument("--no-fused-kernels", action="store_true",
+                   help="the plain torch RMSNorm/RoPE ops, not the fused kernels (the CUDA default)")
     p.add_argument("--kernels", action="store_true",
                    help="also profile one step: the kernels (CPU: ops) with the most time, per recipe")
     p.add_argument("--out", default=None, help="JSON file to write")
@@ -75,8 +75,8 @@ def build(kind: str, recipe: str, args) -> Qwen3:
         model = Qwen3(config, get_recipe(recipe, backend=args.backend) if recipe != "bf16" else recipe)
     model.init_weights(0.02, torch.Generator().manual_seed(0))  # drawn on the model's device
     model = model.to(dtype)
-    if args.moe_grouped_mm:
-        use_grouped_mm(model)
+    if args.no_moe_grouped_mm:
+        use_grouped_mm(model, False)
     return model
 
 
@@ -124,7 +124,7 @@ def sync() -> None:
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    use_fused_kernels(args.fused_kernels)
+    use_fused_kernels(False if args.no_fused_kernels else None)
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("bench_learner needs CUDA (or --tiny for a CPU smoke run)")
     rows = []
@@ -139,8 +139,8 @@ def main(argv=None) -> list[dict]:
             if base and r["model"] == kind:
                 r["vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
     setup = {k: getattr(args, k) for k in ("seqs", "seq_len", "prompt_len", "micro_batch_tokens", "backend",
-                                           "activation_checkpointing", "moe_grouped_mm", "fused_kernels",
-                                           "steps", "warmup", "tiny")}
+                                           "activation_checkpointing", "no_moe_grouped_mm",
+                                           "no_fused_kernels", "steps", "warmup", "tiny")}
     table_rows = [{k: v for k, v in r.items() if k != "kernels"} for r in rows]
     report("learner train step (tokens/s)", table_rows, None)
     if args.out:

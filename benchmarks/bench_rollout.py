@@ -57,10 +57,10 @@ def parse_args(argv=None):
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="default: enough for the workload")
     p.add_argument("--no-cuda-graphs", action="store_true")
-    p.add_argument("--moe-grouped-mm", action="store_true",
-                   help="bf16 MoE experts on torch._grouped_mm (minite.nn.use_grouped_mm), not padded bmm")
-    p.add_argument("--fused-kernels", action="store_true",
-                   help="our engine on the fused RMSNorm/RoPE kernels (minite.nn.fused.use_fused_kernels)")
+    p.add_argument("--no-moe-grouped-mm", action="store_true",
+                   help="bf16 MoE experts on padded bmm, not torch._grouped_mm (the CUDA default)")
+    p.add_argument("--no-fused-kernels", action="store_true",
+                   help="the plain torch RMSNorm/RoPE ops, not the fused kernels (the CUDA default)")
     p.add_argument("--sync-recipes", default="",
                    help="recipes also run without lookahead decode (Sampler(async_decode=False)), e.g. bf16")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
@@ -95,7 +95,7 @@ def sync(device) -> None:
 
 
 def run_ours(model, recipe: str, prompts, args, device, async_decode: bool | None = None) -> dict:
-    use_fused_kernels(args.fused_kernels)
+    use_fused_kernels(False if args.no_fused_kernels else None)
     model.set_recipe(get_recipe(recipe, backend=args.backend))
     params = SamplingParams(n=args.samples, max_tokens=args.new_tokens, seed=args.seed)
     seqs = len(prompts) * args.samples
@@ -115,7 +115,7 @@ def run_ours(model, recipe: str, prompts, args, device, async_decode: bool | Non
                preemptions=sampler.num_preemptions,
                steps=sampler.stats["steps"])
     del sampler, out
-    use_fused_kernels(False)
+    use_fused_kernels(None)
     model.set_recipe("bf16")  # drops the quantized weight copies before the next engine runs
     gc.collect()
     if device.type == "cuda":
@@ -185,8 +185,8 @@ def main(argv=None):
     for kind in args.models.split(","):
         config = model_config(kind, args)
         model = build_model(config, device, dtype, args.seed)
-        if args.moe_grouped_mm:
-            use_grouped_mm(model)
+        if args.no_moe_grouped_mm:
+            use_grouped_mm(model, False)
         g = torch.Generator().manual_seed(args.seed + 1)
         prompts = torch.randint(0, config.vocab_size, (args.prompts, args.prompt_len), generator=g).tolist()
         shape = dict(model=kind, layers=config.num_hidden_layers)
@@ -214,7 +214,8 @@ def main(argv=None):
     workload = dict(prompts=args.prompts, samples=args.samples, new_tokens=args.new_tokens,
                     prompt_len=args.prompt_len, device=str(device), dtype=str(dtype), backend=args.backend,
                     moe_layers_of_48=args.moe_layers, dense_layers_of_28=args.dense_layers, tiny=args.tiny,
-                    moe_grouped_mm=args.moe_grouped_mm, fused_kernels=args.fused_kernels)
+                    moe_grouped_mm=not args.no_moe_grouped_mm,
+                    fused_kernels=not args.no_fused_kernels)
     report("rollout", rows, args.out, extra=dict(workload=workload))
     return rows
 

@@ -67,9 +67,10 @@ def main():
     p.add_argument("--recipe", default="bf16")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--kernels", type=int, default=0, help="profile this many eager decode steps")
-    p.add_argument("--fused-kernels", action="store_true", help="the fused RMSNorm/RoPE kernels")
+    p.add_argument("--no-fused-kernels", action="store_true",
+                   help="the plain torch RMSNorm/RoPE ops, not the fused kernels (the CUDA default)")
     args = p.parse_args()
-    use_fused_kernels(args.fused_kernels)
+    use_fused_kernels(False if args.no_fused_kernels else None)
     bargs = bench_rollout.parse_args(["--backend", "triton"])
     device = torch.device("cuda")
     config = bench_rollout.model_config("dense", bargs)
@@ -116,7 +117,7 @@ def main():
     keys = torch.arange(512, device=device)
     steps = torch.zeros(512, dtype=torch.int64, device=device)
     sample_ms = cuda_ms(lambda: engine.sample(logits, [params] * 512, keys, steps))
-    result = dict(env=env_info(), recipe=args.recipe, fused_kernels=args.fused_kernels, steps=n,
+    result = dict(env=env_info(), recipe=args.recipe, fused_kernels=not args.no_fused_kernels, steps=n,
                   decode_steps=len(decode), wall_s=wall,
                   tokens=tokens, tokens_per_s=tokens / wall,
                   decode_step_ms_mean=1e3 * sum(decode) / max(len(decode), 1),

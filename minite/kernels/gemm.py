@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minite.kernels.rounding import round_bf16
+
 CONFIGS = {
     "aligned": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
     "prefill": dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
@@ -75,15 +77,6 @@ def packed_w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, stride_cn, stride_s
 
 
 @triton.jit
-def _round_bf16(x):
-    """fp32 -> the nearest bf16 value (ties to even), as fp32; on the bits, so that the CPU interpreter
-    (whose bf16 casts truncate) and the GPU agree. Finite inputs (an overflow rounds to inf)."""
-    bits = x.to(tl.int32, bitcast=True)
-    r = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return r.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def epilogue(acc, sa, sw, EPILOGUE: tl.constexpr):
     """fp32 accumulator [BM, BN], per-row sa [BM], scalar sw -> the scaled fp32 (or bf16) output."""
     if EPILOGUE == 1:
@@ -93,7 +86,7 @@ def epilogue(acc, sa, sw, EPILOGUE: tl.constexpr):
     if EPILOGUE == 2:
         # bf16 * bf16 is exact in fp32, so rounding the fp32 product once is the bf16 multiply. The
         # result stays fp32 (bf16-exact): one return type for every epilogue (Triton needs that).
-        out = _round_bf16(_round_bf16(acc) * _round_bf16(scale)[:, None])
+        out = round_bf16(round_bf16(acc) * round_bf16(scale)[:, None])
     else:
         out = acc * scale[:, None]
     return out

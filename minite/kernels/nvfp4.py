@@ -11,6 +11,9 @@ Triton's Philox stream: matched in distribution, not bitwise.
 
 `quantize_unscaled` is the fused activation form of the compute-bound GEMM: row amax -> codes ->
 the exact values e2m1 * s_b (bf16 or fp16) and the fp32 row decode scales, in one pass.
+
+Non-finite input: the kernels never raise (that would need a host sync); with row scaling a row
+holding inf or NaN gets S_dec = amax = NaN, so whatever multiplies by its scale becomes NaN.
 """
 
 import torch
@@ -66,6 +69,11 @@ def _global_scales(amax, CHAIN: tl.constexpr):
         s_enc = tl.where(bad, 1.0, s_enc)
         s_dec = tl.where(bad, 1.0, s_dec)
     return s_enc, s_dec
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -174,17 +182,19 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, vals_ptr, sdec_out_ptr, amax_
             cols = tl.arange(0, BLOCK_K)
             m = row_ok[:, None] & (cols < K)[None, :]
             x_all = tl.load(x_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            amax = tl.max(tl.abs(x_all), axis=1)
+            amax = tl.reduce(tl.abs(x_all), 1, _max_nan)
         else:
             amax = tl.zeros([BLOCK_R], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 cols = k0 + tl.arange(0, BLOCK_K)
                 m = row_ok[:, None] & (cols < K)[None, :]
                 x = tl.load(x_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+                amax = _max_nan(amax, tl.reduce(tl.abs(x), 1, _max_nan))
         s_enc, s_dec = _global_scales(amax, CHAIN)
-        tl.store(sdec_out_ptr + rows, s_dec, mask=row_ok)
-        tl.store(amax_out_ptr + rows, amax, mask=row_ok)
+        # a row holding inf or NaN (amax inf or NaN) gets S_dec = amax = NaN: its GEMM outputs are NaN
+        finite = amax < float("inf")
+        tl.store(sdec_out_ptr + rows, tl.where(finite, s_dec, float("nan")), mask=row_ok)
+        tl.store(amax_out_ptr + rows, tl.where(finite, amax, float("nan")), mask=row_ok)
         s_enc = s_enc[:, None]
         s_dec = s_dec[:, None]
     elif GS == 1:

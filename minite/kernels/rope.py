@@ -5,7 +5,8 @@ Per (token, head) row of x [N, H, D] with the token's cos/sin [N, D], halves 1 =
 out1 = r(r(x1 * cos1) + r(-x2 * sin1)), out2 = r(r(x2 * cos2) + r(x1 * sin2)), r() rounding to x's dtype.
 That is the reference's arithmetic (`x * cos + rotate_half(x) * sin` in x's dtype, which torch also
 computes in fp32 and rounds per op; products of two bf16/fp16 values are exact in fp32), so the
-outputs are the same bits. The CPU interpreter rounds bf16 by truncation: test it with fp16/fp32.
+outputs are the same bits. bf16 is rounded on the bits (`minite.kernels.rounding`), so the CPU
+interpreter checks bf16 too.
 """
 
 from __future__ import annotations
@@ -14,7 +15,17 @@ import torch
 import triton
 import triton.language as tl
 
+from minite.kernels.rounding import round_bf16
+
 ELEMS = 4096  # elements per program
+
+
+@triton.jit
+def _round(v, dt: tl.constexpr):
+    """fp32 v rounded to dt (bf16 on the bits: `minite.kernels.rounding`), as fp32."""
+    if dt == tl.bfloat16:
+        return round_bf16(v)
+    return v.to(dt).to(tl.float32)
 
 
 @triton.jit
@@ -31,10 +42,9 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, H, stride_x, stride_c
     cos2 = tl.load(cos_ptr + tok * stride_c + HALF + c, mask=ok, other=0.0).to(tl.float32)
     sin1 = tl.load(sin_ptr + tok * stride_c + c, mask=ok, other=0.0).to(tl.float32)
     sin2 = tl.load(sin_ptr + tok * stride_c + HALF + c, mask=ok, other=0.0).to(tl.float32)
-    dt = x1.dtype
     a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
-    out1 = ((a1 * cos1).to(dt).to(tl.float32) + (-a2 * sin1).to(dt).to(tl.float32)).to(dt)
-    out2 = ((a2 * cos2).to(dt).to(tl.float32) + (a1 * sin2).to(dt).to(tl.float32)).to(dt)
+    out1 = _round(_round(a1 * cos1, x1.dtype) + _round(-a2 * sin1, x1.dtype), x1.dtype).to(x1.dtype)
+    out2 = _round(_round(a2 * cos2, x1.dtype) + _round(a1 * sin2, x1.dtype), x1.dtype).to(x1.dtype)
     tl.store(out_ptr + r64 * stride_o + c, out1, mask=ok)
     tl.store(out_ptr + r64 * stride_o + HALF + c, out2, mask=ok)
 

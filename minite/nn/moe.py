@@ -11,9 +11,10 @@ assignments are sorted by expert (stable; `sort_by_expert`, computed on the devi
   `minite.nn.nvfp4_matmul`): the sorted rows [T*k, H] and the per-expert row offsets [E + 1] go to one
   grouped W4A4 launch per projection (`grouped_nvfp4_matmul`, 'aligned' config). Nothing in the
   forward synchronizes with the host, so a decode step can be captured in a CUDA graph.
-- bf16 experts with `grouped_mm` on (opt-in, `use_grouped_mm(model)`; not yet measured on the GPU):
-  the same sorted rows and offsets go to `torch._grouped_mm`, one call per projection, with autograd;
-  no host sync, no copy of the expert weights (the padded path below gathers `w[experts]` per call).
+- bf16 experts with `grouped_mm` on (the default on CUDA; `use_grouped_mm(model, on)` sets it): the
+  same sorted rows and offsets go to `torch._grouped_mm`, one call per projection, with autograd; no
+  host sync, no copy of the expert weights (the padded path below gathers `w[experts]` per call).
+  On the H200 this made bf16 MoE rollout 1.75x faster (41.7k -> 72.9k tokens/s, 4 layers).
 - Otherwise (the reference path, bf16 experts): the rows are laid out as [A, C, H] (A = experts that
   received tokens, C = the largest expert's token count, zero rows below; `group_by_expert`, whose
   A and C are read on the host) and each projection is one batched matmul (`nvfp4_matmul`) over the
@@ -100,12 +101,13 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int) -> Grouping:
 class MoEExperts(nn.Module):
     """Router `gate` [E, H] plus experts `gate_up_proj` [E, 2I, H] (gate rows, then up) and
     `down_proj` [E, H, I]; `forward(x [..., H]) -> [..., H]`. `fast` (default False) lets the Triton
-    backend use its faster grouped config instead of the aligned one; `grouped_mm` (default False)
-    runs bf16 experts through `torch._grouped_mm` where it applies (`grouped_mm_applies`), and the
-    'dequantized' backward of NVFP4 experts (bf16 models, Triton backend) too."""
+    backend use its faster grouped config instead of the aligned one; `grouped_mm` (None: on for CUDA
+    weights, off on the CPU) runs bf16 experts through `torch._grouped_mm` where it applies
+    (`grouped_mm_applies`), and the 'dequantized' backward of NVFP4 experts (bf16 models, Triton
+    backend) too."""
 
     fast: bool = False
-    grouped_mm: bool = False
+    grouped_mm: bool | None = None
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, top_k: int,
                  recipe: str | Recipe = "aligned", norm_topk_prob: bool = True, dtype=None, device=None):
@@ -197,11 +199,15 @@ class MoEExperts(nn.Module):
             return self.grouped_mm_applies()
         return use_kernels(self.recipe, self.down_proj.device)
 
+    def grouped_mm_on(self) -> bool:
+        """`grouped_mm`, with None resolved: on for CUDA weights."""
+        return self.down_proj.is_cuda if self.grouped_mm is None else self.grouped_mm
+
     def grouped_mm_applies(self) -> bool:
         """`grouped_mm` is on and torch can run it here: `torch._grouped_mm` exists; on CUDA bf16
         weights on sm90+; 16-byte aligned strides (hidden and intermediate sizes multiples of 8)."""
         w = self.down_proj
-        if not (self.grouped_mm and hasattr(torch, "_grouped_mm")) or self.hidden_size % 8 or \
+        if not (self.grouped_mm_on() and hasattr(torch, "_grouped_mm")) or self.hidden_size % 8 or \
                 self.intermediate_size % 8:
             return False
         if w.device.type == "cuda":
@@ -215,10 +221,10 @@ class MoEExperts(nn.Module):
             gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
             return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
         gate_up = grouped_nvfp4_matmul(xs, self.gate_up_proj, self.quantized_weight("gate_up_proj"),
-                                       self.recipe, s.offsets, s.experts, self.fast, self.grouped_mm)
+                                       self.recipe, s.offsets, s.experts, self.fast, self.grouped_mm_on())
         gate, up = gate_up.chunk(2, dim=-1)  # [R, I] each
         return grouped_nvfp4_matmul(F.silu(gate) * up, self.down_proj, self.quantized_weight("down_proj"),
-                                    self.recipe, s.offsets, s.experts, self.fast, self.grouped_mm)
+                                    self.recipe, s.offsets, s.experts, self.fast, self.grouped_mm_on())
 
     def experts_forward(self, xg: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """SwiGLU experts on grouped tokens: xg [A, C, H], experts [A] -> [A, C, H]."""
@@ -262,9 +268,9 @@ class MoEExperts(nn.Module):
                 f"intermediate_size={self.intermediate_size}, top_k={self.top_k}, recipe={self.recipe.name}")
 
 
-def use_grouped_mm(model: nn.Module, on: bool = True) -> int:
-    """Switch every MoEExperts of `model` to (or off) the `torch._grouped_mm` path for bf16 experts;
-    returns how many modules it applies to."""
+def use_grouped_mm(model: nn.Module, on: bool | None = True) -> int:
+    """Switch every MoEExperts of `model` to (True), off (False) or back to the default (None: on for
+    CUDA weights) the `torch._grouped_mm` path for bf16 experts; returns how many modules it applies to."""
     mods = [m for m in model.modules() if isinstance(m, MoEExperts)]
     for m in mods:
         m.grouped_mm = on

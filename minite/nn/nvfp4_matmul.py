@@ -15,7 +15,8 @@ Execution (`recipe.backend`):
   blocks, RNE, no RHT: the `aligned` recipe, with any chain, weight block shape or epilogue), the
   forward runs `kernels.nvfp4.quantize_unscaled` (exact e2m1 * s_b values + fp32 row S_dec) and
   `kernels.gemm.w4a4_gemm` (dense) or `kernels.grouped_gemm.grouped_w4a4_gemm` (experts, one launch)
-  in the batch-invariant 'aligned' configuration on the weight's unscaled copy, whatever M is.
+  in the batch-invariant 'aligned' configuration on the weight's unscaled copy, whatever M is (MoE
+  with few rows per expert: on the packed codes, which gives the same bits).
   Recipes outside that (`te`, `torchao`: per-tensor activation scale; `vllm`: static scale;
   stochastic rounding or RHT on activations) run the reference GEMM, with activations and weights
   quantized by the kernels on CUDA (bitwise the same codes and scales). `fast=True` gives up the
@@ -39,6 +40,7 @@ expert's row count), or, opted in (`grouped_mm`), runs bf16 rows on `torch._grou
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -54,6 +56,10 @@ DGRAD_DY_SPEC = QuantSpec(scaling="tensor", block=(1, 16), rounding="stochastic"
 WGRAD_DY_SPEC = QuantSpec(scaling="tensor", block=(1, 16), rounding="stochastic", hadamard=True)
 WGRAD_X_SPEC = QuantSpec(scaling="tensor", block=(1, 16), rounding="rne", hadamard=True)
 FAST_DECODE_MAX_M = 64  # the kernels' 'decode' config serves M <= 64
+# MoE: at most this many rows per expert on average (a decode step), the grouped GEMM reads the packed
+# weights (4-bit codes + E4M3 scales, dequantized in registers) instead of the bf16 copy: a quarter of
+# the bytes, the same bits (same tiles, same K order, the same exact operand values)
+PACKED_MAX_ROWS_PER_EXPERT = 64
 
 
 class Operand(NamedTuple):
@@ -136,9 +142,36 @@ class _Scales(NamedTuple):
     amax: torch.Tensor
 
 
+_INPUT_MEMO: list[dict] = []  # a stack of per-forward memos of the last quantized input
+
+
+@contextmanager
+def shared_quantized_inputs():
+    """Within the block, consecutive kernel GEMMs on the same input tensor (q/k/v, gate/up) quantize it
+    once: the last input's quantization is kept (with a reference to the input, so its memory cannot
+    be reused meanwhile) and handed out again while the input is unchanged (same storage, shape,
+    strides and version) and the quantization asked for is the same. Outside the block: no memo."""
+    _INPUT_MEMO.append({})
+    try:
+        yield
+    finally:
+        _INPUT_MEMO.pop()
+
+
 def _kernel_rows(x2: torch.Tensor, recipe: Recipe):
     """x2 [R, K] -> (a [R, K] e2m1 * s_b in the kernels' operand dtype, S_dec fp32 [R, 1], the
     epilogue's row factor fp32 [R, 1]: S_dec, or amax for 'alpha')."""
+    if not _INPUT_MEMO:
+        return _quantize_rows(x2, recipe)
+    memo = _INPUT_MEMO[-1]
+    key = (x2.data_ptr(), x2.device, x2.dtype, tuple(x2.shape), x2.stride(), x2._version,
+           recipe.activation.chain, recipe.epilogue == "alpha")
+    if memo.get("key") != key:
+        memo.update(key=key, x=x2, rows=_quantize_rows(x2, recipe))
+    return memo["rows"]
+
+
+def _quantize_rows(x2: torch.Tensor, recipe: Recipe):
     from minite.kernels import gemm as kg
     from minite.kernels import nvfp4 as kq
 
@@ -149,13 +182,12 @@ def _kernel_rows(x2: torch.Tensor, recipe: Recipe):
     if host_check:
         nvfp4._check_finite(x2)
     dt = kg.operand_dtype(x2.device)
+    # on CUDA a row holding inf or NaN gets NaN scales from the kernel itself (no host check)
     if recipe.epilogue == "alpha":
         a, sdec, _, _, amax = kq.quantize_unscaled(x2, dt, chain, return_codes=True)
     else:
         a, sdec = kq.quantize_unscaled(x2, dt, chain)
         amax = sdec
-    if not host_check:
-        sdec, amax = _mark_non_finite(x2, (sdec, amax), per_row=True)
     return a, sdec, amax
 
 
@@ -197,8 +229,14 @@ def _grouped_kernel(xs: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe, 
     a, sdec, row_factor = _kernel_rows(xs, recipe)
     config = "prefill" if fast else "aligned"
     bk = gg.CONFIGS["interpret" if kernels.interpreted() else config]["BK"]
-    w = qweight.operand(a.dtype, bk)  # [E, N, Kp]
+    e, n, k = qweight.unscaled.shape
     sw = _weight_scale(qweight, recipe)
+    if xs.shape[0] <= PACKED_MAX_ROWS_PER_EXPERT * e and k % bk == 0:
+        q = qweight.q  # few rows per expert (decode): read the 4-bit codes, not the bf16 copy
+        out = gg.grouped_w4a4_gemm(a, row_factor, q.codes[:, :n], sw, offsets, q.block_scales[:, :n],
+                                   recipe.epilogue, xs.dtype, config)
+        return out, a, sdec
+    w = qweight.operand(a.dtype, bk)  # [E, N, Kp]
     out = gg.grouped_w4a4_gemm(_pad_k(a, w.shape[-1]), row_factor, w, sw, offsets, None, recipe.epilogue,
                                xs.dtype, config)
     return out, a, sdec
@@ -304,29 +342,34 @@ def _grouped_mm_grads(ctx, dy, offsets, row_experts, a, sdec):
     offs = offsets[1:].to(torch.int32)
     dx = dw = None
     if ctx.needs_input_grad[0]:
-        dx = torch._grouped_mm(dy, wu.to(dy.dtype), offs=offs).float() * ws.reshape(-1)[row_experts][:, None]
+        dx = torch._grouped_mm(dy, wu.to(dy.dtype), offs=offs)
+        torch.mul(dx, ws.reshape(-1)[row_experts][:, None], out=dx)  # one kernel, bf16 out
         dx = dx.to(ctx.x_dtype)
     if ctx.needs_input_grad[1]:
-        dyx = (dy.float() * sdec).to(dy.dtype)  # [R, N]
+        dyx = torch.mul(dy, sdec, out=torch.empty_like(dy))  # [R, N], the fp32 product rounded to bf16
         dw = torch._grouped_mm(dyx.t(), a.to(dy.dtype), offs=offs).to(ctx.w_dtype)  # [E, N, K]
     return dx, dw
 
 
 def _grads(ctx, dy: torch.Tensor, wu: torch.Tensor, ws: torch.Tensor, saved):
-    """(dX [B, M, K], dW [B, N, K]) in fp32 from dY [B, M, N] (None where not needed).
+    """(dX [B, M, K], dW [B, N, K]) from dY [B, M, N] (None where not needed).
 
-    'dequantized' with bf16 dY (bf16 models): the two GEMMs run in bf16 with fp32 accumulation, on
-    the unscaled operands (e2m1 * s_b: exact in bf16) with the global and row scales applied around
-    them, as a bf16 model's own backward would; one extra bf16 rounding of dY * S_dec_x[m] for dW.
-    Otherwise (fp32 dY, or the 'nvfp4' backward): fp32 GEMMs on the dequantized values."""
+    'dequantized' with bf16 dY (bf16 models), results in bf16: the two GEMMs run in bf16 with fp32
+    accumulation, on the unscaled operands (e2m1 * s_b: exact in bf16) with the global and row scales
+    applied around them, as a bf16 model's own backward would; one extra bf16 rounding of dX's GEMM
+    output before its scale, and of dY * S_dec_x[m] before dW's GEMM. The scale multiplies write bf16
+    directly (no fp32 copies of dX or dY).
+    Otherwise (fp32 dY, or the 'nvfp4' backward): fp32 GEMMs on the dequantized values, in fp32."""
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if ctx.mode == "dequantized" and dy.dtype == torch.bfloat16:
         xu, xs = saved
-        dx = torch.matmul(dy, wu.to(dy.dtype)).float() * ws if need_dx else None
-        dw = None
+        dx = dw = None
+        if need_dx:  # bf16 GEMM output times the fp32 scale, rounded once more to bf16: one kernel
+            dx = torch.matmul(dy, wu.to(dy.dtype))
+            torch.mul(dx, ws, out=dx)
         if need_dw:
-            dyx = (dy.float() * xs).to(dy.dtype).transpose(1, 2)  # [B, N, M]
-            dw = torch.matmul(dyx, xu.to(dy.dtype)).float()
+            dyx = torch.mul(dy, xs, out=torch.empty_like(dy))  # fp32 product, rounded to bf16
+            dw = torch.matmul(dyx.transpose(1, 2), xu.to(dy.dtype))  # [B, N, K]
         return dx, dw
     dyf = dy.float()
     w_dq = wu.float() * ws  # [B, N, K]

@@ -57,7 +57,7 @@ def test_switch_routes_the_model_through_the_kernel(monkeypatch):
     try:
         got = model(ids)
     finally:
-        use_fused_kernels(False)
+        use_fused_kernels(None)
     assert len(calls) == 4 * model.config.num_hidden_layers + 1  # input, post-attn, q, k; final norm
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 

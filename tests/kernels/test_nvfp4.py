@@ -118,3 +118,25 @@ def test_row_scaling_two_pass_path(monkeypatch):
 
 def kg_dtype():
     return torch.float16 if device() == "cpu" else torch.bfloat16
+
+
+@pytest.mark.parametrize("two_pass", [False, True])
+def test_row_scaling_marks_non_finite_rows_nan(two_pass, monkeypatch):
+    """The kernels never raise on inf/NaN (that would sync with the host): such a row gets S_dec and
+    amax NaN, the other rows their usual bits; in both the one- and the two-pass paths."""
+    if two_pass:
+        monkeypatch.setitem(kq.CONFIGS, "1x16", dict(kq.CONFIGS["1x16"], MAX_K=32, CHUNK_K=32))
+    x = adversarial(8, 128, seed=7)
+    bad = x.clone()
+    bad[1, 100] = float("nan")
+    bad[3, 5] = float("-inf")
+    bad[6, 0] = float("inf")
+    good = [0, 2, 4, 5, 7]
+    vals, sdec = kq.quantize_unscaled(bad.to(device()), kg_dtype())
+    _, _, s, amax = kq.quantize_packed(bad.to(device()), "row")
+    for t in (sdec, s, amax):
+        t = t.reshape(-1).cpu()
+        assert t[[1, 3, 6]].isnan().all() and torch.isfinite(t[good]).all()
+    want = nvfp4.quantize(x[good], "row")
+    assert torch.equal(vals[good].float().cpu(), want.unscaled())
+    assert torch.equal(sdec[good].cpu(), want.global_scale)

@@ -1,4 +1,4 @@
-"""The Triton RoPE (CPU interpreter, fp32/fp16) equals the reference bit for bit; gradients too; the
+"""The Triton RoPE (CPU interpreter, fp32/fp16/bf16) equals the reference bit for bit; gradients too; the
 fused switch routes the model's attention through it."""
 
 import pytest
@@ -10,7 +10,7 @@ from minite.nn import rope
 from minite.nn.fused import use_fused_kernels
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("lead", [(13,), (2, 5)])
 def test_bitwise_equal_to_the_reference(dtype, lead):
     g = torch.Generator().manual_seed(0)
@@ -30,7 +30,7 @@ def test_gradient_and_switch(monkeypatch):
         y = rope.apply_rope(x, cos, sin)
         y.backward(dy)
     finally:
-        use_fused_kernels(False)
+        use_fused_kernels(None)
     gx = x.grad.clone()
     x.grad = None
     yr = rope.apply_rope_reference(x, cos, sin)
@@ -51,7 +51,7 @@ def test_model_runs_both_fused_kernels(monkeypatch):
     try:
         got = model(ids)
     finally:
-        use_fused_kernels(False)
+        use_fused_kernels(None)
     assert len(calls) == 2 * model.config.num_hidden_layers  # q and k in every layer
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 

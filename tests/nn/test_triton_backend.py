@@ -11,7 +11,7 @@ from minite import kernels
 from minite.models import Qwen3, tiny_qwen3, tiny_qwen3_moe
 from minite.nn import Linear, MoEExperts, moe_reference, use_grouped_mm
 from minite.nn.moe import group_by_expert, sort_by_expert
-from minite.nn.nvfp4_matmul import use_kernels
+from minite.nn.nvfp4_matmul import shared_quantized_inputs, use_kernels
 from minite.nvfp4 import dequantize, quantize  # noqa: E402
 from minite.nvfp4 import use_kernels as quantize_uses_kernels  # noqa: E402
 from minite.recipe import QuantSpec, get_recipe  # noqa: E402
@@ -99,6 +99,29 @@ def test_linear_triton_matches_ref(lead):
     assert a.dtype == b.dtype and a.shape == b.shape
     _assert_gemm_close(a, b, _gemm_bound(x, tri), 64)
     assert (a == b).float().mean().item() >= GAUSSIAN_EQUAL_FRAC
+
+
+def test_shared_quantized_inputs_quantize_a_shared_input_once(monkeypatch):
+    """Inside `shared_quantized_inputs`, q/k/v-like Linears on one input quantize it once and give the
+    same outputs; a changed input (in place: new version) or another tensor is quantized again."""
+    from minite.kernels import nvfp4 as kq
+
+    torch.manual_seed(0)
+    lins = [Linear(64, n, recipe=ALIGNED_TRITON).to(DEVICE) for n in (48, 32, 32)]
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    want = [lin(x) for lin in lins]
+    calls = []
+    real = kq.quantize_unscaled
+    monkeypatch.setattr(kq, "quantize_unscaled", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with shared_quantized_inputs():
+        got = [lin(x) for lin in lins]
+        assert len(calls) == 1
+        x.mul_(2)
+        doubled = lins[0](x)
+        lins[1](x.clone())
+    assert len(calls) == 3
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(doubled, lins[0](x))
 
 
 def test_linear_triton_heavy_tailed_within_bound_and_batch_invariant():
@@ -197,6 +220,18 @@ def test_moe_triton_matches_ref_and_moe_reference():
     # the grouped kernel gives an expert's rows the bits of a per-expert dense GEMM
     assert torch.equal(moe_reference(tri, x), a)
     assert torch.equal(tri(x[:4]), a[:4])
+
+
+def test_moe_triton_packed_and_bf16_copy_weights_give_the_same_bits(monkeypatch):
+    """Few rows per expert read the packed codes, many the bf16 copy: the same outputs either way."""
+    from minite.nn import nvfp4_matmul
+
+    _, tri = _pair(MoEExperts, 4, 64, 32, 2)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    assert 9 * 2 <= nvfp4_matmul.PACKED_MAX_ROWS_PER_EXPERT * 4
+    packed = tri(x)
+    monkeypatch.setattr(nvfp4_matmul, "PACKED_MAX_ROWS_PER_EXPERT", 0)
+    assert torch.equal(tri(x), packed)
 
 
 def test_moe_triton_backward_matches_ref():
