@@ -69,11 +69,13 @@ def main():
     p.add_argument("--kernels", type=int, default=0, help="profile this many eager decode steps")
     p.add_argument("--no-fused-kernels", action="store_true",
                    help="the plain torch RMSNorm/RoPE ops, not the fused kernels (the CUDA default)")
+    p.add_argument("--model", choices=["dense", "moe"], default="dense")
+    p.add_argument("--moe-layers", type=int, default=4)
     args = p.parse_args()
     use_fused_kernels(False if args.no_fused_kernels else None)
-    bargs = bench_rollout.parse_args(["--backend", "triton"])
+    bargs = bench_rollout.parse_args(["--backend", "triton", "--moe-layers", str(args.moe_layers)])
     device = torch.device("cuda")
-    config = bench_rollout.model_config("dense", bargs)
+    config = bench_rollout.model_config(args.model, bargs)
     model = bench_rollout.build_model(config, device, torch.bfloat16, 0)
     model.set_recipe(get_recipe(args.recipe, backend="triton"))
     g = torch.Generator().manual_seed(1)
@@ -117,7 +119,8 @@ def main():
     keys = torch.arange(512, device=device)
     steps = torch.zeros(512, dtype=torch.int64, device=device)
     sample_ms = cuda_ms(lambda: engine.sample(logits, [params] * 512, keys, steps))
-    result = dict(env=env_info(), recipe=args.recipe, fused_kernels=not args.no_fused_kernels, steps=n,
+    result = dict(env=env_info(), model=args.model, layers=config.num_hidden_layers, recipe=args.recipe,
+                  fused_kernels=not args.no_fused_kernels, steps=n,
                   decode_steps=len(decode), wall_s=wall,
                   tokens=tokens, tokens_per_s=tokens / wall,
                   decode_step_ms_mean=1e3 * sum(decode) / max(len(decode), 1),

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The engines' GPU work in one device call. Usage (repo root): bash benchmarks/run_gpu_engines.sh PART...
 #   tests     the GPU tests
-#   profile   where a rollout decode step spends its time (benchmarks/profile_rollout.py)
-#   rollout   rollout benchmarks (dense 1.7B, MoE 4 layers) against HF generate
+#   profile   where a rollout decode step spends its time (benchmarks/profile_rollout.py): dense aligned,
+#             MoE (24 layers) bf16 and aligned
+#   rollout   rollout benchmarks: dense 1.7B against HF generate; MoE 24 layers of 48, bf16 vs aligned
 #   learner   learner train-step benchmark
 #   agreement agreement on the benchmark model for bf16/bf16, aligned/aligned, te/vllm
 #   diagnose  minite diagnose reports at the benchmark model's full depth, te/vllm and aligned
@@ -34,21 +35,17 @@ for part in "$@"; do
   case $part in
     tests) step 110 python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
     profile)
-      step 120 python3 benchmarks/profile_rollout.py --kernels 6 --out "$OUT/profile_rollout.json"
-      step 90 python3 benchmarks/profile_rollout.py --kernels 6 --fused-kernels --out "$OUT/profile_rollout_fused.json" ;;
+      step 70 python3 benchmarks/profile_rollout.py --kernels 6 --recipe aligned --out "$OUT/profile_rollout_aligned.json"
+      for recipe in bf16 aligned; do
+        step 70 python3 benchmarks/profile_rollout.py --model moe --moe-layers 24 --kernels 4 --recipe $recipe \
+          --out "$OUT/profile_rollout_moe24_$recipe.json"
+      done ;;
     rollout)
-      step 170 python3 benchmarks/bench_rollout.py --models dense --backend triton --sync-recipes bf16 \
-        --out "$OUT/rollout_dense.json"
-      step 90 python3 benchmarks/bench_rollout.py --models dense --backend triton --fused-kernels --no-hf \
-        --out "$OUT/rollout_dense_fused.json"
-      step 80 python3 benchmarks/bench_rollout.py --models moe --moe-layers 4 --new-tokens 256 --backend triton \
-        --out "$OUT/rollout_moe.json"
-      step 60 python3 benchmarks/bench_rollout.py --models moe --moe-layers 4 --new-tokens 256 --backend triton \
-        --recipes bf16 --moe-grouped-mm --no-hf --out "$OUT/rollout_moe_grouped_mm.json" ;;
+      step 170 python3 benchmarks/bench_rollout.py --models dense --backend triton --out "$OUT/rollout_dense.json"
+      step 90 python3 benchmarks/bench_rollout.py --models moe --moe-layers 24 --new-tokens 256 --backend triton \
+        --no-hf --out "$OUT/rollout_moe24.json" ;;
     learner)
-      step 90 python3 benchmarks/bench_learner.py --kernels --out "$OUT/learner.json"
-      step 50 python3 benchmarks/bench_learner.py --models moe --moe-grouped-mm \
-        --out "$OUT/learner_moe_grouped_mm.json" ;;
+      step 100 python3 benchmarks/bench_learner.py --kernels --out "$OUT/learner.json" ;;
     agreement)
       for pair in "bf16 bf16 triton" "aligned aligned triton" "te vllm ref"; do
         read -r lr sr backend <<< "$pair"
