@@ -109,8 +109,9 @@ class Learner:
             else:
                 loss, metrics = loss_fn(rl, correction=correction.rows(torch.tensor(rows)))
             (loss * weight).backward()
-            for k, v in {"loss": loss, **metrics}.items():
-                sums[k] = sums.get(k, 0.0) + weight * float(v.detach() if torch.is_tensor(v) else v)
+            for k, v in {"loss": loss, **metrics}.items():  # device tensors: no sync per micro-batch
+                sums[k] = sums.get(k, 0.0) + weight * (v.detach().float() if torch.is_tensor(v) else float(v))
+        sums = _to_floats(sums)
         result = self.optimizer.step()
         if self.sync_weights_after_step:
             sync_weights(self.model)
@@ -128,3 +129,13 @@ class Learner:
         self.steps = int(state["steps"])
         if self.sync_weights_after_step:
             sync_weights(self.model)
+
+
+def _to_floats(values: dict) -> dict[str, float]:
+    """{name: float or 0-dim tensor} -> {name: float}, with one device-to-host copy for the tensors."""
+    names = [k for k, v in values.items() if torch.is_tensor(v)]
+    out = {k: float(v) for k, v in values.items() if not torch.is_tensor(v)}
+    if names:
+        dev = values[names[0]].device
+        out.update(zip(names, torch.stack([values[k].reshape(()).to(dev) for k in names]).tolist()))
+    return {k: out[k] for k in values}

@@ -20,11 +20,10 @@ from torch import nn
 
 from minite.models.config import ModelConfig
 from minite.nn.attention import Attention
+from minite.nn.forward_scope import forward_scope
 from minite.nn.linear import Linear
 from minite.nn.moe import MoEExperts
 from minite.nn.norm import RMSNorm
-from minite.nn.nvfp4_matmul import shared_quantized_inputs
-from minite.nn.rope import shared_rope_tables
 from minite.recipe import Recipe, get_recipe
 
 
@@ -127,7 +126,7 @@ class Qwen3(nn.Module):
             position_ids = self.default_positions(input_ids, cu_seqlens)
         position_ids = position_ids.expand(input_ids.shape)
         x = self.embed_tokens(input_ids)  # [B, T, H]
-        with shared_rope_tables(), shared_quantized_inputs():
+        with forward_scope():
             for layer in self.layers:
                 x = layer(x, position_ids, cu_seqlens)
         return self.norm(x)

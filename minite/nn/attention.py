@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minite.nn.forward_scope import scope_memo
 from minite.nn.linear import Linear
 from minite.nn.norm import RMSNorm
 from minite.nn.rope import apply_rope, rope_cos_sin
@@ -74,27 +75,39 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
 VARLEN_SCORE_BUDGET = 1 << 28  # fp32 score elements (1 GiB) one padded varlen_attention call may use
 
 
+def varlen_plan(bounds: list[int], n: int, num_heads: int, device) -> list[tuple]:
+    """`varlen_attention`'s padded groups for sequence bounds `bounds` (cu_seqlens on the host) over
+    `n` packed rows: [(S, T, rows [S_real], idx [S_real])], host work only plus two small copies per
+    group; build it once per forward and hand it to every layer."""
+    if bounds[0] != 0 or bounds[-1] != n or any(a > b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens {bounds} must rise from 0 to the packed length {n}")
+    spans = sorted(((b - a, a) for a, b in zip(bounds, bounds[1:]) if b > a), reverse=True)
+    groups, i = [], 0
+    while i < len(spans):
+        T = spans[i][0]
+        S = max(1, min(len(spans) - i, VARLEN_SCORE_BUDGET // (T * T * num_heads)))
+        group = spans[i: i + S]
+        rows = torch.tensor([a + t for n_, a in group for t in range(n_)], device=device)
+        idx = torch.tensor([s * T + t for s, (n_, _) in enumerate(group) for t in range(n_)], device=device)
+        groups.append((S, T, rows, idx))
+        i += S
+    return groups
+
+
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                     cu_seqlens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+                     cu_seqlens: torch.Tensor, scale: float | None = None,
+                     plan: list | None = None) -> torch.Tensor:
     """Causal GQA over packed sequences: q `[N, Hq, D]`, k/v `[N, Hkv, D]`, positions `[N]`,
     cu_seqlens `[S + 1]` (sequence s is rows `cu_seqlens[s]:cu_seqlens[s + 1]`) -> `[N, Hq, D]`.
 
     Sequences of similar length are scattered into right-padded `[S_g, T_g]` groups (padding keys get
     position -1: invisible), one `attention` call per group, each group's padded scores within
-    `VARLEN_SCORE_BUDGET` (a single sequence may exceed it alone)."""
-    bounds = cu_seqlens.tolist()
-    if bounds[0] != 0 or bounds[-1] != q.shape[0] or any(a > b for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"cu_seqlens {bounds} must rise from 0 to the packed length {q.shape[0]}")
-    spans = sorted(((b - a, a) for a, b in zip(bounds, bounds[1:]) if b > a), reverse=True)
+    `VARLEN_SCORE_BUDGET` (a single sequence may exceed it alone). `plan`: `varlen_plan`'s groups,
+    made here from cu_seqlens (a host sync) when not given."""
+    if plan is None:
+        plan = varlen_plan(cu_seqlens.tolist(), q.shape[0], q.shape[1], q.device)
     out = q.new_empty(q.shape)
-    i = 0
-    while i < len(spans):
-        T = spans[i][0]
-        S = max(1, min(len(spans) - i, VARLEN_SCORE_BUDGET // (T * T * q.shape[1])))
-        group = spans[i: i + S]
-        rows = torch.tensor([a + t for n, a in group for t in range(n)], device=q.device)
-        idx = torch.tensor([s * T + t for s, (n, _) in enumerate(group) for t in range(n)], device=q.device)
-
+    for S, T, rows, idx in plan:
         def padded(x: torch.Tensor, fill, rows=rows, idx=idx, S=S, T=T) -> torch.Tensor:
             buf = x.new_full((S * T, *x.shape[1:]), fill)
             return buf.index_copy(0, idx, x[rows]).view(S, T, *x.shape[1:])
@@ -102,8 +115,57 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         pos = padded(positions, -1)  # [S, T]
         o = attention(padded(q, 0), padded(k, 0), padded(v, 0), pos, pos, scale)  # [S, T, Hq, D]
         out = out.index_copy(0, rows, o.reshape(S * T, *q.shape[1:])[idx])
-        i += S
     return out
+
+
+class PackedLayout:
+    """Packed sequences as every layer's attention sees them in one forward: flat positions [N], cu
+    [S + 1] int64, each row's sequence `seq` [N], whether positions run 0, 1, ... per sequence (the
+    kernel's layout; one host sync), and, made on first use and then shared, the kernel's query
+    tiles and the reference backward's `varlen_plan` (from the bounds, read at construction when
+    grad is enabled so that the backward never waits on the host)."""
+
+    def __init__(self, positions: torch.Tensor, cu: torch.Tensor):
+        n, dev = positions.numel(), positions.device
+        self.positions = positions.reshape(n).to(torch.int64).contiguous()
+        self.cu = cu.to(dev, torch.int64)
+        lengths = self.cu[1:] - self.cu[:-1]
+        self.seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=dev), lengths, output_size=n)
+        self.kernel_ok = torch.equal(self.positions, torch.arange(n, device=dev) - self.cu[:-1][self.seq])
+        self._tiles: dict[int, torch.Tensor] = {}
+        self._plans: dict[int, list] = {}
+        # a backward will need the bounds: read them now, beside the sync above, not mid-backward
+        self._bounds = self.cu.tolist() if torch.is_grad_enabled() else None
+
+    def tiles(self, group: int) -> torch.Tensor:
+        from minite.kernels.attention import plan_tiles
+
+        if group not in self._tiles:
+            self._tiles[group] = plan_tiles(self.seq, self.cu.numel() - 1, group)
+        return self._tiles[group]
+
+    def plan(self, num_heads: int) -> list:
+        if num_heads not in self._plans:
+            if self._bounds is None:
+                self._bounds = self.cu.tolist()
+            self._plans[num_heads] = varlen_plan(self._bounds, self.positions.numel(), num_heads,
+                                                 self.positions.device)
+        return self._plans[num_heads]
+
+
+def packed_layout(positions: torch.Tensor, cu_seqlens: torch.Tensor | None, B: int, T: int) -> PackedLayout:
+    """The PackedLayout of positions [B, T] (cu_seqlens None: B sequences of T) or of one packed row
+    (B = 1 with cu_seqlens); built once per forward scope for the same tensors (`forward_scope`)."""
+    memo = scope_memo("packed_layout")
+    key = (id(positions), id(cu_seqlens), B, T)
+    hit = memo.get(key) if memo is not None else None
+    if hit is not None and hit[0] is positions and hit[1] is cu_seqlens:
+        return hit[2]
+    cu = cu_seqlens if cu_seqlens is not None else torch.arange(0, B * T + 1, T, device=positions.device)
+    layout = PackedLayout(positions, cu)
+    if memo is not None:
+        memo[key] = (positions, cu_seqlens, layout)
+    return layout
 
 
 class Attention(nn.Module):
@@ -136,10 +198,10 @@ class Attention(nn.Module):
         q, k, v = self.project_qkv(x, positions)
         B, T = x.shape[:2]
         if kernel_enabled(x.device) and _kernel_shapes_ok(q):
-            cu = cu_seqlens if cu_seqlens is not None else torch.arange(0, B * T + 1, T, device=x.device)
-            out = packed_kernel_attention(q.reshape(B * T, *q.shape[2:]), k.reshape(B * T, *k.shape[2:]),
-                                          v.reshape(B * T, *v.shape[2:]), positions.reshape(B * T), cu)
-            if out is not None:
+            layout = packed_layout(positions, cu_seqlens, B, T)
+            if layout.kernel_ok:
+                flat = [t.reshape(B * T, *t.shape[2:]) for t in (q, k, v)]
+                out = _KernelAttention.apply(*flat, layout)
                 return self.o_proj(out.view(B, T, -1))
         if cu_seqlens is None:
             out = attention(q, k, v, positions, positions)  # [B, T, Hq, D]
@@ -158,32 +220,31 @@ def packed_kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
     """`varlen_attention` by the kernel: q `[N, Hq, D]`, k/v `[N, Hkv, D]`, positions `[N]`,
     cu_seqlens `[S + 1]` -> `[N, Hq, D]`; None when the positions are not 0, 1, ... per sequence
     (the kernel's layout), so the caller runs the reference instead."""
-    N = q.shape[0]
-    cu = cu_seqlens.to(q.device, torch.int64)
-    lengths = cu[1:] - cu[:-1]  # [S]
-    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=q.device), lengths, output_size=N)
-    positions = positions.to(torch.int64).contiguous()
-    if not torch.equal(positions, torch.arange(N, device=q.device) - cu[:-1][seq]):
-        return None
-    return _KernelAttention.apply(q, k, v, seq, positions, cu)
+    layout = PackedLayout(positions, cu_seqlens)
+    return _KernelAttention.apply(q, k, v, layout) if layout.kernel_ok else None
 
 
 class _KernelAttention(torch.autograd.Function):
     """Forward: the kernel over contiguous packed k/v. Backward: the reference math (`varlen_attention`,
-    fp32, padded groups of sequences) recomputed under autograd: the exact softmax attention's gradient."""
+    fp32, padded groups of sequences) recomputed under autograd: the exact softmax attention's gradient.
+    The layout (tiles, backward plan) is shared by every layer of a forward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, seq, positions, cu):
+    def forward(ctx, q, k, v, layout: PackedLayout):
         from minite.kernels.attention import contiguous_attention
 
-        ctx.save_for_backward(q, k, v, positions, cu)
-        return contiguous_attention(q, k, v, seq, positions, cu[:-1], cu[1:] - cu[:-1])
+        ctx.save_for_backward(q, k, v)
+        ctx.layout = layout
+        cu = layout.cu
+        return contiguous_attention(q, k, v, layout.seq, layout.positions, cu[:-1], cu[1:] - cu[:-1],
+                                    tiles=layout.tiles(q.shape[1] // k.shape[1]))
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, positions, cu = ctx.saved_tensors
+        q, k, v = ctx.saved_tensors
+        layout = ctx.layout
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-            out = varlen_attention(*inputs, positions, cu)
+            out = varlen_attention(*inputs, layout.positions, layout.cu, plan=layout.plan(q.shape[1]))
             dq, dk, dv = torch.autograd.grad(out, inputs, grad)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None

@@ -40,13 +40,13 @@ expert's row count), or, opted in (`grouped_mm`), runs bf16 rows on `torch._grou
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from minite import nvfp4
+from minite.nn.forward_scope import scope_memo
 from minite.nn.quantized_weight import QuantizedWeight
 from minite.nvfp4 import quantize
 from minite.recipe import QuantSpec, Recipe
@@ -142,28 +142,17 @@ class _Scales(NamedTuple):
     amax: torch.Tensor
 
 
-_INPUT_MEMO: list[dict] = []  # a stack of per-forward memos of the last quantized input
-
-
-@contextmanager
-def shared_quantized_inputs():
-    """Within the block, consecutive kernel GEMMs on the same input tensor (q/k/v, gate/up) quantize it
-    once: the last input's quantization is kept (with a reference to the input, so its memory cannot
-    be reused meanwhile) and handed out again while the input is unchanged (same storage, shape,
-    strides and version) and the quantization asked for is the same. Outside the block: no memo."""
-    _INPUT_MEMO.append({})
-    try:
-        yield
-    finally:
-        _INPUT_MEMO.pop()
-
-
 def _kernel_rows(x2: torch.Tensor, recipe: Recipe):
     """x2 [R, K] -> (a [R, K] e2m1 * s_b in the kernels' operand dtype, S_dec fp32 [R, 1], the
-    epilogue's row factor fp32 [R, 1]: S_dec, or amax for 'alpha')."""
-    if not _INPUT_MEMO:
+    epilogue's row factor fp32 [R, 1]: S_dec, or amax for 'alpha').
+
+    Within a forward scope (`minite.nn.forward_scope`), consecutive GEMMs on the same input (q/k/v,
+    gate/up) quantize it once: the last input's quantization is kept, with a reference to the input,
+    and handed out again while the input is unchanged (same storage, shape, strides and version) and
+    the quantization asked for is the same."""
+    memo = scope_memo("quantized_input")
+    if memo is None:
         return _quantize_rows(x2, recipe)
-    memo = _INPUT_MEMO[-1]
     key = (x2.data_ptr(), x2.device, x2.dtype, tuple(x2.shape), x2.stride(), x2._version,
            recipe.activation.chain, recipe.epilogue == "alpha")
     if memo.get("key") != key:

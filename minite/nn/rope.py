@@ -6,32 +6,19 @@ For head dimension D and base theta: `inv_freq[i] = theta^(-2i/D)` for i < D/2, 
 The angles are computed in fp32 from integer positions and cast to the activation dtype, so a token's
 rotation depends only on its own position (the same for a cached key and a fresh one).
 
-Inside `shared_rope_tables()` (one model forward), every layer asking for the tables of the same
+Inside one model forward (`minite.nn.forward_scope`), every layer asking for the tables of the same
 positions tensor gets the ones the first layer computed: the same values, about a dozen kernel
-launches fewer per layer (a decode step is launch-bound in its small ops). With
-`minite.nn.fused.use_fused_kernels(True)`, `apply_rope` runs the one-launch Triton kernel
+launches fewer per layer (a decode step is launch-bound in its small ops). On CUDA (by default;
+`minite.nn.fused.use_fused_kernels`), `apply_rope` runs the one-launch Triton kernel
 `minite.kernels.rope.apply_rope` (bitwise the same values).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 
+from minite.nn.forward_scope import scope_memo
 from minite.nn.fused import fused_applies
-
-_SHARED: list[dict] = []  # a stack of per-forward memos: key -> (positions, (cos, sin))
-
-
-@contextmanager
-def shared_rope_tables():
-    """Within the block, `rope_cos_sin` computes each (positions tensor, D, theta, dtype) once."""
-    _SHARED.append({})
-    try:
-        yield
-    finally:
-        _SHARED.pop()
 
 
 def rope_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
@@ -42,16 +29,18 @@ def rope_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables for integer `positions [...]`, each `[..., D]` in `dtype`."""
-    if _SHARED:
-        key = (id(positions), head_dim, theta, dtype)
-        hit = _SHARED[-1].get(key)
-        if hit is not None and hit[0] is positions:
-            return hit[1]
-        tables = _rope_cos_sin(positions, head_dim, theta, dtype)
-        _SHARED[-1][key] = (positions, tables)  # the reference keeps id(positions) from being reused
-        return tables
-    return _rope_cos_sin(positions, head_dim, theta, dtype)
+    """cos and sin tables for integer `positions [...]`, each `[..., D]` in `dtype` (computed once per
+    positions tensor within a forward scope)."""
+    memo = scope_memo("rope")
+    if memo is None:
+        return _rope_cos_sin(positions, head_dim, theta, dtype)
+    key = (id(positions), head_dim, theta, dtype)
+    hit = memo.get(key)
+    if hit is not None and hit[0] is positions:
+        return hit[1]
+    tables = _rope_cos_sin(positions, head_dim, theta, dtype)
+    memo[key] = (positions, tables)  # the reference keeps id(positions) from being reused
+    return tables
 
 
 def _rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,

@@ -24,8 +24,7 @@ import numpy as np
 import torch
 
 from minite.nn.attention import attention, kernel_enabled
-from minite.nn.nvfp4_matmul import shared_quantized_inputs
-from minite.nn.rope import shared_rope_tables
+from minite.nn.forward_scope import forward_scope
 from minite.sampler.kv_cache import KVCache
 
 
@@ -129,7 +128,7 @@ def cached_forward(model, cache: KVCache, batch: CachedBatch) -> torch.Tensor:
         key_pos = torch.arange(Tk, device=batch.positions.device).expand(B, Tk)
         key_pos = torch.where(key_pos < batch.context_lens[:, None], key_pos, -1)  # [B, Tk]
     x = model.embed_tokens(batch.input_ids)  # [N, H]
-    with shared_rope_tables(), shared_quantized_inputs():  # one cos/sin table for all layers
+    with forward_scope():  # one cos/sin table, one quantization of q/k/v's input, ...
         for i, layer in enumerate(model.layers):
             attn = layer.self_attn
             q, k, v = attn.project_qkv(layer.input_layernorm(x), batch.positions)  # [N, Hq | Hkv, D]

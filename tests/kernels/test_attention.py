@@ -209,6 +209,39 @@ def test_wiring_under_the_interpreter(monkeypatch):
     assert nn_attention.packed_kernel_attention(q, k, v, pos + 1, cu) is None  # not 0, 1, ...: reference
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real wiring (end-to-end test)")
+def test_model_forward_builds_one_packed_layout_for_all_layers(monkeypatch):
+    """A packed model forward with the kernel (interpreter, fp32) lays the sequences out once for every
+    layer (one host sync, not one per layer and per backward) and keeps the reference's gradients."""
+    import sys
+
+    from tests.sampler.common import tiny_model
+
+    nn_attention = sys.modules["minite.nn.attention"]
+    model = tiny_model("bf16")
+    ids = torch.randint(0, model.config.vocab_size, (1, 26), generator=torch.Generator().manual_seed(3))
+    cu = torch.tensor([0, 7, 26])
+    probe = torch.randn(1, 26, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+
+    def loss_and_grads():  # (a normed output's square sum would be constant: gradients of pure noise)
+        model.zero_grad()
+        loss = (model.hidden_states(ids, cu_seqlens=cu) * probe).sum()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    want = loss_and_grads()
+    built, plans = [], []
+    real_init, real_plan = nn_attention.PackedLayout.__init__, nn_attention.varlen_plan
+    monkeypatch.setattr(nn_attention.PackedLayout, "__init__", lambda *a: built.append(1) or real_init(*a))
+    monkeypatch.setattr(nn_attention, "varlen_plan", lambda *a: plans.append(1) or real_plan(*a))
+    monkeypatch.setattr(nn_attention, "kernel_enabled", lambda device: True)
+    got = loss_and_grads()
+    assert model.config.num_hidden_layers > 1 and len(built) == 1 and len(plans) == 1
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=0)
+    for a, b in zip(got[1], want[1]):  # the kernel's forward sums in another order than the reference
+        assert ((a - b).norm() / b.norm()).item() < 1e-4
+
+
 def sampler_vs_learner(model, prompts, params, **sampler_kwargs):
     """Generate with the sampler, recompute with the learner (packed) -> (sampler, learner) fp32 log-probs
     of every sampled token, concatenated."""

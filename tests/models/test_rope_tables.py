@@ -5,7 +5,7 @@ import contextlib
 import torch
 
 from minite.models import Qwen3, qwen3, tiny_qwen3
-from minite.nn import rope
+from minite.nn import forward_scope, rope
 
 
 def test_layers_share_one_table_per_forward_and_outputs_are_unchanged(monkeypatch):
@@ -17,14 +17,14 @@ def test_layers_share_one_table_per_forward_and_outputs_are_unchanged(monkeypatc
     monkeypatch.setattr(rope, "_rope_cos_sin", lambda *a: computed.append(1) or real(*a))
     shared = model(ids)
     assert len(computed) == 1  # not one per layer
-    assert not rope._SHARED  # the memo lives only inside a forward
+    assert not forward_scope._STACK  # the memo lives only inside a forward
     computed.clear()
-    monkeypatch.setattr(qwen3, "shared_rope_tables", contextlib.nullcontext)
+    monkeypatch.setattr(qwen3, "forward_scope", contextlib.nullcontext)
     assert torch.equal(model(ids), shared) and len(computed) == 3
 
 
 def test_the_memo_never_serves_another_positions_tensor():
-    with rope.shared_rope_tables():
+    with forward_scope.forward_scope():
         a = rope.rope_cos_sin(torch.arange(5), 8, 1e4, torch.float32)
         b = rope.rope_cos_sin(torch.arange(5) + 3, 8, 1e4, torch.float32)
         again = rope.rope_cos_sin(torch.arange(5) + 3, 8, 1e4, torch.float32)

@@ -10,8 +10,9 @@ import torch
 from minite import kernels
 from minite.models import Qwen3, tiny_qwen3, tiny_qwen3_moe
 from minite.nn import Linear, MoEExperts, moe_reference, use_grouped_mm
+from minite.nn.forward_scope import forward_scope
 from minite.nn.moe import group_by_expert, sort_by_expert
-from minite.nn.nvfp4_matmul import shared_quantized_inputs, use_kernels
+from minite.nn.nvfp4_matmul import use_kernels
 from minite.nvfp4 import dequantize, quantize  # noqa: E402
 from minite.nvfp4 import use_kernels as quantize_uses_kernels  # noqa: E402
 from minite.recipe import QuantSpec, get_recipe  # noqa: E402
@@ -101,8 +102,8 @@ def test_linear_triton_matches_ref(lead):
     assert (a == b).float().mean().item() >= GAUSSIAN_EQUAL_FRAC
 
 
-def test_shared_quantized_inputs_quantize_a_shared_input_once(monkeypatch):
-    """Inside `shared_quantized_inputs`, q/k/v-like Linears on one input quantize it once and give the
+def test_forward_scope_quantizes_a_shared_input_once(monkeypatch):
+    """Inside a forward scope, q/k/v-like Linears on one input quantize it once and give the
     same outputs; a changed input (in place: new version) or another tensor is quantized again."""
     from minite.kernels import nvfp4 as kq
 
@@ -113,7 +114,7 @@ def test_shared_quantized_inputs_quantize_a_shared_input_once(monkeypatch):
     calls = []
     real = kq.quantize_unscaled
     monkeypatch.setattr(kq, "quantize_unscaled", lambda *a, **k: calls.append(1) or real(*a, **k))
-    with shared_quantized_inputs():
+    with forward_scope():
         got = [lin(x) for lin in lins]
         assert len(calls) == 1
         x.mul_(2)

@@ -1,0 +1,33 @@
+"""One model forward's memos: what every layer would otherwise rebuild from the same inputs.
+
+`Qwen3.hidden_states` and the sampler's runner wrap their layer loop in `forward_scope()`. Inside it,
+`scope_memo(name)` hands out one dict per name, dropped when the forward ends; outside a scope it
+returns None and callers compute as usual. Users: RoPE cos/sin tables (`minite.nn.rope`), the
+quantized activations shared by q/k/v and gate/up (`minite.nn.nvfp4_matmul`), the packed-sequence
+layout of the learner's attention (`minite.nn.attention`). Each memo keeps a reference to the tensors
+it was keyed on, so their memory (and so their `id` / `data_ptr`) cannot be reused meanwhile.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+_STACK: list[dict[str, dict]] = []
+
+
+@contextmanager
+def forward_scope():
+    _STACK.append({})
+    try:
+        yield
+    finally:
+        _STACK.pop()
+
+
+def scope_memo(name: str) -> dict | None:
+    """The current forward's memo for `name` (None outside `forward_scope`)."""
+    return _STACK[-1].setdefault(name, {}) if _STACK else None
+
+
+def in_scope() -> bool:
+    return bool(_STACK)
