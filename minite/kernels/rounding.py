@@ -12,8 +12,8 @@ import triton.language as tl
 
 @triton.jit
 def round_bf16(x):
-    """fp32 -> the nearest bf16 value (ties to even), as fp32. Finite inputs (an overflow rounds to
-    inf; a NaN's payload may change but it stays NaN)."""
+    """fp32 -> the nearest bf16 value (ties to even), as fp32; an overflow rounds to inf, inf stays
+    inf, NaN stays NaN."""
     bits = x.to(tl.int32, bitcast=True)
     r = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return r.to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, r.to(tl.float32, bitcast=True))

@@ -332,12 +332,23 @@ def _grouped_mm_grads(ctx, dy, offsets, row_experts, a, sdec):
     dx = dw = None
     if ctx.needs_input_grad[0]:
         dx = torch._grouped_mm(dy, wu.to(dy.dtype), offs=offs)
-        torch.mul(dx, ws.reshape(-1)[row_experts][:, None], out=dx)  # one kernel, bf16 out
+        _scale_bf16(dx, ws.reshape(-1)[row_experts][:, None], inplace=True)
         dx = dx.to(ctx.x_dtype)
     if ctx.needs_input_grad[1]:
-        dyx = torch.mul(dy, sdec, out=torch.empty_like(dy))  # [R, N], the fp32 product rounded to bf16
+        dyx = _scale_bf16(dy, sdec)  # [R, N], the fp32 product rounded to bf16
         dw = torch._grouped_mm(dyx.t(), a.to(dy.dtype), offs=offs).to(ctx.w_dtype)  # [E, N, K]
     return dx, dw
+
+
+def _scale_bf16(x: torch.Tensor, row_scale: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """bf16 x [..., C] times fp32 row_scale [..., 1] (the product in fp32, rounded once to bf16): the
+    one-pass kernel on CUDA (`minite.kernels.scale`), torch's mixed-dtype mul elsewhere; same bits."""
+    out = x if inplace else torch.empty_like(x, memory_format=torch.contiguous_format)
+    if x.is_cuda and x.is_contiguous():
+        from minite.kernels.scale import scale_rows
+
+        return scale_rows(x, row_scale.expand(*x.shape[:-1], 1).reshape(-1), out=out)
+    return torch.mul(x, row_scale, out=out)
 
 
 def _grads(ctx, dy: torch.Tensor, wu: torch.Tensor, ws: torch.Tensor, saved):
@@ -353,11 +364,11 @@ def _grads(ctx, dy: torch.Tensor, wu: torch.Tensor, ws: torch.Tensor, saved):
     if ctx.mode == "dequantized" and dy.dtype == torch.bfloat16:
         xu, xs = saved
         dx = dw = None
-        if need_dx:  # bf16 GEMM output times the fp32 scale, rounded once more to bf16: one kernel
+        if need_dx:  # bf16 GEMM output times the fp32 scale, rounded once more to bf16
             dx = torch.matmul(dy, wu.to(dy.dtype))
-            torch.mul(dx, ws, out=dx)
+            _scale_bf16(dx, ws.expand(*dx.shape[:-1], 1), inplace=True)
         if need_dw:
-            dyx = torch.mul(dy, xs, out=torch.empty_like(dy))  # fp32 product, rounded to bf16
+            dyx = _scale_bf16(dy, xs)  # fp32 product, rounded to bf16
             dw = torch.matmul(dyx.transpose(1, 2), xu.to(dy.dtype))  # [B, N, K]
         return dx, dw
     dyf = dy.float()
