@@ -3,7 +3,9 @@
 #   tests     the GPU tests
 #   profile   where a rollout decode step spends its time (benchmarks/profile_rollout.py): dense aligned,
 #             MoE (24 layers) bf16 and aligned
-#   rollout   rollout benchmarks: dense 1.7B against HF generate; MoE 24 layers of 48, bf16 vs aligned
+#   rollout   rollout benchmark: dense 1.7B against HF generate
+#   moe       MoE rollout, 24 layers of 48: bf16 vs aligned, and aligned on the bf16 weight copy
+#   sweep     the quantize kernel's launch configurations (benchmarks/sweep_quantize.py)
 #   learner   learner train-step benchmark
 #   agreement agreement on the benchmark model for bf16/bf16, aligned/aligned, te/vllm
 #   diagnose  minite diagnose reports at the benchmark model's full depth, te/vllm and aligned
@@ -41,9 +43,14 @@ for part in "$@"; do
           --out "$OUT/profile_rollout_moe24_$recipe.json"
       done ;;
     rollout)
-      step 170 python3 benchmarks/bench_rollout.py --models dense --backend triton --out "$OUT/rollout_dense.json"
+      step 170 python3 benchmarks/bench_rollout.py --models dense --backend triton --out "$OUT/rollout_dense.json" ;;
+    moe)
       step 90 python3 benchmarks/bench_rollout.py --models moe --moe-layers 24 --new-tokens 256 --backend triton \
-        --no-hf --out "$OUT/rollout_moe24.json" ;;
+        --no-hf --out "$OUT/rollout_moe24.json"
+      step 60 python3 benchmarks/bench_rollout.py --models moe --moe-layers 24 --new-tokens 256 --backend triton \
+        --no-hf --recipes aligned --moe-packed-rows 0 --out "$OUT/rollout_moe24_bf16_copy.json" ;;
+    sweep)
+      step 240 python3 benchmarks/sweep_quantize.py --out "$OUT/kernels_quantize_sweep.json" ;;
     learner)
       step 100 python3 benchmarks/bench_learner.py --kernels --out "$OUT/learner.json" ;;
     agreement)
