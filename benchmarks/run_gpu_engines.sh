@@ -4,7 +4,7 @@
 #   profile   where a rollout decode step spends its time (benchmarks/profile_rollout.py): dense aligned,
 #             MoE (24 layers) bf16 and aligned
 #   rollout   rollout benchmark: dense 1.7B against HF generate
-#   moe       MoE rollout, 24 layers of 48: bf16 vs aligned, and aligned on the bf16 weight copy
+#   moe       MoE rollout, 24 layers of 48: bf16 vs aligned, and aligned reading packed expert weights
 #   sweep     the quantize kernel's launch configurations (benchmarks/sweep_quantize.py)
 #   learner   learner train-step benchmark
 #   agreement agreement on the benchmark model for bf16/bf16, aligned/aligned, te/vllm
@@ -48,7 +48,7 @@ for part in "$@"; do
       step 90 python3 benchmarks/bench_rollout.py --models moe --moe-layers 24 --new-tokens 256 --backend triton \
         --no-hf --out "$OUT/rollout_moe24.json"
       step 60 python3 benchmarks/bench_rollout.py --models moe --moe-layers 24 --new-tokens 256 --backend triton \
-        --no-hf --recipes aligned --moe-packed-rows 0 --out "$OUT/rollout_moe24_bf16_copy.json" ;;
+        --no-hf --recipes aligned --moe-packed-rows 64 --out "$OUT/rollout_moe24_packed.json" ;;
     sweep)
       step 240 python3 benchmarks/sweep_quantize.py --out "$OUT/kernels_quantize_sweep.json" ;;
     learner)

@@ -224,7 +224,7 @@ def _amax_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-    tl.store(partial_ptr + pid, tl.max(tl.abs(x), axis=0))
+    tl.store(partial_ptr + pid, tl.reduce(tl.abs(x), 0, _max_nan))  # inf or NaN in x: amax inf or NaN
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:

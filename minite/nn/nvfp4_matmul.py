@@ -16,7 +16,7 @@ Execution (`recipe.backend`):
   forward runs `kernels.nvfp4.quantize_unscaled` (exact e2m1 * s_b values + fp32 row S_dec) and
   `kernels.gemm.w4a4_gemm` (dense) or `kernels.grouped_gemm.grouped_w4a4_gemm` (experts, one launch)
   in the batch-invariant 'aligned' configuration on the weight's unscaled copy, whatever M is (MoE
-  with few rows per expert: on the packed codes, which gives the same bits).
+  can read the packed codes instead at few rows per expert, `PACKED_MAX_ROWS_PER_EXPERT`: same bits).
   Recipes outside that (`te`, `torchao`: per-tensor activation scale; `vllm`: static scale;
   stochastic rounding or RHT on activations) run the reference GEMM, with activations and weights
   quantized by the kernels on CUDA (bitwise the same codes and scales). `fast=True` gives up the
@@ -58,8 +58,10 @@ WGRAD_X_SPEC = QuantSpec(scaling="tensor", block=(1, 16), rounding="rne", hadama
 FAST_DECODE_MAX_M = 64  # the kernels' 'decode' config serves M <= 64
 # MoE: at most this many rows per expert on average (a decode step), the grouped GEMM reads the packed
 # weights (4-bit codes + E4M3 scales, dequantized in registers) instead of the bf16 copy: a quarter of
-# the bytes, the same bits (same tiles, same K order, the same exact operand values)
-PACKED_MAX_ROWS_PER_EXPERT = 64
+# the bytes, the same bits (same tiles, same K order, the same exact operand values). Off (0): on the
+# H200 the aligned tile's in-register dequantization cost more than the bytes it saved (24-layer MoE
+# rollout, ~32 rows per expert: 16.5k tokens/s packed vs 20.7k on the bf16 copy).
+PACKED_MAX_ROWS_PER_EXPERT = 0
 
 
 class Operand(NamedTuple):

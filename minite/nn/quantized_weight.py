@@ -16,6 +16,7 @@ the version counter: after those call `refresh_quantized_weights(model)`.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -70,19 +71,44 @@ def weight_key(weight: torch.Tensor, spec: QuantSpec) -> tuple:
     return (weight._version, weight.data_ptr(), weight.dtype, weight.device, tuple(weight.shape), spec)
 
 
+_DEFERRED: list[list] = []  # inside `deferred_finite_checks`: (weight shape, amax) to check at the end
+
+
+@contextmanager
+def deferred_finite_checks():
+    """Within the block, `quantize_weight` does not check its weight for inf/NaN on the spot (a host
+    sync per weight); at the end one sync checks every weight quantized meanwhile (a non-finite
+    weight has a non-finite amax) and raises ValueError if any was not finite."""
+    _DEFERRED.append([])
+    try:
+        yield
+        pending = _DEFERRED[-1]
+    finally:
+        _DEFERRED.pop()
+    if pending:
+        ok = torch.stack([torch.isfinite(a).all() for _, a in pending]).tolist()
+        bad = [shape for (shape, _), fine in zip(pending, ok) if not fine]
+        if bad:
+            raise ValueError(f"{len(bad)} weight(s) hold inf or NaN (shapes {bad[:4]}); not quantizable")
+
+
 @torch.no_grad()
 def quantize_weight(weight: torch.Tensor, spec: QuantSpec, backend: str = "auto") -> QuantizedWeight:
     """weight [N, K] or [E, N, K] (one global scale per expert) -> QuantizedWeight. `backend` is
     `minite.nvfp4.quantize`'s; modules keep the default 'auto' (the kernels on CUDA) whatever their
-    recipe's backend: RNE codes and scales are bitwise the same, and this runs once per update."""
+    recipe's backend: RNE codes and scales are bitwise the same, and this runs once per update.
+    A weight holding inf or NaN raises ValueError (at the end of `deferred_finite_checks` there)."""
     if weight.ndim not in (2, 3):
         raise ValueError(f"weights are [N, K] or [E, N, K]; got shape {tuple(weight.shape)}")
     key = weight_key(weight, spec)
     w = weight.detach()
+    kw = dict(pad=spec.block == (16, 16), backend=backend, check_finite=not _DEFERRED, **spec.kwargs())
     if weight.ndim == 2:
-        q = quantize(w, pad=spec.block == (16, 16), backend=backend, **spec.kwargs())
+        q = quantize(w, **kw)
     else:
-        q = _stack([quantize(we, pad=spec.block == (16, 16), backend=backend, **spec.kwargs()) for we in w])
+        q = _stack([quantize(we, **kw) for we in w])
+    if _DEFERRED:
+        _DEFERRED[-1].append((tuple(weight.shape), q.amax))
     n, k = weight.shape[-2:]
     unscaled = q.unscaled()[..., :n, :].to(torch.bfloat16)  # drop rows padded to a 16x16 tile
     if unscaled.shape[-1] != k:
@@ -91,12 +117,14 @@ def quantize_weight(weight: torch.Tensor, spec: QuantSpec, backend: str = "auto"
 
 
 def refresh_quantized_weights(model: torch.nn.Module) -> int:
-    """Re-quantize every cached weight in `model` now; returns how many modules were refreshed."""
+    """Re-quantize every cached weight in `model` now (checking them all for inf/NaN with one host
+    sync); returns how many modules were refreshed."""
     n = 0
-    for m in model.modules():
-        if hasattr(m, "refresh_quantized_weight"):
-            m.refresh_quantized_weight()
-            n += 1
+    with deferred_finite_checks():
+        for m in model.modules():
+            if hasattr(m, "refresh_quantized_weight"):
+                m.refresh_quantized_weight()
+                n += 1
     return n
 
 

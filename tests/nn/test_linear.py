@@ -228,3 +228,23 @@ def test_bf16_dequantized_backward_runs_bf16_gemms_close_to_straight_through(rec
     # measured 2.4e-3 for both: the bf16 rounding of the gradients themselves (2^-9 relative)
     assert _rel(x.grad.float().reshape(-1, 256), xd.grad) <= 5e-3
     assert _rel(lin.weight.grad.float(), wd.grad) <= 5e-3
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_refresh_checks_all_weights_for_non_finite_values_at_once(bad, monkeypatch):
+    """refresh_quantized_weights checks every weight with one host sync at the end (a non-finite
+    weight has a non-finite amax), not one per weight; a non-finite weight still raises."""
+    from minite import nvfp4
+    from minite.models import Qwen3, tiny_qwen3_moe
+    from minite.nn import refresh_quantized_weights
+
+    model = Qwen3(tiny_qwen3_moe(), recipe="aligned").float()
+    model.init_weights(std=0.2, generator=torch.Generator().manual_seed(0))
+    checks = []
+    real = nvfp4._check_finite
+    monkeypatch.setattr(nvfp4, "_check_finite", lambda x: checks.append(1) or real(x))
+    assert refresh_quantized_weights(model) > 0 and not checks
+    with torch.no_grad():
+        model.layers[1].mlp.down_proj[2, 3, 4] = bad
+    with pytest.raises(ValueError, match="inf or NaN"):
+        refresh_quantized_weights(model)
