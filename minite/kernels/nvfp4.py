@@ -167,7 +167,7 @@ def _emit_chunk(x, s_enc, s_dec, rows, row_ok, k0, seed, codes_ptr, scales_ptr, 
 
 @triton.jit
 def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, vals_ptr, sdec_out_ptr, amax_out_ptr, gs_ptr,
-                     R, stride_xr, seed, K: tl.constexpr,
+                     R, stride_xr, seed, rows_per_gs, K: tl.constexpr,
                      GS: tl.constexpr, CHAIN: tl.constexpr, TILE16: tl.constexpr,
                      STOCHASTIC: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -198,10 +198,11 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, vals_ptr, sdec_out_ptr, amax_
         s_enc = s_enc[:, None]
         s_dec = s_dec[:, None]
     elif GS == 1:
-        amax = tl.load(gs_ptr + tl.zeros([BLOCK_R], dtype=tl.int32))
+        # one tensor per `rows_per_gs` consecutive rows (one in all for a single tensor)
+        g = rows // rows_per_gs
+        amax = tl.load(gs_ptr + g, mask=row_ok, other=0.0)
         s_enc, s_dec = _global_scales(amax, CHAIN)
-        first = (tl.arange(0, BLOCK_R) + pid * BLOCK_R) == 0  # one lane of the whole grid
-        tl.store(sdec_out_ptr + tl.zeros([BLOCK_R], dtype=tl.int32), s_dec, mask=first)
+        tl.store(sdec_out_ptr + g, s_dec, mask=row_ok & (rows % rows_per_gs == 0))  # a tensor's first row
         s_enc = s_enc[:, None]
         s_dec = s_dec[:, None]
     else:
@@ -322,8 +323,39 @@ def quantize_unscaled(x: torch.Tensor, out_dtype=torch.bfloat16, chain: str = "t
     return out
 
 
+def quantize_tensors(x: torch.Tensor, block=(1, 16), chain: str = "te", out_dtype=torch.bfloat16):
+    """E tensors at once, each with its own per-tensor scale (RNE, no RHT): x [E, N, K] ->
+    (packed codes uint8 [E, N, K // 2], block scales e4m3 [E, N, K // 16], S_dec fp32 [E], amax fp32
+    [E], values e2m1 * s_b in out_dtype [E, N, K]), in one launch (plus one amax reduction). Tensor e's
+    outputs are bitwise those of `quantize_packed(x[e], "tensor", block, chain=chain)` and of its
+    `unscaled()`: the weights of a model (E = 1) or of all its experts, once per update."""
+    block = tuple(block)
+    _check_device(x)
+    _check_input(x, block)
+    if x.ndim != 3:
+        raise ValueError(f"quantize_tensors takes x [E, N, K], got shape {tuple(x.shape)}")
+    e, n, k = x.shape
+    if block == (16, 16) and n % 16:
+        raise ValueError(f"16x16 blocks need N divisible by 16 per tensor, got {n}")
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"quantize_tensors writes bf16 or fp16 values, not {out_dtype}")
+    x2 = x.reshape(e * n, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    dev = x.device
+    amx = torch.linalg.vector_norm(x.reshape(e, -1), ord=float("inf"), dim=1, dtype=torch.float32)
+    codes = torch.empty(e * n, k // 2, dtype=torch.uint8, device=dev)
+    scales = torch.empty(e * n, k // 16, dtype=torch.uint8, device=dev)
+    vals = torch.empty(e * n, k, dtype=out_dtype, device=dev)
+    sdec = torch.empty(e, dtype=torch.float32, device=dev)
+    _launch(x2, codes, scales, vals, sdec, amx, amx, 0, 1, chain, block, False, write_codes=True, vals=vals,
+            rows_per_gs=n)
+    return (codes.view(e, n, k // 2), scales.view(torch.float8_e4m3fn).view(e, n, k // 16), sdec, amx,
+            vals.view(e, n, k))
+
+
 def _launch(x2, codes, scales, vals_buf, sdec, amx, gs, seed, gs_mode, chain, block, stochastic,
-            write_codes, vals):
+            write_codes, vals, rows_per_gs=None):
     r, k = x2.shape
     k_p2 = max(16, triton.next_power_of_2(k))
     if block == (16, 16):
@@ -336,7 +368,7 @@ def _launch(x2, codes, scales, vals_buf, sdec, amx, gs, seed, gs_mode, chain, bl
         block_r = max(1, cfg["ELEMS"] // block_k)
     grid = (triton.cdiv(r, block_r),)
     _quantize_kernel[grid](x2, codes, scales, vals if vals is not None else vals_buf, sdec, amx, gs,
-                           r, x2.stride(0), seed, K=k,
+                           r, x2.stride(0), seed, rows_per_gs or max(r, 1), K=k,
                            GS=gs_mode, CHAIN=CHAIN_IDS[chain], TILE16=block == (16, 16),
                            STOCHASTIC=stochastic, WRITE_CODES=write_codes, WRITE_VALUES=vals is not None,
                            BLOCK_R=block_r, BLOCK_K=block_k, num_warps=cfg["num_warps"])

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from minite import nvfp4
 from minite.nvfp4 import NVFP4Tensor, quantize
 from minite.recipe import QuantSpec
 
@@ -102,18 +103,47 @@ def quantize_weight(weight: torch.Tensor, spec: QuantSpec, backend: str = "auto"
         raise ValueError(f"weights are [N, K] or [E, N, K]; got shape {tuple(weight.shape)}")
     key = weight_key(weight, spec)
     w = weight.detach()
-    kw = dict(pad=spec.block == (16, 16), backend=backend, check_finite=not _DEFERRED, **spec.kwargs())
-    if weight.ndim == 2:
-        q = quantize(w, **kw)
+    n, k = weight.shape[-2:]
+    if _one_launch(w, spec, backend):
+        if not _DEFERRED:
+            nvfp4._check_finite(w)
+        q, unscaled = _quantize_at_once(w, spec)
     else:
-        q = _stack([quantize(we, **kw) for we in w])
+        kw = dict(pad=spec.block == (16, 16), backend=backend, check_finite=not _DEFERRED, **spec.kwargs())
+        if weight.ndim == 2:
+            q = quantize(w, **kw)
+        else:
+            q = _stack([quantize(we, **kw) for we in w])
+        unscaled = q.unscaled()[..., :n, :].to(torch.bfloat16)  # drop rows padded to a 16x16 tile
     if _DEFERRED:
         _DEFERRED[-1].append((tuple(weight.shape), q.amax))
-    n, k = weight.shape[-2:]
-    unscaled = q.unscaled()[..., :n, :].to(torch.bfloat16)  # drop rows padded to a 16x16 tile
     if unscaled.shape[-1] != k:
         raise ValueError(f"weight in_features {k} must be divisible by 16")
     return QuantizedWeight(q, unscaled, spec, key)
+
+
+def _one_launch(w: torch.Tensor, spec: QuantSpec, backend: str) -> bool:
+    """Whether `kernels.nvfp4.quantize_tensors` serves this weight: the kernels run here, per-tensor
+    scaling with RNE and no RHT (every recipe's weights), shapes that need no padding."""
+    n, k = w.shape[-2:]
+    return (nvfp4.use_kernels(w, backend) and spec.scaling == "tensor" and spec.rounding == "rne"
+            and not spec.hadamard and k % 16 == 0 and n > 0 and (tuple(spec.block) == (1, 16) or n % 16 == 0)
+            and w.dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
+def _quantize_at_once(w: torch.Tensor, spec: QuantSpec) -> tuple[NVFP4Tensor, torch.Tensor]:
+    """A weight [N, K] or all experts [E, N, K] in one kernel launch: (the container, the bf16 copy),
+    bitwise what the per-tensor `quantize` calls and `unscaled()` give."""
+    from minite.kernels import nvfp4 as kq
+
+    w3 = w.reshape(-1, *w.shape[-2:])
+    codes, sb, sdec, amax, vals = kq.quantize_tensors(w3, spec.block, spec.chain)
+    if w.ndim == 2:
+        codes, sb, vals, sdec, amax = codes[0], sb[0], vals[0], sdec.reshape(()), amax.reshape(())
+    else:
+        sdec, amax = sdec.reshape(-1, 1, 1), amax.reshape(-1, 1, 1)
+    q = NVFP4Tensor(codes, sb, sdec, amax, tuple(w.shape), tuple(spec.block), "tensor", spec.chain, False)
+    return q, vals
 
 
 def refresh_quantized_weights(model: torch.nn.Module) -> int:

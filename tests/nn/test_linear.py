@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from minite.nn import Linear, calibrate, refresh_quantized_weights
+from minite.nn.quantized_weight import deferred_finite_checks, quantize_weight
 from minite.nvfp4 import dequantize, quantize
 from minite.ref.gemm import nvfp4_gemm
 from minite.ref.hadamard import apply_rht
@@ -248,3 +249,31 @@ def test_refresh_checks_all_weights_for_non_finite_values_at_once(bad, monkeypat
         model.layers[1].mlp.down_proj[2, 3, 4] = bad
     with pytest.raises(ValueError, match="inf or NaN"):
         refresh_quantized_weights(model)
+
+
+@pytest.mark.parametrize("recipe", ["aligned", "te", "vllm", "torchao"])
+@pytest.mark.parametrize("shape", [(48, 64), (3, 32, 64)], ids=["dense", "experts"])
+def test_weight_quantized_in_one_launch_equals_the_per_tensor_reference(recipe, shape):
+    """The kernel path quantizes a weight (or all experts) in one launch, values included: bitwise the
+    reference's per-tensor quantization (interpreter on the CPU)."""
+    from minite import kernels
+    from minite.nn.quantized_weight import _one_launch
+    from minite.recipe import get_recipe
+
+    if not kernels.available():
+        pytest.skip("Triton is not installed")
+    spec = get_recipe(recipe).weight
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(0)) * 0.05
+    w[..., 3, :16] *= 40.0  # heavy rows
+    if len(shape) == 3:
+        w[1] = 0.0  # an all-zero expert
+    assert _one_launch(w, spec, "triton")
+    got, want = quantize_weight(w, spec, backend="triton"), quantize_weight(w, spec, backend="ref")
+    for a, b in [(got.q.codes, want.q.codes), (got.q.global_scale, want.q.global_scale),
+                 (got.q.amax, want.q.amax), (got.unscaled, want.unscaled)]:
+        assert a.shape == b.shape and torch.equal(a, b)
+    assert torch.equal(got.q.block_scales.view(torch.uint8), want.q.block_scales.view(torch.uint8))
+    assert got.q.shape == want.q.shape and got.q.block == want.q.block and got.q.chain == want.q.chain
+    w[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="inf or NaN"), deferred_finite_checks():
+        quantize_weight(w, spec, backend="triton")
