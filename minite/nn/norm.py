@@ -6,8 +6,8 @@ Norms are never quantized. The reduction is over the last dimension of one row, 
 output does not depend on the other rows of the batch (torch's own reduction kernels do not promise
 the same bits for every batch size on the GPU; the Triton kernel does).
 
-With `minite.nn.fused.use_fused_kernels(True)`, `rms_norm` runs the one-launch Triton kernel
-`minite.kernels.norm.rms_norm` instead (off by default until measured on the GPU).
+On CUDA (by default; `minite.nn.fused.use_fused_kernels`) `rms_norm` runs the one-launch Triton
+kernel `minite.kernels.norm.rms_norm` instead.
 """
 
 from __future__ import annotations
