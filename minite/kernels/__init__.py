@@ -9,6 +9,7 @@ Nothing here imports Triton at package import time: `available()` says whether t
 (Triton importable and CUDA present, or the CPU interpreter requested with TRITON_INTERPRET=1).
 """
 
+import functools
 import importlib.util
 import os
 
@@ -17,8 +18,13 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.cache
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None  # ~30 us: asked once per layer call otherwise
+
+
 def available() -> bool:
-    if importlib.util.find_spec("triton") is None:
+    if not _triton_importable():
         return False
     if interpreted():
         return True
