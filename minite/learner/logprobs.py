@@ -23,6 +23,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from minite.learner.batch import SequenceBatch
+from minite.nn.forward_scope import forward_scope
 from minite.sampling import token_logprobs
 
 DEFAULT_CHUNK_ROWS = 1024
@@ -84,8 +85,9 @@ def packed_hidden_states(model, packed: Packed, activation_checkpointing: bool =
         return model.hidden_states(packed.input_ids, cu_seqlens=packed.cu_seqlens)[0]
     positions = model.default_positions(packed.input_ids, packed.cu_seqlens)  # [1, N]
     x = model.embed_tokens(packed.input_ids)  # [1, N, H]
-    for layer in model.layers:
-        x = checkpoint(layer, x, positions, packed.cu_seqlens, use_reentrant=False)
+    with forward_scope():  # the forward shares one attention layout (the recompute builds its own)
+        for layer in model.layers:
+            x = checkpoint(layer, x, positions, packed.cu_seqlens, use_reentrant=False)
     return model.norm(x)[0]
 
 

@@ -19,10 +19,6 @@ def use_fused_kernels(on: bool | None = True) -> None:
     _STATE["on"] = on
 
 
-def fused_kernels_setting() -> bool | None:
-    return _STATE["on"]
-
-
 def fused_applies(x: torch.Tensor) -> bool:
     """Whether an op on `x` runs its fused kernel now."""
     on = _STATE["on"]
