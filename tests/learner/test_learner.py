@@ -107,6 +107,27 @@ def test_activation_checkpointing_gives_the_same_gradients(moe):
         assert torch.equal(grads[0][name], grads[1][name]), name
 
 
+def test_activation_checkpointing_on_the_kernels_gives_the_same_gradients(monkeypatch):
+    """Triton backend and the attention kernel forced on (interpreter on the CPU): the checkpointed
+    forward, which shares one forward scope across layers, and the plain one give the same gradients."""
+    import sys
+
+    from minite import kernels
+    from minite.recipe import get_recipe
+
+    if not kernels.available():
+        pytest.skip("Triton is not installed")
+    monkeypatch.setattr(sys.modules["minite.nn.attention"], "kernel_enabled", lambda device: True)
+    grads = []
+    for ckpt in (False, True):
+        model = tiny_model(False, get_recipe("aligned", backend="triton"))
+        learner = Learner(model, activation_checkpointing=ckpt)
+        learner.step(_batch(model), partial(policy_loss, cfg=LossConfig()))
+        grads.append(_grads(model))
+    for name in grads[0]:
+        assert torch.equal(grads[0][name], grads[1][name]), name
+
+
 def test_non_finite_gradient_skips_the_step():
     model = tiny_model(False, "aligned")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
