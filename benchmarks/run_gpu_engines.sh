@@ -6,6 +6,7 @@
 #   rollout   rollout benchmark: dense 1.7B against HF generate
 #   moe       MoE rollout, 24 layers of 48: bf16 vs aligned, and aligned reading packed expert weights
 #   sweep     the quantize kernel's launch configurations (benchmarks/sweep_quantize.py)
+#   tiles     tiles for the aligned W4A4 GEMM, dense and grouped (benchmarks/sweep_aligned_gemm.py)
 #   learner   learner train-step benchmark
 #   agreement agreement on the benchmark model for bf16/bf16, aligned/aligned, te/vllm
 #   diagnose  minite diagnose reports at the benchmark model's full depth, te/vllm and aligned
@@ -51,6 +52,8 @@ for part in "$@"; do
         --no-hf --recipes aligned --moe-packed-rows 64 --out "$OUT/rollout_moe24_packed.json" ;;
     sweep)
       step 240 python3 benchmarks/sweep_quantize.py --out "$OUT/kernels_quantize_sweep.json" ;;
+    tiles)
+      step 400 python3 benchmarks/sweep_aligned_gemm.py --out "$OUT/aligned_gemm_sweep.json" ;;
     learner)
       step 100 python3 benchmarks/bench_learner.py --kernels --out "$OUT/learner.json" ;;
     agreement)

@@ -1,0 +1,215 @@
+"""Sweep of tile configurations for the batch-invariant ('aligned') W4A4 GEMM, dense and MoE grouped
+(one GPU call): which tiles keep the aligned contract, and how fast they are.
+
+The aligned path must give a row the same bits whatever M is and must give an expert's rows the bits
+of a dense GEMM with that expert's weight; any single tile used everywhere can be the aligned one.
+For each candidate (BM, BN, BK, warps, stages) this records, on heavy-tailed data where fp32
+accumulation order matters:
+- `batch_invariant`: rows bitwise equal across M in {1, 7, 64, 300, 4096};
+- `grouped_equals_dense`: the grouped kernel with the same tile gives each expert's rows the dense bits;
+- `same_bits_as_current`: the fraction of outputs equal to the current `aligned` config's (1.0 means
+  switching keeps every stored result reproducible);
+- time at Qwen3-8B layer shapes for M in {512, 4096, 16384} against cuBLAS bf16 and the current
+  config, and at Qwen3-30B-A3B expert shapes against `torch._grouped_mm` (bf16).
+
+Expectation written before the first run (2026-11-30): the current tile (64x128x64, 4 warps) runs
+at 0.55-0.68x of cuBLAS at M >= 4096 (`kernels_gemm.json`), while `prefill` (128x256x64, 8 warps)
+reaches 0.84-0.99x. Its K order (BK = 64 steps, each a chain of 16-wide MMAs) is the same, and the
+16-term block sums are exact in fp32, so larger BM/BN tiles with the same BK probably keep the bits.
+If so, a 128x256x64 aligned tile would lift the aligned GEMM to ~0.85x of cuBLAS, taking the learner
+forward and the aligned rollout with it. BK = 128 changes the accumulation chunks and may not keep
+the bits.
+
+    python benchmarks/sweep_aligned_gemm.py --out OUT.json [--workers 12]
+    TRITON_INTERPRET=1 python benchmarks/sweep_aligned_gemm.py --smoke   # the script's logic, CPU
+"""
+
+# ruff: noqa: B023  (lambdas are timed at once, inside the loop that binds them)
+import argparse
+import itertools
+import json
+import time
+
+import torch
+
+DENSE = {"q|o": (4096, 4096), "k|v": (1024, 4096), "gate|up": (12288, 4096), "down": (4096, 12288)}
+DENSE_MS = (512, 4096, 16384)
+EXPERTS, TOP_K, HIDDEN, EXPERT_INTER = 128, 8, 2048, 768
+MOE_TOKENS = (512, 4096, 16384)
+INVARIANCE_MS = (1, 7, 64, 300, 4096)
+GRID = dict(BM=(64, 128), BN=(64, 128, 256), BK=(64, 128), warps_stages=((4, 3), (4, 4), (8, 3), (8, 4)))
+
+
+def candidates(smoke: bool = False) -> list[dict]:
+    if smoke:
+        return [dict(BM=16, BN=32, BK=32, GROUP_M=2, num_warps=4, num_stages=1),
+                dict(BM=32, BN=32, BK=32, GROUP_M=2, num_warps=4, num_stages=1)]
+    out = []
+    for bm, bn, bk, (w, s) in itertools.product(GRID["BM"], GRID["BN"], GRID["BK"], GRID["warps_stages"]):
+        if bm * bn >= 128 * 256 and w == 4:
+            continue  # a 32k-element fp32 accumulator on one warpgroup spills
+        out.append(dict(BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=w, num_stages=s))
+    return out
+
+
+def name(cfg: dict) -> str:
+    return f"{cfg['BM']}x{cfg['BN']}x{cfg['BK']} w{cfg['num_warps']} s{cfg['num_stages']}"
+
+
+def heavy(m: int, k: int, seed: int, dev) -> torch.Tensor:
+    g = torch.Generator(device=dev).manual_seed(seed)
+    x = torch.randn(m, k, generator=g, device=dev) ** 3
+    x[torch.rand(m, k, generator=g, device=dev) < 0.001] *= 50.0
+    return x
+
+
+def dense_operands(m, n, k, dev, seed=0):
+    from minite.kernels import gemm as kg
+    from minite.kernels import nvfp4 as kq
+
+    wq = kq.quantize(heavy(n, k, seed + 1, dev), "tensor")
+    a, sa = kq.quantize_unscaled(heavy(m, k, seed, dev), kg.operand_dtype(dev))
+    return a, sa, kg.unscaled_copy(wq).to(a.dtype), wq.global_scale
+
+
+def moe_operands(tokens, n, k, dev, seed=0):
+    """Rows of `tokens * TOP_K` token-expert pairs sorted by expert (uneven counts), expert weights."""
+    from minite.kernels import gemm as kg
+    from minite.kernels import nvfp4 as kq
+
+    g = torch.Generator().manual_seed(seed)
+    experts = EXPERTS if dev.type == "cuda" else 4
+    ids = torch.randint(0, experts, (tokens * TOP_K,), generator=g).sort().values
+    offsets = torch.nn.functional.pad(torch.bincount(ids, minlength=experts).cumsum(0), (1, 0)).to(dev)
+    codes, sb, sdec, _, vals = kq.quantize_tensors(heavy(experts * n, k, seed + 1, dev).view(experts, n, k))
+    a, sa = kq.quantize_unscaled(heavy(ids.numel(), k, seed, dev), kg.operand_dtype(dev))
+    return a, sa, vals.to(a.dtype), sdec, offsets
+
+
+def compile_worker(chunk):
+    from minite.kernels import gemm as kg
+    from minite.kernels import grouped_gemm as gg
+
+    dev = torch.device("cuda")
+    errors = []
+    for cfg in chunk:
+        try:
+            for n, k in sorted(set(DENSE.values())):
+                a, sa, w, sw = dense_operands(64, n, k, dev)
+                kg.w4a4_gemm(a, sa, w, sw, config=cfg)
+            for n, k in ((2 * EXPERT_INTER, HIDDEN), (HIDDEN, EXPERT_INTER)):
+                a, sa, w, sw, offs = moe_operands(64, n, k, dev)
+                gg.grouped_w4a4_gemm(a, sa, w, sw, offs, config=cfg)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001  (a candidate that fails to build is reported, not fatal)
+            errors.append((json.dumps(cfg, sort_keys=True), f"{type(e).__name__}: {str(e)[:200]}"))
+    return errors
+
+
+def contract(cfg, current, dev, smoke) -> dict:
+    """Batch invariance, grouped == dense, and agreement with the current aligned config."""
+    from minite.kernels import gemm as kg
+    from minite.kernels import grouped_gemm as gg
+
+    n, k = (48, 64) if smoke else (1024, 4096)
+    ms = (1, 7, 40) if smoke else INVARIANCE_MS
+    a, sa, w, sw = dense_operands(max(ms), n, k, dev, seed=2)
+    full = kg.w4a4_gemm(a, sa, w, sw, config=cfg)
+    invariant = all(torch.equal(kg.w4a4_gemm(a[rows], sa[rows], w, sw, config=cfg), full[rows])
+                    for m in ms for rows in (slice(0, m), slice(max(ms) - m, max(ms))))
+    same = float((full == kg.w4a4_gemm(a, sa, w, sw, config=current)).float().mean())
+    ga, gsa, gw, gsw, offs = moe_operands(8 if smoke else 256, n, k, dev, seed=3)
+    grouped = gg.grouped_w4a4_gemm(ga, gsa, gw, gsw, offs, config=cfg)
+    bounds = offs.tolist()
+    grouped_ok = all(
+        torch.equal(grouped[lo:hi], kg.w4a4_gemm(ga[lo:hi], gsa[lo:hi], gw[e], gsw[e], config=cfg))
+        for e, (lo, hi) in enumerate(zip(bounds, bounds[1:])) if hi > lo)
+    return dict(batch_invariant=invariant, grouped_equals_dense=grouped_ok, same_bits_as_current=same)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    p.add_argument("--workers", type=int, default=12)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, two tiles (CPU interpreter)")
+    args = p.parse_args()
+    from bench_common import bench_ms, env_info
+
+    from minite.kernels import gemm as kg
+    from minite.kernels import grouped_gemm as gg
+    from minite.kernels import nvfp4 as kq
+
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    current = dict(kg.CONFIGS["interpret" if args.smoke else "aligned"])
+    cands = candidates(args.smoke)
+    t0 = time.time()
+    failed = {}
+    if not args.smoke:
+        import multiprocessing as mp
+
+        chunks = [cands[i:: args.workers] for i in range(args.workers)]
+        with mp.get_context("spawn").Pool(args.workers) as pool:
+            failed = dict(e for errs in pool.map(compile_worker, chunks) for e in errs)
+        print(f"compiled {len(cands)} tiles in {time.time() - t0:.0f} s, {len(failed)} failed", flush=True)
+    timer = (lambda fn: 0.0) if args.smoke else (lambda fn: bench_ms(fn, warmup=5, rep=30))
+
+    rows = []
+    for cfg in cands:
+        key = json.dumps(cfg, sort_keys=True)
+        row = dict(tile=name(cfg), **cfg)
+        if key in failed:
+            rows.append(dict(row, error=failed[key]))
+            continue
+        row.update(contract(cfg, current, dev, args.smoke))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    timings = []
+    dense = {"tiny": (48, 64)} if args.smoke else DENSE
+    for (layer, (n, k)), m in itertools.product(dense.items(), (40,) if args.smoke else DENSE_MS):
+        a, sa, w, sw = dense_operands(m, n, k, dev)
+        x, wb = a.to(torch.bfloat16), w.to(torch.bfloat16)
+        base = timer(lambda: torch.matmul(x, wb.t()))
+        quant = timer(lambda: kq.quantize_unscaled(x))
+        cur = timer(lambda: kg.w4a4_gemm(a, sa, w, sw, config=current))
+        for cfg, row in zip(cands, rows):
+            if "error" in row:
+                continue
+            t = timer(lambda: kg.w4a4_gemm(a, sa, w, sw, config=cfg))
+            timings.append(dict(kind="dense", shape=layer, M=m, N=n, K=k, tile=row["tile"], ms=t,
+                                vs_cublas=base / t if t else None, vs_current=cur / t if t else None,
+                                with_quant_vs_cublas=base / (t + quant) if t else None))
+    projections = ((2 * EXPERT_INTER, HIDDEN), (HIDDEN, EXPERT_INTER))
+    moe = ((16, 32, 64),) if args.smoke else [(t, n, k) for t in MOE_TOKENS for n, k in projections]
+    for tokens, n, k in moe:
+        a, sa, w, sw, offs = moe_operands(tokens, n, k, dev)
+        ab, wb, ends = a.to(torch.bfloat16), w.to(torch.bfloat16), offs[1:].to(torch.int32)
+        base = timer(lambda: torch._grouped_mm(ab, wb.transpose(1, 2), offs=ends)) if not args.smoke else 0.0
+        cur = timer(lambda: gg.grouped_w4a4_gemm(a, sa, w, sw, offs, config=current))
+        for cfg, row in zip(cands, rows):
+            if "error" in row:
+                continue
+            t = timer(lambda: gg.grouped_w4a4_gemm(a, sa, w, sw, offs, config=cfg))
+            timings.append(dict(kind="grouped", shape=f"{n}x{k}", M=tokens * TOP_K, N=n, K=k,
+                                tile=row["tile"], ms=t, vs_grouped_mm=base / t if t else None,
+                                vs_current=cur / t if t else None))
+
+    ok = [r["tile"] for r in rows if r.get("batch_invariant") and r.get("grouped_equals_dense")]
+    best = {}
+    for t in timings:
+        if t["tile"] in ok and t["ms"]:
+            key = (t["kind"], t["shape"], t["M"])
+            if key not in best or t["ms"] < best[key]["ms"]:
+                best[key] = t
+    print(f"\n== aligned tile sweep ({time.time() - t0:.0f} s): {len(ok)} of {len(cands)} tiles keep "
+          "the contract; the fastest of those per shape:")
+    for t in best.values():
+        print(json.dumps(t))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(benchmark="aligned gemm sweep", env=env_info(), current=current, contract=rows,
+                           timings=timings, best=list(best.values())), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
