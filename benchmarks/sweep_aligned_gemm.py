@@ -18,7 +18,8 @@ reaches 0.84-0.99x. Its K order (BK = 64 steps, each a chain of 16-wide MMAs) is
 16-term block sums are exact in fp32, so larger BM/BN tiles with the same BK probably keep the bits.
 If so, a 128x256x64 aligned tile would lift the aligned GEMM to ~0.85x of cuBLAS, taking the learner
 forward and the aligned rollout with it. BK = 128 changes the accumulation chunks and may not keep
-the bits.
+the bits. Small row tiles (BM 16 / 32) run another MMA instruction; if they keep the bits anyway,
+decode and MoE (~32 rows per expert) could use them without leaving the aligned contract.
 
     python benchmarks/sweep_aligned_gemm.py --out OUT.json [--workers 12]
     TRITON_INTERPRET=1 python benchmarks/sweep_aligned_gemm.py --smoke   # the script's logic, CPU
@@ -49,6 +50,10 @@ def candidates(smoke: bool = False) -> list[dict]:
         if bm * bn >= 128 * 256 and w == 4:
             continue  # a 32k-element fp32 accumulator on one warpgroup spills
         out.append(dict(BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=w, num_stages=s))
+    # small row tiles (mma.sync instead of wgmma) for decode and MoE's ~32 rows per expert: usable in
+    # that regime only if they keep the current bits (`same_bits_as_current` = 1)
+    for bm, bn, s in itertools.product((16, 32), (64, 128), (3, 4)):
+        out.append(dict(BM=bm, BN=bn, BK=64, GROUP_M=8, num_warps=4, num_stages=s))
     return out
 
 
