@@ -349,7 +349,9 @@ def _scale_bf16(x: torch.Tensor, row_scale: torch.Tensor, inplace: bool = False)
     if x.is_cuda and x.is_contiguous():
         from minite.kernels.scale import scale_rows
 
-        return scale_rows(x, row_scale.expand(*x.shape[:-1], 1).reshape(-1), out=out)
+        if row_scale.numel() != 1:  # one scale for all rows stays a single number (no per-row copy)
+            row_scale = row_scale.expand(*x.shape[:-1], 1).reshape(-1)
+        return scale_rows(x, row_scale, out=out)
     return torch.mul(x, row_scale, out=out)
 
 
@@ -368,7 +370,7 @@ def _grads(ctx, dy: torch.Tensor, wu: torch.Tensor, ws: torch.Tensor, saved):
         dx = dw = None
         if need_dx:  # bf16 GEMM output times the fp32 scale, rounded once more to bf16
             dx = torch.matmul(dy, wu.to(dy.dtype))
-            _scale_bf16(dx, ws.expand(*dx.shape[:-1], 1), inplace=True)
+            _scale_bf16(dx, ws, inplace=True)  # ws [B, 1, 1] broadcasts over the rows
         if need_dw:
             dyx = _scale_bf16(dy, xs)  # fp32 product, rounded to bf16
             dw = torch.matmul(dyx.transpose(1, 2), xu.to(dy.dtype))  # [B, N, K]

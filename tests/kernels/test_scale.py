@@ -35,7 +35,7 @@ def test_gpu_backward_helper_equals_torch():
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(3, 1000, 2048, device="cuda", generator=g).to(torch.bfloat16)
-    for shape in ((3, 1, 1), (3, 1000, 1)):
+    for shape in ((1, 1, 1), (3, 1, 1), (3, 1000, 1)):
         s = torch.rand(*shape, device="cuda", generator=g)
         want = torch.mul(x, s, out=torch.empty_like(x))
         assert torch.equal(_scale_bf16(x, s), want)
