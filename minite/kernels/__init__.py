@@ -14,7 +14,9 @@ import importlib.util
 import os
 
 
+@functools.cache
 def interpreted() -> bool:
+    """TRITON_INTERPRET=1 (read once: Triton itself reads it when the kernels are defined)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
