@@ -93,6 +93,7 @@ class Trainer:
         self.task = make_task(cfg.task.name, seed=cfg.task.seed, **cfg.task.args)
         self.recipe = get_recipe(cfg.recipe.name, **cfg.recipe.overrides)
         self.dtype = getattr(torch, cfg.model.dtype)
+        self.progress = Progress(cfg.rl.steps, cfg.logging.progress, progress_stream)
         ckpt = latest_checkpoint(self.ckpt_dir)
         if ckpt is not None and not resume:
             raise ValueError(f"{self.run_dir} already holds a run (checkpoint {ckpt.name}); resume it with "
@@ -107,7 +108,6 @@ class Trainer:
         self.sampler = make_sampler(self.model, cfg)
         self.step, self.data_pos = 0, cfg.warmup.steps * cfg.warmup.batch_size
         self.log = MetricsLog(self.run_dir, cfg.logging.tensorboard)
-        self.progress = Progress(cfg.rl.steps, cfg.logging.progress, progress_stream)
         self.needs_warmup = ckpt is None
         self.learner = None
         self._heldout = None
@@ -129,9 +129,19 @@ class Trainer:
         if m.path:
             return load_pretrained(m.path, recipe=self.recipe, dtype=self.dtype, device=m.device)
         config = m.model_config()
-        if self.tokenizer.vocab_size > config.vocab_size:
+        vocab = self.tokenizer.vocab_size
+        if "vocab_size" not in m.config and config.vocab_size != vocab:
+            # random weights: the preset's vocabulary size means nothing, the tokenizer's does (a larger
+            # one would let the sampler draw ids the tokenizer cannot decode)
+            self.progress.message(f"model preset {m.preset!r}: vocab_size {config.vocab_size} -> {vocab} "
+                                  f"(the {m.tokenizer!r} tokenizer's)")
+            config = config.replace(vocab_size=vocab)
+        if config.vocab_size < vocab:
             raise ValueError(f"model.config.vocab_size={config.vocab_size} is smaller than the tokenizer's "
-                             f"{self.tokenizer.vocab_size} ids")
+                             f"{vocab} ids")
+        if config.vocab_size > vocab:
+            raise ValueError(f"model.config.vocab_size={config.vocab_size} is larger than the tokenizer's "
+                             f"{vocab} ids: the sampler could draw ids the tokenizer cannot decode")
         model = Qwen3(config, self.recipe)
         model.init_weights(m.init_std, torch.Generator().manual_seed(self.cfg.seed))
         return model.to(device=m.device, dtype=self.dtype)

@@ -76,3 +76,14 @@ def test_warmup_needs_solutions(tmp_path):
     trainer.task.example = lambda split, i, ex=trainer.task.example: type(ex(split, i))("1+1=", "2")
     with pytest.raises(ValueError, match="warmup.steps"):
         trainer.run()
+
+
+def test_a_random_preset_takes_the_tokenizers_vocabulary(tmp_path):
+    """A random-weight MoE preset built for another vocabulary trains with the char tokenizer (its
+    vocab_size becomes the tokenizer's: otherwise the sampler drew ids the tokenizer cannot decode)."""
+    trainer = make_trainer(tmp_path, "--model.preset=tiny-qwen3-moe", "--rl.steps=1", "--checkpoint.every=0",
+                           "--warmup.steps=1", "--eval.every=0", reward=parity_reward)
+    assert trainer.model.config.vocab_size == trainer.tokenizer.vocab_size
+    assert trainer.run()["rl_steps"] == 1
+    with pytest.raises(ValueError, match="larger than the tokenizer"):
+        make_trainer(tmp_path / "b", "--model.config.vocab_size=300", "--rl.steps=1")
