@@ -15,10 +15,12 @@ import torch
 import triton
 import triton.language as tl
 
+from minite.kernels import gemm
 from minite.kernels.gemm import EPILOGUES, epilogue, packed_w_tile
 
 CONFIGS = {
-    "aligned": dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4),
+    # the dense aligned tile itself: an expert's rows get the bits of a dense aligned GEMM
+    "aligned": {k: v for k, v in gemm.CONFIGS["aligned"].items() if k != "GROUP_M"},
     "prefill": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4),
     "interpret": dict(BM=16, BN=32, BK=32, num_warps=4, num_stages=1),
 }
