@@ -77,6 +77,25 @@ def packed_w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, stride_cn, stride_s
 
 
 @triton.jit
+def tile_acc(a_rows, w_ptr, ws_ptr, offs_n, mask_m, mask_n, stride_wn, stride_wsn, K: tl.constexpr,
+             W_PACKED: tl.constexpr, DOT_F16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr):
+    """fp32 acc [BM, BN] = a rows (pointers `a_rows` [BM, 1]) x weight rows offs_n (unscaled copy, or
+    packed codes + scales), over K in BK steps: the K order of every non-decode tile, dense and grouped."""
+    offs_k = tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        a = tl.load(a_rows + (k0 + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
+        if W_PACKED:
+            w = packed_w_tile(w_ptr, ws_ptr, offs_n, mask_n, k0, stride_wn, stride_wsn, BN, BK, DOT_F16)
+        else:
+            w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k0 + offs_k)[None, :],
+                        mask=mask_n[:, None], other=0.0)
+        acc = tl.dot(a, tl.trans(w), acc)
+    return acc
+
+
+@triton.jit
 def epilogue(acc, sa, sw, EPILOGUE: tl.constexpr):
     """fp32 accumulator [BM, BN], per-row sa [BM], scalar sw -> the scaled fp32 (or bf16) output."""
     if EPILOGUE == 1:
@@ -109,17 +128,9 @@ def _w4a4_kernel(a_ptr, w_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, M, N,
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    offs_k = tl.arange(0, BK)
     a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        a = tl.load(a_rows + (k0 + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
-        if W_PACKED:
-            w = packed_w_tile(w_ptr, ws_ptr, offs_n, mask_n, k0, stride_wn, stride_wsn, BN, BK, DOT_F16)
-        else:
-            w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k0 + offs_k)[None, :],
-                        mask=mask_n[:, None], other=0.0)
-        acc = tl.dot(a, tl.trans(w), acc)
+    acc = tile_acc(a_rows, w_ptr, ws_ptr, offs_n, mask_m, mask_n, stride_wn, stride_wsn, K, W_PACKED, DOT_F16,
+                   BM, BN, BK)
     sa = tl.load(sa_ptr + offs_m * stride_sa, mask=mask_m, other=1.0)
     out = epilogue(acc, sa, tl.load(sw_ptr), EPILOGUE)
     tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],

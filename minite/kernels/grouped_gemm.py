@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from minite.kernels import gemm
-from minite.kernels.gemm import EPILOGUES, epilogue, packed_w_tile
+from minite.kernels.gemm import EPILOGUES, epilogue, tile_acc
 
 CONFIGS = {
     # the dense aligned tile itself: an expert's rows get the bits of a dense aligned GEMM
@@ -52,19 +52,11 @@ def _grouped_kernel(a_ptr, w_ptr, ws_ptr, sa_ptr, sw_ptr, offsets_ptr, out_ptr, 
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_m = offs_m < row_end
     mask_n = offs_n < N
-    offs_k = tl.arange(0, BK)
     a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
     w_e = w_ptr + e.to(tl.int64) * stride_we
     ws_e = ws_ptr + e.to(tl.int64) * stride_wse
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        a = tl.load(a_rows + (k0 + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
-        if W_PACKED:
-            w = packed_w_tile(w_e, ws_e, offs_n, mask_n, k0, stride_wn, stride_wsn, BN, BK, DOT_F16)
-        else:
-            w = tl.load(w_e + offs_n.to(tl.int64)[:, None] * stride_wn + (k0 + offs_k)[None, :],
-                        mask=mask_n[:, None], other=0.0)
-        acc = tl.dot(a, tl.trans(w), acc)
+    acc = tile_acc(a_rows, w_e, ws_e, offs_n, mask_m, mask_n, stride_wn, stride_wsn, K, W_PACKED, DOT_F16,
+                   BM, BN, BK)
     sa = tl.load(sa_ptr + offs_m * stride_sa, mask=mask_m, other=1.0)
     out = epilogue(acc, sa, tl.load(sw_ptr + e), EPILOGUE)
     tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
