@@ -38,9 +38,13 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _to_e4m3(v):
-    """fp32 >= 0 -> (E4M3 byte as int32, its exact fp32 value): RNE, saturating at 448."""
+def _to_e4m3(v, HW: tl.constexpr):
+    """fp32 >= 0 -> (E4M3 byte as int32, its exact fp32 value): RNE, saturating at 448. HW: the GPU's
+    cvt.rn.satfinite (one instruction for two values; the GPU tests check its bits); else on the bits."""
     v = tl.minimum(v, 448.0)
+    if HW:
+        f8 = v.to(tl.float8e4nv)
+        return f8.to(tl.uint8, bitcast=True).to(tl.int32), f8.to(tl.float32)
     bits = v.to(tl.int32, bitcast=True)
     r = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # RNE to 3 mantissa bits
     normal_byte = ((((r >> 23) & 0xFF) - 120) << 3) | ((r >> 20) & 7)
@@ -84,16 +88,9 @@ def _e2m1_value(idx):
 
 
 @triton.jit
-def _quantize_chunk(x, s_enc, s_dec, rows, cols, seed, K,
-                    CHAIN: tl.constexpr, TILE16: tl.constexpr, STOCHASTIC: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x [BLOCK_R, BLOCK_K] fp32 and broadcastable S_enc/S_dec [BLOCK_R, 1] ->
-    (codes int32 [BLOCK_R, BLOCK_K], scale bytes int32 [BLOCK_R, NB], scale values fp32 [BLOCK_R, NB])."""
-    NB: tl.constexpr = BLOCK_K // 16
-    blocks = tl.reshape(x, [BLOCK_R, NB, 16])
-    bamax = tl.max(tl.abs(blocks), axis=2)  # [BLOCK_R, NB]
-    if TILE16:
-        bamax = tl.broadcast_to(tl.max(bamax, axis=0)[None, :], [BLOCK_R, NB])
+def _block_scales(bamax, s_enc, s_dec, CHAIN: tl.constexpr, HW: tl.constexpr):
+    """Block amax [R, NB] fp32 and S_enc/S_dec [R, 1] -> (E4M3 byte int32, its value s_b fp32, the
+    factor e each element of the block is multiplied by), all [R, NB]: the reference's chains."""
     if CHAIN == 0:
         raw = bamax * (s_enc * 0.16666666666666666)
     elif CHAIN == 1:
@@ -102,7 +99,7 @@ def _quantize_chunk(x, s_enc, s_dec, rows, cols, seed, K,
         raw = tl.div_rn(tl.div_rn(bamax, tl.full(bamax.shape, 6.0, tl.float32)),
                         tl.broadcast_to(s_dec, bamax.shape))
         raw = tl.maximum(raw, 0.015625)
-    sb_byte, sb = _to_e4m3(raw)
+    sb_byte, sb = _to_e4m3(raw, HW)
     one = tl.full(sb.shape, 1.0, tl.float32)
     if CHAIN == 0:
         d = sb * s_dec
@@ -115,10 +112,53 @@ def _quantize_chunk(x, s_enc, s_dec, rows, cols, seed, K,
     else:
         e = tl.div_rn(tl.broadcast_to(tl.div_rn(tl.full(s_dec.shape, 1.0, tl.float32), s_dec), sb.shape),
                       sb)
+    return sb_byte, sb, e
+
+
+@triton.jit
+def _e2m1_rint(a, HW: tl.constexpr):
+    """|v| (fp32 >= 0) -> 2^23 + its E2M1 magnitude code (0..7) as fp32 (the code is in the low bits):
+    RNE, saturating at 6, the reference's thresholds in five fp32 operations. The code is rint(g(a))
+    with g(a) = min(2a, a + 2, a / 2 + 4, 7), piecewise linear through the grid (0.5 -> 1, 2 -> 4,
+    4 -> 6, 6 -> 7); ties to even on the code are ties to even on E2M1's mantissa. Each piece is one
+    fma with 2^23 added (a single rounding, to an integer) and rint is monotone, so the min of the
+    rounded pieces is rint(g). Checked against the thresholds for every fp32 in [0, 8]
+    (tests/kernels/test_nvfp4.py); NaN saturates to 7, as in the reference."""
+    if not HW:  # the interpreter's min propagates NaN; the GPU's returns the other operand (-> 7)
+        a = tl.where(a == a, a, 6.0)
+    return tl.minimum(tl.minimum(tl.fma(a, 2.0, 8388608.0), tl.fma(a, 1.0, 8388610.0)),
+                      tl.minimum(tl.fma(a, 0.5, 8388612.0), 8388615.0))
+
+
+@triton.jit
+def _e2m1_magnitude(c):
+    """`_e2m1_rint`'s 2^23 + code -> the E2M1 magnitude (fp32): max(code / 2, code - 2, 2 code - 8)."""
+    k = c - 8388608.0
+    return tl.maximum(tl.maximum(k * 0.5, k - 2.0), tl.fma(k, 2.0, -8.0))
+
+
+@triton.jit
+def _e2m1_rne(v, x, HW: tl.constexpr):
+    """v = x * e (fp32) -> E2M1 code 0..15 (int32, bit 3 the sign of x), RNE, saturating at 6."""
+    code = _e2m1_rint(tl.abs(v), HW).to(tl.int32, bitcast=True) & 7
+    return code | ((x.to(tl.int32, bitcast=True) >> 28) & 8)
+
+
+@triton.jit
+def _quantize_chunk(x, s_enc, s_dec, rows, cols, seed, K,
+                    CHAIN: tl.constexpr, TILE16: tl.constexpr, STOCHASTIC: tl.constexpr, HW: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x [BLOCK_R, BLOCK_K] fp32 and broadcastable S_enc/S_dec [BLOCK_R, 1] ->
+    (codes int32 [BLOCK_R, BLOCK_K], scale bytes int32 [BLOCK_R, NB], scale values fp32 [BLOCK_R, NB])."""
+    NB: tl.constexpr = BLOCK_K // 16
+    blocks = tl.reshape(x, [BLOCK_R, NB, 16])
+    bamax = tl.max(tl.abs(blocks), axis=2)  # [BLOCK_R, NB]
+    if TILE16:
+        bamax = tl.broadcast_to(tl.max(bamax, axis=0)[None, :], [BLOCK_R, NB])
+    sb_byte, sb, e = _block_scales(bamax, s_enc, s_dec, CHAIN, HW)
     v = tl.reshape(blocks * e[:, :, None], [BLOCK_R, BLOCK_K])
-    a = tl.abs(v)
     if STOCHASTIC:
-        a = tl.minimum(a, 6.0)
+        a = tl.minimum(tl.abs(v), 6.0)
         lo = ((a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32)
               + (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32)
               + (a >= 6.0).to(tl.int32))
@@ -128,24 +168,22 @@ def _quantize_chunk(x, s_enc, s_dec, rows, cols, seed, K,
         p = tl.where(gap > 0.0, tl.div_rn(a - lo_v, tl.where(gap > 0.0, gap, 1.0)), 0.0)
         u = tl.rand(seed, rows[:, None] * K + cols[None, :])
         idx = tl.where(u < p, hi, lo)
+        codes = idx | ((x.to(tl.int32, bitcast=True) >> 28) & 8)
     else:
-        idx = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-               + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-               + (a > 5.0).to(tl.int32))
-    sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
-    return idx | (sign << 3), sb_byte, sb
+        codes = _e2m1_rne(v, x, HW)
+    return codes, sb_byte, sb
 
 
 @triton.jit
 def _emit_chunk(x, s_enc, s_dec, rows, row_ok, k0, seed, codes_ptr, scales_ptr, vals_ptr,
                 K: tl.constexpr, CHAIN: tl.constexpr, TILE16: tl.constexpr, STOCHASTIC: tl.constexpr,
-                WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr,
+                WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr, HW: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """Quantize one [BLOCK_R, BLOCK_K] chunk starting at column k0 and store its outputs."""
     NB: tl.constexpr = BLOCK_K // 16
     cols = k0 + tl.arange(0, BLOCK_K)
     codes, sb_byte, sb = _quantize_chunk(x, s_enc, s_dec, rows, cols, seed, K, CHAIN, TILE16,
-                                         STOCHASTIC, BLOCK_R, BLOCK_K)
+                                         STOCHASTIC, HW, BLOCK_R, BLOCK_K)
     bcols = k0 // 16 + tl.arange(0, NB)
     bm = row_ok[:, None] & (bcols < K // 16)[None, :]
     tl.store(scales_ptr + rows.to(tl.int64)[:, None] * (K // 16) + bcols[None, :],
@@ -166,11 +204,41 @@ def _emit_chunk(x, s_enc, s_dec, rows, row_ok, k0, seed, codes_ptr, scales_ptr, 
 
 
 @triton.jit
+def _row_scales(amax, rows, row_ok, sdec_out_ptr, amax_out_ptr, CHAIN: tl.constexpr):
+    """Row amax [R] -> (S_enc, S_dec) [R, 1]; stores S_dec and amax. A row holding inf or NaN (amax inf
+    or NaN) gets S_dec = amax = NaN: its GEMM outputs are NaN."""
+    s_enc, s_dec = _global_scales(amax, CHAIN)
+    finite = amax < float("inf")
+    tl.store(sdec_out_ptr + rows, tl.where(finite, s_dec, float("nan")), mask=row_ok)
+    tl.store(amax_out_ptr + rows, tl.where(finite, amax, float("nan")), mask=row_ok)
+    return s_enc[:, None], s_dec[:, None]
+
+
+@triton.jit
+def _given_scales(gs_ptr, rows, row_ok, sdec_out_ptr, rows_per_gs, GS: tl.constexpr, CHAIN: tl.constexpr,
+                  BLOCK_R: tl.constexpr):
+    """(S_enc, S_dec) [R, 1] for GS 1 (tensor scaling: the amax of the tensor of `rows_per_gs`
+    consecutive rows at gs_ptr; stores its S_dec from the tensor's first row) or 2 (static: S_enc, S_dec
+    at gs_ptr)."""
+    if GS == 1:
+        g = rows // rows_per_gs
+        amax = tl.load(gs_ptr + g, mask=row_ok, other=0.0)
+        s_enc, s_dec = _global_scales(amax, CHAIN)
+        tl.store(sdec_out_ptr + g, s_dec, mask=row_ok & (rows % rows_per_gs == 0))
+        s_enc = s_enc[:, None]
+        s_dec = s_dec[:, None]
+    else:
+        s_enc = tl.load(gs_ptr + tl.zeros([BLOCK_R, 1], dtype=tl.int32))
+        s_dec = tl.load(gs_ptr + 1 + tl.zeros([BLOCK_R, 1], dtype=tl.int32))
+    return s_enc, s_dec
+
+
+@triton.jit
 def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, vals_ptr, sdec_out_ptr, amax_out_ptr, gs_ptr,
                      R, stride_xr, seed, rows_per_gs, K: tl.constexpr,
                      GS: tl.constexpr, CHAIN: tl.constexpr, TILE16: tl.constexpr,
                      STOCHASTIC: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr,
-                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                     HW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """GS: 0 = row scaling (row amax here), 1 = tensor scaling (amax at gs_ptr), 2 = given
     (S_enc, S_dec) at gs_ptr (static). One pass over x when K <= BLOCK_K, else two for row scaling."""
     pid = tl.program_id(0)
@@ -190,34 +258,19 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, vals_ptr, sdec_out_ptr, amax_
                 m = row_ok[:, None] & (cols < K)[None, :]
                 x = tl.load(x_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
                 amax = _max_nan(amax, tl.reduce(tl.abs(x), 1, _max_nan))
-        s_enc, s_dec = _global_scales(amax, CHAIN)
-        # a row holding inf or NaN (amax inf or NaN) gets S_dec = amax = NaN: its GEMM outputs are NaN
-        finite = amax < float("inf")
-        tl.store(sdec_out_ptr + rows, tl.where(finite, s_dec, float("nan")), mask=row_ok)
-        tl.store(amax_out_ptr + rows, tl.where(finite, amax, float("nan")), mask=row_ok)
-        s_enc = s_enc[:, None]
-        s_dec = s_dec[:, None]
-    elif GS == 1:
-        # one tensor per `rows_per_gs` consecutive rows (one in all for a single tensor)
-        g = rows // rows_per_gs
-        amax = tl.load(gs_ptr + g, mask=row_ok, other=0.0)
-        s_enc, s_dec = _global_scales(amax, CHAIN)
-        tl.store(sdec_out_ptr + g, s_dec, mask=row_ok & (rows % rows_per_gs == 0))  # a tensor's first row
-        s_enc = s_enc[:, None]
-        s_dec = s_dec[:, None]
+        s_enc, s_dec = _row_scales(amax, rows, row_ok, sdec_out_ptr, amax_out_ptr, CHAIN)
     else:
-        s_enc = tl.load(gs_ptr + tl.zeros([BLOCK_R, 1], dtype=tl.int32))
-        s_dec = tl.load(gs_ptr + 1 + tl.zeros([BLOCK_R, 1], dtype=tl.int32))
+        s_enc, s_dec = _given_scales(gs_ptr, rows, row_ok, sdec_out_ptr, rows_per_gs, GS, CHAIN, BLOCK_R)
     if GS == 0 and K <= BLOCK_K:
         _emit_chunk(x_all, s_enc, s_dec, rows, row_ok, 0, seed, codes_ptr, scales_ptr, vals_ptr, K, CHAIN,
-                    TILE16, STOCHASTIC, WRITE_CODES, WRITE_VALUES, BLOCK_R, BLOCK_K)
+                    TILE16, STOCHASTIC, WRITE_CODES, WRITE_VALUES, HW, BLOCK_R, BLOCK_K)
     else:
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             m = row_ok[:, None] & (cols < K)[None, :]
             x = tl.load(x_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
             _emit_chunk(x, s_enc, s_dec, rows, row_ok, k0, seed, codes_ptr, scales_ptr, vals_ptr, K,
-                        CHAIN, TILE16, STOCHASTIC, WRITE_CODES, WRITE_VALUES, BLOCK_R, BLOCK_K)
+                        CHAIN, TILE16, STOCHASTIC, WRITE_CODES, WRITE_VALUES, HW, BLOCK_R, BLOCK_K)
 
 
 @triton.jit
@@ -356,7 +409,13 @@ def quantize_tensors(x: torch.Tensor, block=(1, 16), chain: str = "te", out_dtyp
 
 def _launch(x2, codes, scales, vals_buf, sdec, amx, gs, seed, gs_mode, chain, block, stochastic,
             write_codes, vals, rows_per_gs=None):
+    from minite.kernels import interpreted, nvfp4_pairs
+
     r, k = x2.shape
+    if block == (1, 16) and not stochastic and nvfp4_pairs.launch(
+            x2, codes, scales, vals, sdec, amx, gs, gs_mode, CHAIN_IDS[chain], write_codes,
+            rows_per_gs or max(r, 1)):
+        return
     k_p2 = max(16, triton.next_power_of_2(k))
     if block == (16, 16):
         cfg = CONFIGS["16x16"]
@@ -371,7 +430,7 @@ def _launch(x2, codes, scales, vals_buf, sdec, amx, gs, seed, gs_mode, chain, bl
                            r, x2.stride(0), seed, rows_per_gs or max(r, 1), K=k,
                            GS=gs_mode, CHAIN=CHAIN_IDS[chain], TILE16=block == (16, 16),
                            STOCHASTIC=stochastic, WRITE_CODES=write_codes, WRITE_VALUES=vals is not None,
-                           BLOCK_R=block_r, BLOCK_K=block_k, num_warps=cfg["num_warps"])
+                           HW=not interpreted(), BLOCK_R=block_r, BLOCK_K=block_k, num_warps=cfg["num_warps"])
 
 
 def _seed(generator, device) -> int:

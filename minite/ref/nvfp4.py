@@ -24,7 +24,9 @@ rule, not MUFU's last-ulp behaviour.
 
 Element rounding: E2M1 RNE with saturation at 6 (ties 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2,
 3.5->4, 5->4), or stochastic rounding between the two neighbouring grid points (unbiased below 6).
-The sign bit is the sign of x * e, so small negatives give the code -0 (8), as the hardware cvt does.
+The sign bit is the sign of x (that of x * e, e >= 0), so small negatives give the code -0 (8), as the
+hardware cvt does. A NaN x * e (0 * inf, where a vllm/torchao element scale overflows in a row of
+subnormals; or a NaN input) saturates to magnitude 7, as the GPU's min and the cvt's satfinite do.
 
 Bit-exact contract for kernels: codes, block scales and global scales of RNE quantization equal this
 reference bit for bit. The RHT (an fp32 16x16 product) and stochastic rounding (a different random
@@ -93,18 +95,21 @@ def element_scales(sb: torch.Tensor, s_enc: torch.Tensor, s_dec: torch.Tensor, c
     return (one / s_dec) / sb
 
 
-def e2m1_rne(v: torch.Tensor) -> torch.Tensor:
-    """fp32 -> E2M1 codes (uint8, 0..15), round-to-nearest-even, saturating at +-6."""
+def e2m1_rne(v: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 v = x * e -> E2M1 codes (uint8, 0..15), round-to-nearest-even, saturating at +-6 (NaN too),
+    the sign bit that of x (of v when x is not given)."""
     a = v.abs()
     idx = torch.zeros_like(a, dtype=torch.uint8)
     for t in _RNE_UP_STRICT:
         idx += (a > t).to(torch.uint8)
     for t in _RNE_UP_INCL:
         idx += (a >= t).to(torch.uint8)
-    return idx | (torch.signbit(v).to(torch.uint8) << 3)
+    idx = torch.where(torch.isnan(a), 7, idx).to(torch.uint8)
+    return idx | (torch.signbit(v if x is None else x).to(torch.uint8) << 3)
 
 
-def e2m1_stochastic(v: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def e2m1_stochastic(v: torch.Tensor, generator: torch.Generator | None, x: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """fp32 -> E2M1 codes rounding |v| up with probability (|v| - lo) / (hi - lo); saturates at 6."""
     grid = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=v.device)
     a = v.abs().clamp(max=6.0)
@@ -114,7 +119,7 @@ def e2m1_stochastic(v: torch.Tensor, generator: torch.Generator | None) -> torch
     p = torch.where(gap > 0, (a - grid[lo]) / torch.where(gap > 0, gap, 1.0), 0.0)
     u = torch.rand(v.shape, generator=generator, device=v.device, dtype=torch.float32)
     idx = torch.where(u < p, hi, lo).to(torch.uint8)
-    return idx | (torch.signbit(v).to(torch.uint8) << 3)
+    return idx | (torch.signbit(v if x is None else x).to(torch.uint8) << 3)
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
@@ -150,5 +155,5 @@ def quantize_ref(x: torch.Tensor, scaling: str, block: tuple[int, int], rounding
         sb = block_scales(bamax, s_enc, s_dec, chain)
     e = element_scales(sb, s_enc, s_dec, chain)  # [..., R, K // 16]
     v = (xf.reshape(*lead, rows, k // 16, 16) * e.unsqueeze(-1)).reshape(xf.shape)
-    codes = e2m1_rne(v) if rounding == "rne" else e2m1_stochastic(v, generator)
+    codes = e2m1_rne(v, xf) if rounding == "rne" else e2m1_stochastic(v, generator, xf)
     return codes, sb, s_dec, amax

@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from minite import nvfp4
 from minite.kernels import available
@@ -140,3 +142,79 @@ def test_row_scaling_marks_non_finite_rows_nan(two_pass, monkeypatch):
     want = nvfp4.quantize(x[good], "row")
     assert torch.equal(vals[good].float().cpu(), want.unscaled())
     assert torch.equal(sdec[good].cpu(), want.global_scale)
+
+
+def _e2m1_probe_values() -> torch.Tensor:
+    """fp32 values around every E2M1 tie and grid point (+-64 ulps), subnormals, zeros, huge and inf."""
+    pts = torch.tensor([0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0])
+    bits = pts.view(torch.int32)[:, None] + torch.arange(-64, 65, dtype=torch.int32)[None, :]
+    near = bits.reshape(-1).view(torch.float32)
+    rest = torch.tensor([0.0, 1e-45, 1e-38, 3e38, float("inf"), float("nan")])
+    g = torch.Generator().manual_seed(0)
+    rand = torch.rand(4096, generator=g) * 8.0
+    v = torch.cat([near, rest, rand])
+    return torch.cat([v, -v])
+
+
+@triton.jit
+def _e2m1_probe_kernel(v_ptr, out_ptr, mag_ptr, n, HW: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(v_ptr + offs, mask=offs < n, other=0.0)
+    tl.store(out_ptr + offs, kq._e2m1_rne(v, v, HW), mask=offs < n)
+    tl.store(mag_ptr + offs, kq._e2m1_magnitude(kq._e2m1_rint(tl.abs(v), HW)), mask=offs < n)
+
+
+def test_e2m1_rounding_matches_reference_thresholds():
+    """The kernels' E2M1 rounding (five fp32 operations) is the reference's thresholds exactly, around
+    every tie and grid point, and its magnitude decode is the grid value."""
+    from minite.ref import nvfp4 as ref
+
+    v = _e2m1_probe_values()
+    codes = torch.empty(v.shape, dtype=torch.int32, device=device())
+    mags = torch.empty(v.shape, dtype=torch.float32, device=device())
+    _e2m1_probe_kernel[(triton.cdiv(v.numel(), 1024),)](v.to(device()), codes, mags, v.numel(),
+                                                        HW=device() == "cuda", BLOCK=1024)
+    want = ref.e2m1_rne(v)
+    assert torch.equal(codes.cpu().to(torch.uint8), want)
+    assert torch.equal(mags.cpu(), ref.e2m1_decode(want & 7).abs())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scaling,chain", [("row", "te"), ("row", "vllm"), ("row", "torchao"), ("tensor", "te"),
+                                           ("static", "vllm")])
+def test_pair_path_bitwise(dtype, scaling, chain, monkeypatch):
+    """16-bit inputs take the pair kernel (x read as int32 words): same bits as the reference and as
+    the general kernel, codes and fused values, including ragged rows (masked) and short rows."""
+    from minite.kernels import nvfp4_pairs
+
+    x = adversarial(24, 192, seed=8).clamp(-6e4, 6e4).to(dtype)
+    static = float(x.float().abs().max()) / 2688.0 if scaling == "static" else None
+    want = nvfp4.quantize(x, scaling, chain=chain, static_scale=static)
+    calls = []
+    monkeypatch.setattr(nvfp4_pairs, "_pairs_kernel", _spy(nvfp4_pairs._pairs_kernel, calls))
+    assert_same(want, kq.quantize(x.to(device()), scaling, chain=chain, static_scale=static))
+    assert calls, "the pair kernel did not run"
+    monkeypatch.setitem(nvfp4_pairs.CONFIG, "WORDS", 256)  # 2 rows of 96 words per program: ragged end
+    monkeypatch.setitem(nvfp4_pairs.CONFIG, "CHUNK_WORDS", 64)
+    assert_same(want, kq.quantize(x.to(device()), scaling, chain=chain, static_scale=static))
+    if scaling == "row":
+        out = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
+        vals, sdec, codes, sb, amax = kq.quantize_unscaled(x[:23].to(device()), out, chain, return_codes=True)
+        q = nvfp4.quantize(x[:23], "row", chain=chain)
+        assert torch.equal(vals.float().cpu(), q.unscaled()) and torch.equal(sdec.cpu(), q.global_scale)
+        assert torch.equal(codes.cpu(), q.codes)
+
+
+def test_pair_path_falls_back_on_unaligned_views():
+    """A view starting half a word in (odd element offset) goes to the general kernel: same bits."""
+    x = adversarial(8, 66, seed=9).to(torch.float16)[:, 1:65]  # 64 columns from element 1
+    assert x.data_ptr() % 4 != 0 or x.stride(0) % 2
+    assert_same(nvfp4.quantize(x, "row"), kq.quantize(x.to(device()), "row"))
+
+
+def _spy(kernel, calls):
+    class Spy:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return kernel[grid]
+    return Spy()

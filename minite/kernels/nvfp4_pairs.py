@@ -1,0 +1,144 @@
+"""The NVFP4 quantizer's fast path for 16-bit input (bf16, fp16), 1x16 blocks, RNE: x read as int32
+words, two elements each, so a thread holds both nibbles of every code byte it writes and the bf16
+-> fp32 widening is a shift and a mask. Row scaling keeps the whole row in registers (x read once).
+Same steps as `nvfp4._quantize_kernel` (same helpers), so the same bits as `minite.ref.nvfp4`.
+
+Why: the general kernel spends about 25 instructions per element, the bound at about 0.4 of the copy
+bandwidth on the H200 (its integer pipe runs at half the fp32 rate). Here: one 16-bit -> fp32 step,
+one max, one multiply and ~10 operations for the E2M1 code per element; the per-block scale work is
+shared by the two threads of a block.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from minite.kernels import interpreted
+
+from minite.kernels.nvfp4 import (_block_scales, _e2m1_magnitude, _e2m1_rint, _given_scales, _max_nan,
+                                  _row_scales)
+
+# WORDS: int32 words (2 elements) per program; row scaling holds whole rows when K / 2 <= MAX_WORDS
+CONFIG = dict(WORDS=2048, MAX_WORDS=8192, CHUNK_WORDS=1024, num_warps=4)
+ENABLED = True  # False: every input takes the general kernel (the benchmarks time both)
+
+
+@triton.jit
+def _halves(w, IN_BF16: tl.constexpr):
+    """int32 words -> (even, odd) elements as fp32."""
+    if IN_BF16:
+        lo = (w << 16).to(tl.float32, bitcast=True)
+        hi = (w & -65536).to(tl.float32, bitcast=True)
+    else:
+        lo = w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _bits16(b, OUT_BF16: tl.constexpr):
+    """fp32 bits (int32) of values exact in the 16-bit output type -> their 16 bits, low half."""
+    if OUT_BF16:
+        return (b >> 16) & 65535
+    return b.to(tl.float32, bitcast=True).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 65535
+
+
+@triton.jit
+def _load_blocks(w_rows, row_ok, w0, KW: tl.constexpr, IN_BF16: tl.constexpr, EVEN: tl.constexpr,
+                 BLOCK_R: tl.constexpr, NB: tl.constexpr):
+    """Words [w0, w0 + 8 NB) of BLOCK_R rows as [BLOCK_R, NB, 8] (one 16-element block per row of 8
+    words) -> (even elements, odd elements, word offsets in the row, block amax [BLOCK_R, NB])."""
+    cols = w0 + tl.arange(0, NB)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    if EVEN:  # no row or column past the end: unmasked
+        w = tl.load(w_rows[:, :, None] + cols)
+    else:
+        w = tl.load(w_rows[:, :, None] + cols, mask=row_ok[:, None, None] & (cols < KW), other=0)
+    lo, hi = _halves(w, IN_BF16)
+    # NaN-propagating, so that a row's amax can be taken over its blocks (the layout stays the blocks')
+    bamax = tl.reduce(_max_nan(tl.abs(lo), tl.abs(hi)), 2, _max_nan)
+    return lo, hi, w & -2147450880, cols, bamax
+
+
+@triton.jit
+def _emit_blocks(lo, hi, signs, cols, bamax, s_enc, s_dec, rows, row_ok, w0, codes_ptr, scales_ptr, vals_ptr,
+                 KW: tl.constexpr, CHAIN: tl.constexpr, WRITE_CODES: tl.constexpr,
+                 WRITE_VALUES: tl.constexpr, OUT_BF16: tl.constexpr, HW: tl.constexpr, EVEN: tl.constexpr,
+                 BLOCK_R: tl.constexpr, NB: tl.constexpr):
+    """Quantize the blocks from `_load_blocks` with S_enc/S_dec [BLOCK_R, 1] and store them."""
+    sb_byte, sb, e = _block_scales(bamax, s_enc, s_dec, CHAIN, HW)
+    v_lo = lo * e[:, :, None]
+    v_hi = hi * e[:, :, None]
+    c_lo = _e2m1_rint(tl.abs(v_lo), HW)
+    c_hi = _e2m1_rint(tl.abs(v_hi), HW)
+    bcols = w0 // 8 + tl.arange(0, NB)
+    tl.store(scales_ptr + rows.to(tl.int64)[:, None] * (KW // 8) + bcols[None, :], sb_byte.to(tl.uint8),
+             mask=row_ok[:, None] & (bcols < KW // 8)[None, :])
+    m = None if EVEN else row_ok[:, None, None] & (cols < KW)
+    offs = rows.to(tl.int64)[:, None, None] * KW + cols
+    # the sign bits are x's (the reference's contract): straight from the input words
+    if WRITE_CODES:
+        # the low byte of (2^23 + code) is the code; umulhi moves sign bits 15 and 31 to 3 and 7 (bits
+        # above 7 are dropped by the uint8 store). Multiply-adds: the logic pipe is the busier one
+        byte = (c_lo.to(tl.int32, bitcast=True) + c_hi.to(tl.int32, bitcast=True) * 16
+                + tl.umulhi(signs.to(tl.uint32, bitcast=True), 0x100100).to(tl.int32, bitcast=True))
+        tl.store(codes_ptr + offs, byte.to(tl.uint8), mask=m)
+    if WRITE_VALUES:
+        s3 = sb[:, :, None]
+        q_lo = (_e2m1_magnitude(c_lo) * s3).to(tl.int32, bitcast=True)
+        q_hi = (_e2m1_magnitude(c_hi) * s3).to(tl.int32, bitcast=True)
+        tl.store(vals_ptr + offs, _bits16(q_lo, OUT_BF16) | (_bits16(q_hi, OUT_BF16) << 16) | signs, mask=m)
+
+
+@triton.jit
+def _pairs_kernel(w_ptr, codes_ptr, scales_ptr, vals_ptr, sdec_out_ptr, amax_out_ptr, gs_ptr,
+                  R, stride_wr, rows_per_gs, KW: tl.constexpr, GS: tl.constexpr, CHAIN: tl.constexpr,
+                  IN_BF16: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr,
+                  OUT_BF16: tl.constexpr, HW: tl.constexpr, EVEN: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_W: tl.constexpr):
+    """w: x as int32 words [R, KW]. GS as in `nvfp4._quantize_kernel`; row scaling (GS 0) needs
+    BLOCK_W >= KW (the row is read once and kept)."""
+    NB: tl.constexpr = BLOCK_W // 8
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wr
+    if GS == 0:
+        lo, hi, signs, cols, bamax = _load_blocks(w_rows, row_ok, 0, KW, IN_BF16, EVEN, BLOCK_R, NB)
+        amax = tl.reduce(bamax, 1, _max_nan)
+        s_enc, s_dec = _row_scales(amax, rows, row_ok, sdec_out_ptr, amax_out_ptr, CHAIN)
+        _emit_blocks(lo, hi, signs, cols, bamax, s_enc, s_dec, rows, row_ok, 0, codes_ptr, scales_ptr, vals_ptr,
+                     KW, CHAIN, WRITE_CODES, WRITE_VALUES, OUT_BF16, HW, EVEN, BLOCK_R, NB)
+    else:
+        s_enc, s_dec = _given_scales(gs_ptr, rows, row_ok, sdec_out_ptr, rows_per_gs, GS, CHAIN, BLOCK_R)
+        for w0 in range(0, KW, BLOCK_W):
+            lo, hi, signs, cols, bamax = _load_blocks(w_rows, row_ok, w0, KW, IN_BF16, EVEN, BLOCK_R, NB)
+            _emit_blocks(lo, hi, signs, cols, bamax, s_enc, s_dec, rows, row_ok, w0, codes_ptr, scales_ptr,
+                         vals_ptr, KW, CHAIN, WRITE_CODES, WRITE_VALUES, OUT_BF16, HW, EVEN, BLOCK_R, NB)
+
+
+def launch(x2, codes, scales, vals, sdec, amx, gs, gs_mode, chain_id, write_codes, rows_per_gs) -> bool:
+    """Run the pair kernel on x2 [R, K] (16-bit, unit column stride) if it applies; False if not (the
+    caller runs the general kernel): word-aligned rows and, for row scaling, rows that fit MAX_WORDS."""
+    r, k = x2.shape
+    kw = k // 2
+    aligned = x2.data_ptr() % 4 == 0 and x2.stride(0) % 2 == 0
+    out_ok = vals is None or (vals.dtype in (torch.bfloat16, torch.float16) and vals.data_ptr() % 4 == 0)
+    if not ENABLED or not aligned or not out_ok or x2.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    w_p2 = max(8, triton.next_power_of_2(kw))
+    if gs_mode == 0:
+        if w_p2 > CONFIG["MAX_WORDS"]:
+            return False
+        block_w = w_p2
+    else:
+        block_w = min(CONFIG["CHUNK_WORDS"], w_p2)
+    block_r = max(1, CONFIG["WORDS"] // block_w)
+    words = x2.view(torch.int32)
+    _pairs_kernel[(triton.cdiv(r, block_r),)](
+        words, codes, scales, vals.view(torch.int32) if vals is not None else codes, sdec, amx, gs,
+        r, x2.stride(0) // 2, rows_per_gs, KW=kw, GS=gs_mode, CHAIN=chain_id,
+        IN_BF16=x2.dtype == torch.bfloat16, WRITE_CODES=write_codes, WRITE_VALUES=vals is not None,
+        OUT_BF16=vals is not None and vals.dtype == torch.bfloat16, HW=not interpreted(),
+        EVEN=r % block_r == 0 and kw % block_w == 0,
+        BLOCK_R=block_r, BLOCK_W=block_w, num_warps=CONFIG["num_warps"])
+    return True
