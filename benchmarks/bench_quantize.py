@@ -1,4 +1,5 @@
-"""NVFP4 quantize kernel throughput vs a device copy (the HBM ceiling), same process.
+"""NVFP4 quantize kernel throughput vs a device copy (the HBM ceiling), same process. bf16 inputs take
+the pair kernel (`nvfp4_pairs.py`); the rows marked "general kernel" time the path they took before.
 
 Bytes counted: the input read once plus every output written once (codes, scales, values, scales).
 """
@@ -8,7 +9,19 @@ import torch
 from bench_common import HBM_COPY_TBPS, bench_ms, parse_args, report
 
 from minite.kernels import nvfp4 as kq
+from minite.kernels import nvfp4_pairs as kp
 from minite.ref import nvfp4 as ref
+
+
+def general_kernel(fn):
+    """fn run with the pair kernel off: 16-bit inputs take the general kernel (the previous path)."""
+    def run():
+        kp.ENABLED = False
+        try:
+            return fn()
+        finally:
+            kp.ENABLED = True
+    return run
 
 
 def main():
@@ -25,7 +38,11 @@ def main():
         codes_bytes = n // 2 + n // 16 + 8 * r
         variants = [
             ("row 1x16 te (codes)", lambda: kq.quantize_packed(x, "row"), 2 * n + codes_bytes),
+            ("row 1x16 te (codes), general kernel", general_kernel(lambda: kq.quantize_packed(x, "row")),
+             2 * n + codes_bytes),
             ("row fused values+sdec", lambda: kq.quantize_unscaled(x), 2 * n + 2 * n + n // 16 + 4 * r),
+            ("row fused values+sdec, general kernel", general_kernel(lambda: kq.quantize_unscaled(x)),
+             2 * n + 2 * n + n // 16 + 4 * r),
             ("tensor 1x16 te (amax+codes)", lambda: kq.quantize_packed(x, "tensor"), 2 * n + codes_bytes),
             ("tensor 16x16 te", lambda: kq.quantize_packed(x, "tensor", (16, 16)), 2 * n + codes_bytes),
             ("row 1x16 stochastic", lambda: kq.quantize_packed(x, "row", rounding="stochastic"),

@@ -5,6 +5,7 @@
 #             MoE (24 layers) bf16 and aligned
 #   rollout   rollout benchmark: dense 1.7B against HF generate
 #   moe       MoE rollout, 24 layers of 48: bf16 vs aligned, and aligned reading packed expert weights
+#   quantize  the quantize kernel against a device copy (benchmarks/bench_quantize.py)
 #   sweep     the quantize kernel's launch configurations (benchmarks/sweep_quantize.py)
 #   tiles     tiles for the aligned W4A4 GEMM, dense and grouped (benchmarks/sweep_aligned_gemm.py)
 #   learner   learner train-step benchmark
@@ -50,8 +51,10 @@ for part in "$@"; do
         --no-hf --out "$OUT/rollout_moe24.json"
       step 60 python3 benchmarks/bench_rollout.py --models moe --moe-layers 24 --new-tokens 256 --backend triton \
         --no-hf --recipes aligned --moe-packed-rows 64 --out "$OUT/rollout_moe24_packed.json" ;;
+    quantize)
+      step 60 python3 benchmarks/bench_quantize.py --out "$OUT/kernels_quantize.json" ;;
     sweep)
-      step 240 python3 benchmarks/sweep_quantize.py --out "$OUT/kernels_quantize_sweep.json" ;;
+      step 150 python3 benchmarks/sweep_quantize.py --out "$OUT/kernels_quantize_sweep.json" ;;
     tiles)
       step 400 python3 benchmarks/sweep_aligned_gemm.py --out "$OUT/aligned_gemm_sweep.json" ;;
     learner)
