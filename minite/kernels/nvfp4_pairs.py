@@ -14,9 +14,14 @@ import triton
 import triton.language as tl
 
 from minite.kernels import interpreted
-
-from minite.kernels.nvfp4 import (_block_scales, _e2m1_magnitude, _e2m1_rint, _given_scales, _max_nan,
-                                  _row_scales)
+from minite.kernels.nvfp4 import (
+    _block_scales,
+    _e2m1_magnitude,
+    _e2m1_rint,
+    _given_scales,
+    _max_nan,
+    _row_scales,
+)
 
 # WORDS: int32 words (2 elements) per program; row scaling holds whole rows when K / 2 <= MAX_WORDS
 CONFIG = dict(WORDS=2048, MAX_WORDS=8192, CHUNK_WORDS=1024, num_warps=4)
@@ -106,8 +111,8 @@ def _pairs_kernel(w_ptr, codes_ptr, scales_ptr, vals_ptr, sdec_out_ptr, amax_out
         lo, hi, signs, cols, bamax = _load_blocks(w_rows, row_ok, 0, KW, IN_BF16, EVEN, BLOCK_R, NB)
         amax = tl.reduce(bamax, 1, _max_nan)
         s_enc, s_dec = _row_scales(amax, rows, row_ok, sdec_out_ptr, amax_out_ptr, CHAIN)
-        _emit_blocks(lo, hi, signs, cols, bamax, s_enc, s_dec, rows, row_ok, 0, codes_ptr, scales_ptr, vals_ptr,
-                     KW, CHAIN, WRITE_CODES, WRITE_VALUES, OUT_BF16, HW, EVEN, BLOCK_R, NB)
+        _emit_blocks(lo, hi, signs, cols, bamax, s_enc, s_dec, rows, row_ok, 0, codes_ptr, scales_ptr,
+                     vals_ptr, KW, CHAIN, WRITE_CODES, WRITE_VALUES, OUT_BF16, HW, EVEN, BLOCK_R, NB)
     else:
         s_enc, s_dec = _given_scales(gs_ptr, rows, row_ok, sdec_out_ptr, rows_per_gs, GS, CHAIN, BLOCK_R)
         for w0 in range(0, KW, BLOCK_W):

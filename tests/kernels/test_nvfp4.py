@@ -180,8 +180,8 @@ def test_e2m1_rounding_matches_reference_thresholds():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("scaling,chain", [("row", "te"), ("row", "vllm"), ("row", "torchao"), ("tensor", "te"),
-                                           ("static", "vllm")])
+@pytest.mark.parametrize("scaling,chain", [("row", "te"), ("row", "vllm"), ("row", "torchao"),
+                                           ("tensor", "te"), ("static", "vllm")])
 def test_pair_path_bitwise(dtype, scaling, chain, monkeypatch):
     """16-bit inputs take the pair kernel (x read as int32 words): same bits as the reference and as
     the general kernel, codes and fused values, including ragged rows (masked) and short rows."""
