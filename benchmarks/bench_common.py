@@ -23,6 +23,22 @@ def parse_args(default_out: str):
     return p.parse_args()
 
 
+def warm_up(seconds: float = 2.0) -> None:
+    """Keep the GPU busy for a while first: an idle H200 sits at a low clock (345 MHz at the start of a
+    call) and the first kernels timed after a pause ran up to 2.5x slow (session 4's first quantize
+    table)."""
+    import time
+
+    import torch
+
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
+
+
 def bench_ms(fn, warmup=25, rep=100) -> float:
     """Median milliseconds of fn() (CUDA events; L2 flushed between runs by triton's do_bench)."""
     import triton.testing

@@ -6,7 +6,7 @@ Bytes counted: the input read once plus every output written once (codes, scales
 
 # ruff: noqa: B023  (lambdas are timed at once, inside the loop that binds them)
 import torch
-from bench_common import HBM_COPY_TBPS, bench_ms, parse_args, report
+from bench_common import warm_up, HBM_COPY_TBPS, bench_ms, parse_args, report
 
 from minite.kernels import nvfp4 as kq
 from minite.kernels import nvfp4_pairs as kp
@@ -28,6 +28,7 @@ def main():
     args = parse_args("benchmarks/results/kernels_quantize.json")
     shapes = [(16384, 4096)] if args.quick else [(16384, 4096), (4096, 12288), (16384, 12288)]
     rows = []
+    warm_up()
     for r, k in shapes:
         x = torch.randn(r, k, device="cuda", dtype=torch.bfloat16)
         n = x.numel()

@@ -7,6 +7,7 @@
 #   moe       MoE rollout, 24 layers of 48: bf16 vs aligned, and aligned reading packed expert weights
 #   quantize  the quantize kernel against a device copy (benchmarks/bench_quantize.py)
 #   sweep     the quantize kernel's launch configurations (benchmarks/sweep_quantize.py)
+#   gemm      the W4A4 GEMM (compute-bound) and the MoE grouped GEMM against cuBLAS / torch._grouped_mm
 #   tiles     tiles for the aligned W4A4 GEMM, dense and grouped (benchmarks/sweep_aligned_gemm.py)
 #   learner   learner train-step benchmark
 #   agreement agreement on the benchmark model for bf16/bf16, aligned/aligned, te/vllm
@@ -53,6 +54,9 @@ for part in "$@"; do
         --no-hf --recipes aligned --moe-packed-rows 64 --out "$OUT/rollout_moe24_packed.json" ;;
     quantize)
       step 60 python3 benchmarks/bench_quantize.py --out "$OUT/kernels_quantize.json" ;;
+    gemm)
+      step 150 python3 benchmarks/bench_gemm.py --out "$OUT/kernels_gemm.json"
+      step 100 python3 benchmarks/bench_grouped_gemm.py --out "$OUT/kernels_grouped_gemm.json" ;;
     sweep)
       step 150 python3 benchmarks/sweep_quantize.py --out "$OUT/kernels_quantize_sweep.json" ;;
     tiles)

@@ -19,21 +19,20 @@ import itertools
 import json
 
 import torch
-from bench_common import bench_ms, env_info
+from bench_common import warm_up, bench_ms, env_info
 
 from minite.kernels import nvfp4 as kq
 from minite.kernels import nvfp4_pairs as kp
 
 SHAPES = [(16384, 4096), (4096, 12288)]
-GRID = dict(WORDS=[1024, 2048, 4096, 8192, 16384], num_warps=[2, 4, 8, 16])
+GRID = dict(WORDS=[1024, 2048, 4096, 8192], WORDS_PER_THREAD=[16, 32, 64])
 
 
 def candidates():
     """(label, pair CONFIG or None for the general kernel)."""
     yield "general kernel", None
-    for words, warps in itertools.product(GRID["WORDS"], GRID["num_warps"]):
-        if words // (32 * warps) >= 4:  # at least one 16-byte load per thread
-            yield "pairs", dict(kp.CONFIG, WORDS=words, num_warps=warps)
+    for words, wpt in itertools.product(GRID["WORDS"], GRID["WORDS_PER_THREAD"]):
+        yield "pairs", dict(kp.CONFIG, WORDS=words, WORDS_PER_THREAD=wpt)
 
 
 def main():
@@ -42,6 +41,7 @@ def main():
     args = p.parse_args()
     default = dict(kp.CONFIG)
     rows = []
+    warm_up()
     for r, k in SHAPES:
         x = torch.randn(r, k, device="cuda", dtype=torch.bfloat16)
         n = x.numel()

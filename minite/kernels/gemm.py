@@ -9,9 +9,12 @@ epilogue exactly as the reference does (`sdec`: acc * (S_dec_x[m] * S_dec_w); `a
 acc * ((amax_x[m] * amax_w) * fl32(1/7225344)); `bf16_scalar`: bf16(acc) * bf16(S_dec_x * S_dec_w)).
 
 Configurations (CONFIGS, fixed; no autotuning):
-- `aligned`: one tile shape for every M and both weight representations, M padded up to the tile, the
-  same K order everywhere and no split-K, so an output row never depends on M, on the other rows, or
-  on whether the weight was packed: the batch-invariant path.
+- `aligned`: one K order for every M and both weight representations (BK = 64 chunks, each a sequence
+  of k16 tensor-core steps, no split-K), so an output row never depends on M, on the other rows, or
+  on whether the weight was packed: the batch-invariant path. The tile's M x N shape only partitions
+  the outputs, so it is picked by M (`aligned` below ALIGNED_LARGE_M rows, `aligned_large` from
+  there); the GPU tests and the tile sweep (benchmarks/sweep_aligned_gemm.py: 44 tiles, one set of
+  bits) check that rows keep their bits across it.
 - `prefill`: the fastest tile for large M (dequantized weight copy).
 - `decode`: small M (<= 64), packed weights, its own kernel (`_w4a4_decode_kernel`, below): the
   weight is the MMA's large operand (C^T = W A^T, so N fills the MMA rows and M pads to 16..64),
@@ -31,6 +34,8 @@ from minite.kernels.rounding import round_bf16
 
 CONFIGS = {
     "aligned": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
+    # M >= ALIGNED_LARGE_M: 0.73-0.87x cuBLAS instead of 0.49-0.58x at M = 4096-16384 (H200 tile sweep)
+    "aligned_large": dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
     "prefill": dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
     # packed weights, M <= 64: `decode_config(m, n, k)` picks the tile; this entry serves the
     # dequantized weight copy with config="decode" (BM: M padded to 16, 32 or 64)
@@ -39,6 +44,7 @@ CONFIGS = {
     "interpret": dict(BM=16, BN=32, BK=32, GROUP_M=2, num_warps=4, num_stages=1),
 }
 EPILOGUES = {"sdec": 0, "alpha": 1, "bf16_scalar": 2}
+ALIGNED_LARGE_M = 2048
 
 
 @triton.jit
@@ -323,8 +329,8 @@ def _launch_decode(a, sa, codes, w_scale, block_scales, out, epilogue_id, cfg):
 
 
 def pick_config(config, m: int, n: int, k: int | None = None, packed: bool = False) -> dict:
-    """A CONFIGS name (or a dict) -> the tile dict used for this (M, N); only `decode` looks at M. With
-    packed weights (and K given), `decode` selects the decode kernel's tile (`decode_config`)."""
+    """A CONFIGS name (or a dict) -> the tile dict used for this (M, N); `decode` and `aligned` look at
+    M. With packed weights (and K given), `decode` selects the decode kernel's tile (`decode_config`)."""
     from minite.kernels import interpreted
 
     if isinstance(config, dict):
@@ -340,6 +346,8 @@ def pick_config(config, m: int, n: int, k: int | None = None, packed: bool = Fal
         return cfg
     if interpreted():
         return CONFIGS["interpret"]
+    if config == "aligned" and m >= ALIGNED_LARGE_M:
+        config = "aligned_large"
     cfg = dict(CONFIGS[config])
     if config == "decode":
         cfg["BM"] = 16 if m <= 16 else (32 if m <= 32 else 64)

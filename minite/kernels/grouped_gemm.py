@@ -19,11 +19,14 @@ from minite.kernels import gemm
 from minite.kernels.gemm import EPILOGUES, epilogue, tile_acc
 
 CONFIGS = {
-    # the dense aligned tile itself: an expert's rows get the bits of a dense aligned GEMM
+    # the dense aligned tiles (same K order): an expert's rows get the bits of a dense aligned GEMM;
+    # the large tile from ALIGNED_LARGE_ROWS_PER_EXPERT rows per expert on average
     "aligned": {k: v for k, v in gemm.CONFIGS["aligned"].items() if k != "GROUP_M"},
+    "aligned_large": {k: v for k, v in gemm.CONFIGS["aligned_large"].items() if k != "GROUP_M"},
     "prefill": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4),
     "interpret": dict(BM=16, BN=32, BK=32, num_warps=4, num_stages=1),
 }
+ALIGNED_LARGE_ROWS_PER_EXPERT = 64  # H200 sweep: 32 rows/expert favour `aligned`, 256 `aligned_large`
 
 
 @triton.jit
@@ -81,6 +84,8 @@ def grouped_w4a4_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w
     else:
         if config not in CONFIGS:
             raise ValueError(f"config={config!r} is not one of {list(CONFIGS)}")
+        if config == "aligned" and t >= ALIGNED_LARGE_ROWS_PER_EXPERT * e:
+            config = "aligned_large"
         cfg = CONFIGS["interpret" if interpreted() else config]
     if k % cfg["BK"]:
         raise ValueError(f"K={k} must be a multiple of the config's BK={cfg['BK']}")

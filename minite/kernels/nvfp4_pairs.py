@@ -23,8 +23,10 @@ from minite.kernels.nvfp4 import (
     _row_scales,
 )
 
-# WORDS: int32 words (2 elements) per program; row scaling holds whole rows when K / 2 <= MAX_WORDS
-CONFIG = dict(WORDS=2048, MAX_WORDS=8192, CHUNK_WORDS=1024, num_warps=4)
+# WORDS: int32 words (2 elements) per program (at least one row); row scaling holds whole rows when
+# K / 2 <= MAX_WORDS; warps so that each thread holds WORDS_PER_THREAD words. H200 sweep
+# (benchmarks/results/h200_2026-11-30_s4): 32 words a thread is the best of 16-64 at both shapes.
+CONFIG = dict(WORDS=2048, MAX_WORDS=8192, CHUNK_WORDS=1024, WORDS_PER_THREAD=32)
 ENABLED = True  # False: every input takes the general kernel (the benchmarks time both)
 
 
@@ -138,6 +140,7 @@ def launch(x2, codes, scales, vals, sdec, amx, gs, gs_mode, chain_id, write_code
     else:
         block_w = min(CONFIG["CHUNK_WORDS"], w_p2)
     block_r = max(1, CONFIG["WORDS"] // block_w)
+    warps = min(16, max(1, block_r * block_w // (32 * CONFIG["WORDS_PER_THREAD"])))
     words = x2.view(torch.int32)
     _pairs_kernel[(triton.cdiv(r, block_r),)](
         words, codes, scales, vals.view(torch.int32) if vals is not None else codes, sdec, amx, gs,
@@ -145,5 +148,5 @@ def launch(x2, codes, scales, vals, sdec, amx, gs, gs_mode, chain_id, write_code
         IN_BF16=x2.dtype == torch.bfloat16, WRITE_CODES=write_codes, WRITE_VALUES=vals is not None,
         OUT_BF16=vals is not None and vals.dtype == torch.bfloat16, HW=not interpreted(),
         EVEN=r % block_r == 0 and kw % block_w == 0,
-        BLOCK_R=block_r, BLOCK_W=block_w, num_warps=CONFIG["num_warps"])
+        BLOCK_R=block_r, BLOCK_W=block_w, num_warps=warps)
     return True

@@ -63,3 +63,25 @@ def test_gpu_matches_per_expert_reference(config):
         got = run(x, wqs, offsets, packed, "cuda", config)
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
         assert (got == want).float().mean() > 0.95
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [300, 2048])
+def test_gpu_grouped_aligned_gives_each_expert_the_dense_aligned_bits(tokens):
+    """300 rows over 16 experts take the `aligned` tile, 2048 the `aligned_large` one (>= 64 rows per
+    expert): either way each expert's rows get the bits of a dense aligned GEMM of just those rows
+    (itself on the small tile): the tile shape partitions outputs, never a row's sum."""
+    assert (tokens >= gg.ALIGNED_LARGE_ROWS_PER_EXPERT * 16) == (tokens == 2048)
+    torch.manual_seed(1)
+    counts = torch.multinomial(torch.ones(16), tokens, replacement=True).bincount(minlength=16)
+    x, wqs, offsets, _ = case(counts.tolist(), 256, 512)
+    got = run(x, wqs, offsets, False, "cuda", "aligned")
+    xq = nvfp4.quantize(x, "row").to("cuda")
+    a, sa = xq.unscaled().to(torch.bfloat16), xq.global_scale.reshape(-1)
+    for e, q in enumerate(wqs):
+        lo, hi = int(offsets[e]), int(offsets[e + 1])
+        if hi > lo:
+            q = q.to("cuda")
+            dense = kg.w4a4_gemm(a[lo:hi], sa[lo:hi], kg.unscaled_copy(q), q.global_scale,
+                                 out_dtype=torch.float32)
+            assert torch.equal(dense.cpu(), got[lo:hi]), e
