@@ -6,7 +6,7 @@ Bytes counted: the input read once plus every output written once (codes, scales
 
 # ruff: noqa: B023  (lambdas are timed at once, inside the loop that binds them)
 import torch
-from bench_common import warm_up, HBM_COPY_TBPS, bench_ms, parse_args, report
+from bench_common import HBM_COPY_TBPS, bench_ms, parse_args, report, warm_up
 
 from minite.kernels import nvfp4 as kq
 from minite.kernels import nvfp4_pairs as kp

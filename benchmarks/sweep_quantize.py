@@ -19,7 +19,7 @@ import itertools
 import json
 
 import torch
-from bench_common import warm_up, bench_ms, env_info
+from bench_common import bench_ms, env_info, warm_up
 
 from minite.kernels import nvfp4 as kq
 from minite.kernels import nvfp4_pairs as kp
