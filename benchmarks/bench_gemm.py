@@ -9,7 +9,6 @@ without the quantizer, for the fastest (`prefill`) and the batch-invariant (`ali
 import torch
 import triton
 from bench_common import CUBLAS_BF16_TFLOPS, bench_ms, parse_args, report
-from bench_decode_gemm import ALIGNED  # noqa: E402
 
 from minite.kernels import gemm as kg
 from minite.kernels import nvfp4 as kq
@@ -18,7 +17,8 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate|up": (12288, 4096), "dow
 SWEEP = [dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
          dict(BM=128, BN=256, BK=64, GROUP_M=4, num_warps=8, num_stages=4),
          dict(BM=256, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
-         dict(BM=128, BN=256, BK=128, GROUP_M=8, num_warps=8, num_stages=2)] + ALIGNED
+         dict(BM=128, BN=256, BK=128, GROUP_M=8, num_warps=8, num_stages=2),
+         dict(kg.CONFIGS["aligned"])]
 
 
 def heavy(m, k, seed):

@@ -52,6 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--no-fused-kernels", action="store_true",
                    help="the plain torch RMSNorm/RoPE ops, not the fused kernels (the CUDA default)")
+    p.add_argument("--aligned-small-tile", action="store_true",
+                   help="the aligned GEMMs keep the small tile at every M (A/B for `gemm.ALIGNED_LARGE_M`)")
     p.add_argument("--kernels", action="store_true",
                    help="also profile one step: the kernels (CPU: ops) with the most time, per recipe")
     p.add_argument("--out", default=None, help="JSON file to write")
@@ -125,6 +127,10 @@ def sync() -> None:
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     use_fused_kernels(False if args.no_fused_kernels else None)
+    if args.aligned_small_tile:
+        from minite.kernels import gemm, grouped_gemm
+
+        gemm.ALIGNED_LARGE_M = grouped_gemm.ALIGNED_LARGE_ROWS_PER_EXPERT = 1 << 62
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("bench_learner needs CUDA (or --tiny for a CPU smoke run)")
     rows = []

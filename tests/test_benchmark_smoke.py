@@ -24,3 +24,14 @@ def test_aligned_gemm_sweep_smoke(tmp_path):
     assert len(doc["contract"]) == 2 and all(r["batch_invariant"] for r in doc["contract"])
     assert all(r["grouped_equals_dense"] and r["same_bits_as_current"] == 1.0 for r in doc["contract"])
     assert {t["kind"] for t in doc["timings"]} == {"dense", "grouped"}
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")))
+def test_every_benchmark_imports(script):
+    """Each benchmark module at least imports (bench_gemm imported a name that had moved, unseen for
+    three sessions: the GPU call is where it failed)."""
+    code = f"import runpy; runpy.run_path({str(ROOT / 'benchmarks' / script)!r}, run_name='not_main')"
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'benchmarks'}")
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -23,8 +23,9 @@ from minite.kernels.nvfp4 import (
     _row_scales,
 )
 
-# WORDS: int32 words (2 elements) per program (at least one row); row scaling holds whole rows when
-# K / 2 <= MAX_WORDS; warps so that each thread holds WORDS_PER_THREAD words. H200 sweep
+# WORDS: int32 words (2 elements) per program (at least one row); whole rows when K / 2 <= MAX_WORDS
+# (longer rows: row scaling goes to the general kernel, tensor/static scaling loops over CHUNK_WORDS);
+# warps so that each thread holds WORDS_PER_THREAD words. H200 sweep
 # (benchmarks/results/h200_2026-11-30_s4): 32 words a thread is the best of 16-64 at both shapes.
 CONFIG = dict(WORDS=2048, MAX_WORDS=8192, CHUNK_WORDS=1024, WORDS_PER_THREAD=32)
 ENABLED = True  # False: every input takes the general kernel (the benchmarks time both)
@@ -133,12 +134,12 @@ def launch(x2, codes, scales, vals, sdec, amx, gs, gs_mode, chain_id, write_code
     if not ENABLED or not aligned or not out_ok or x2.dtype not in (torch.bfloat16, torch.float16):
         return False
     w_p2 = max(8, triton.next_power_of_2(kw))
-    if gs_mode == 0:
-        if w_p2 > CONFIG["MAX_WORDS"]:
-            return False
-        block_w = w_p2
+    if w_p2 <= CONFIG["MAX_WORDS"]:
+        block_w = w_p2  # whole rows: one load of everything, then the math (no chunk loop)
+    elif gs_mode == 0:
+        return False
     else:
-        block_w = min(CONFIG["CHUNK_WORDS"], w_p2)
+        block_w = CONFIG["CHUNK_WORDS"]
     block_r = max(1, CONFIG["WORDS"] // block_w)
     warps = min(16, max(1, block_r * block_w // (32 * CONFIG["WORDS_PER_THREAD"])))
     words = x2.view(torch.int32)

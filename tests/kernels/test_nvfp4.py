@@ -183,8 +183,9 @@ def test_e2m1_rounding_matches_reference_thresholds():
 @pytest.mark.parametrize("scaling,chain", [("row", "te"), ("row", "vllm"), ("row", "torchao"),
                                            ("tensor", "te"), ("static", "vllm")])
 def test_pair_path_bitwise(dtype, scaling, chain, monkeypatch):
-    """16-bit inputs take the pair kernel (x read as int32 words): same bits as the reference and as
-    the general kernel, codes and fused values, including ragged rows (masked) and short rows."""
+    """16-bit inputs take the pair kernel (x read as int32 words): same bits as the reference, codes and
+    fused values, whole rows (16 a program: 24 rows end ragged, 96 words padded to 128: masked) and
+    rows looped over in chunks."""
     from minite.kernels import nvfp4_pairs
 
     x = adversarial(24, 192, seed=8).clamp(-6e4, 6e4).to(dtype)
@@ -194,15 +195,18 @@ def test_pair_path_bitwise(dtype, scaling, chain, monkeypatch):
     monkeypatch.setattr(nvfp4_pairs, "_pairs_kernel", _spy(nvfp4_pairs._pairs_kernel, calls))
     assert_same(want, kq.quantize(x.to(device()), scaling, chain=chain, static_scale=static))
     assert calls, "the pair kernel did not run"
-    monkeypatch.setitem(nvfp4_pairs.CONFIG, "WORDS", 256)  # 2 rows of 96 words per program: ragged end
-    monkeypatch.setitem(nvfp4_pairs.CONFIG, "CHUNK_WORDS", 64)
-    assert_same(want, kq.quantize(x.to(device()), scaling, chain=chain, static_scale=static))
     if scaling == "row":
         out = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
         vals, sdec, codes, sb, amax = kq.quantize_unscaled(x[:23].to(device()), out, chain, return_codes=True)
         q = nvfp4.quantize(x[:23], "row", chain=chain)
         assert torch.equal(vals.float().cpu(), q.unscaled()) and torch.equal(sdec.cpu(), q.global_scale)
         assert torch.equal(codes.cpu(), q.codes)
+    else:  # rows longer than MAX_WORDS: tensor/static scaling loops over 32-word chunks
+        monkeypatch.setitem(nvfp4_pairs.CONFIG, "MAX_WORDS", 64)
+        monkeypatch.setitem(nvfp4_pairs.CONFIG, "CHUNK_WORDS", 32)
+        calls.clear()
+        assert_same(want, kq.quantize(x.to(device()), scaling, chain=chain, static_scale=static))
+        assert calls, "the pair kernel did not run"
 
 
 def test_pair_path_falls_back_on_unaligned_views():
