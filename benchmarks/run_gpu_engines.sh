@@ -10,6 +10,7 @@
 #   gemm      the W4A4 GEMM (compute-bound) and the MoE grouped GEMM against cuBLAS / torch._grouped_mm
 #   tiles     tiles for the aligned W4A4 GEMM, dense and grouped (benchmarks/sweep_aligned_gemm.py)
 #   learner   learner train-step benchmark
+#   learner_ab  the dense learner again with the aligned GEMMs on the small tile at every M
 #   agreement agreement on the benchmark model for bf16/bf16, aligned/aligned, te/vllm
 #   diagnose  minite diagnose reports at the benchmark model's full depth, te/vllm and aligned
 #   train     the GPU training preset (configs/gpu_arith.toml), whatever time is left of BUDGET
@@ -53,7 +54,7 @@ for part in "$@"; do
       step 60 python3 benchmarks/bench_rollout.py --models moe --moe-layers 24 --new-tokens 256 --backend triton \
         --no-hf --recipes aligned --moe-packed-rows 64 --out "$OUT/rollout_moe24_packed.json" ;;
     quantize)
-      step 60 python3 benchmarks/bench_quantize.py --out "$OUT/kernels_quantize.json" ;;
+      step 90 python3 benchmarks/bench_quantize.py --out "$OUT/kernels_quantize.json" ;;
     gemm)
       step 150 python3 benchmarks/bench_gemm.py --out "$OUT/kernels_gemm.json"
       step 100 python3 benchmarks/bench_grouped_gemm.py --out "$OUT/kernels_grouped_gemm.json" ;;
@@ -63,6 +64,9 @@ for part in "$@"; do
       step 400 python3 benchmarks/sweep_aligned_gemm.py --out "$OUT/aligned_gemm_sweep.json" ;;
     learner)
       step 100 python3 benchmarks/bench_learner.py --kernels --out "$OUT/learner.json" ;;
+    learner_ab)
+      step 70 python3 benchmarks/bench_learner.py --models dense --aligned-small-tile \
+        --out "$OUT/learner_aligned_small_tile.json" ;;
     agreement)
       for pair in "bf16 bf16 triton" "aligned aligned triton" "te vllm ref"; do
         read -r lr sr backend <<< "$pair"
