@@ -11,6 +11,7 @@
 #   tiles     tiles for the aligned W4A4 GEMM, dense and grouped (benchmarks/sweep_aligned_gemm.py)
 #   learner   learner train-step benchmark
 #   learner_ab  the dense learner again with the aligned GEMMs on the small tile at every M
+#   learner_dense  the dense learner alone, default tiles
 #   probe     host and GPU time of the aligned W4A4 launch, small vs large tile (probe_aligned_tile.py)
 #   agreement agreement on the benchmark model for bf16/bf16, aligned/aligned, te/vllm
 #   diagnose  minite diagnose reports at the benchmark model's full depth, te/vllm and aligned
@@ -68,6 +69,8 @@ for part in "$@"; do
     learner_ab)
       step 70 python3 benchmarks/bench_learner.py --models dense --aligned-small-tile \
         --out "$OUT/learner_aligned_small_tile.json" ;;
+    learner_dense)
+      step 70 python3 benchmarks/bench_learner.py --models dense --out "$OUT/learner_dense.json" ;;
     probe)
       step 60 python3 benchmarks/probe_aligned_tile.py --out "$OUT/probe_aligned_tile.json" ;;
     agreement)
