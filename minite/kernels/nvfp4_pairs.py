@@ -16,7 +16,6 @@ import triton.language as tl
 from minite.kernels import interpreted
 from minite.kernels.nvfp4 import (
     _block_scales,
-    _e2m1_magnitude,
     _e2m1_rint,
     _given_scales,
     _max_nan,
@@ -44,11 +43,9 @@ def _halves(w, IN_BF16: tl.constexpr):
 
 
 @triton.jit
-def _bits16(b, OUT_BF16: tl.constexpr):
-    """fp32 bits (int32) of values exact in the 16-bit output type -> their 16 bits, low half."""
-    if OUT_BF16:
-        return (b >> 16) & 65535
-    return b.to(tl.float32, bitcast=True).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 65535
+def _fp16_bits(v):
+    """fp32 values >= 0, exact in fp16 -> their fp16 bits in the low half of an int32."""
+    return v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 65535
 
 
 @triton.jit
@@ -91,10 +88,19 @@ def _emit_blocks(lo, hi, signs, cols, bamax, s_enc, s_dec, rows, row_ok, w0, cod
                 + tl.umulhi(signs.to(tl.uint32, bitcast=True), 0x100100).to(tl.int32, bitcast=True))
         tl.store(codes_ptr + offs, byte.to(tl.uint8), mask=m)
     if WRITE_VALUES:
-        s3 = sb[:, :, None]
-        q_lo = (_e2m1_magnitude(c_lo) * s3).to(tl.int32, bitcast=True)
-        q_hi = (_e2m1_magnitude(c_hi) * s3).to(tl.int32, bitcast=True)
-        tl.store(vals_ptr + offs, _bits16(q_lo, OUT_BF16) | (_bits16(q_hi, OUT_BF16) << 16) | signs, mask=m)
+        # |value| * s_b = max(k s_b / 2, (k - 2) s_b, (2k - 8) s_b) for the code k (`_e2m1_magnitude` with
+        # s_b folded into per-block constants); exact, and exact in the 16-bit output type
+        h, s1, s2 = (sb * 0.5)[:, :, None], sb[:, :, None], (sb * 2.0)[:, :, None]
+        m2, m8 = (sb * -2.0)[:, :, None], (sb * -8.0)[:, :, None]
+        k_lo = c_lo - 8388608.0
+        k_hi = c_hi - 8388608.0
+        q_lo = tl.maximum(tl.maximum(k_lo * h, tl.fma(k_lo, s1, m2)), tl.fma(k_lo, s2, m8))
+        q_hi = tl.maximum(tl.maximum(k_hi * h, tl.fma(k_hi, s1, m2)), tl.fma(k_hi, s2, m8))
+        if OUT_BF16:  # positive and exact in bf16: the high halves are the bf16 bits, the low halves zero
+            word = (q_lo.to(tl.int32, bitcast=True) >> 16) | q_hi.to(tl.int32, bitcast=True)
+        else:
+            word = _fp16_bits(q_lo) | (_fp16_bits(q_hi) << 16)
+        tl.store(vals_ptr + offs, word | signs, mask=m)
 
 
 @triton.jit
