@@ -1,9 +1,11 @@
 """Triton NVFP4 quantizer, bitwise equal to `minite.ref.nvfp4` for RNE (codes, block scales, S_dec).
 
 Every fp32 step is the reference's, in its order, with IEEE division (`tl.div_rn`), and no step is a
-multiply-add that fp-fusion could contract. E4M3 rounding is done on the fp32 bits (RNE to 3 mantissa
-bits for normals; `(u + 2^23) - 2^23` for the subnormal range), so no fp8 conversion of Triton is
-trusted and the kernel runs unchanged in the CPU interpreter. Tensor and static scaling get their
+multiply-add that fp-fusion could contract. E4M3 rounding is the GPU's cvt.rn.satfinite (HW=True; the
+GPU tests check its bits) or, in the CPU interpreter, done on the fp32 bits (RNE to 3 mantissa bits
+for normals; `(u + 2^23) - 2^23` for the subnormal range). E2M1 rounding is `_e2m1_rint` (fmas and
+mins, equal to the reference's thresholds). bf16/fp16 inputs with 1x16 blocks and RNE take the pair
+kernel (`nvfp4_pairs.py`), about twice as fast, same bits. Tensor and static scaling get their
 global scales from the reference's own `global_scales` (torch, a handful of scalars); row scaling
 computes them in the kernel (pass 1: row amax; pass 2: quantize). The RHT, when asked for, is the
 reference's fp32 `apply_rht` applied first, so even RHT outputs match. Stochastic rounding uses
@@ -118,7 +120,7 @@ def _block_scales(bamax, s_enc, s_dec, CHAIN: tl.constexpr, HW: tl.constexpr):
 @triton.jit
 def _e2m1_rint(a, HW: tl.constexpr):
     """|v| (fp32 >= 0) -> 2^23 + its E2M1 magnitude code (0..7) as fp32 (the code is in the low bits):
-    RNE, saturating at 6, the reference's thresholds in five fp32 operations. The code is rint(g(a))
+    RNE, saturating at 6, the reference's thresholds in three fmas and three mins. The code is rint(g(a))
     with g(a) = min(2a, a + 2, a / 2 + 4, 7), piecewise linear through the grid (0.5 -> 1, 2 -> 4,
     4 -> 6, 6 -> 7); ties to even on the code are ties to even on E2M1's mantissa. Each piece is one
     fma with 2^23 added (a single rounding, to an integer) and rint is monotone, so the min of the
@@ -128,13 +130,6 @@ def _e2m1_rint(a, HW: tl.constexpr):
         a = tl.where(a == a, a, 6.0)
     return tl.minimum(tl.minimum(tl.fma(a, 2.0, 8388608.0), tl.fma(a, 1.0, 8388610.0)),
                       tl.minimum(tl.fma(a, 0.5, 8388612.0), 8388615.0))
-
-
-@triton.jit
-def _e2m1_magnitude(c):
-    """`_e2m1_rint`'s 2^23 + code -> the E2M1 magnitude (fp32): max(code / 2, code - 2, 2 code - 8)."""
-    k = c - 8388608.0
-    return tl.maximum(tl.maximum(k * 0.5, k - 2.0), tl.fma(k, 2.0, -8.0))
 
 
 @triton.jit

@@ -1,12 +1,12 @@
 """The NVFP4 quantizer's fast path for 16-bit input (bf16, fp16), 1x16 blocks, RNE: x read as int32
-words, two elements each, so a thread holds both nibbles of every code byte it writes and the bf16
--> fp32 widening is a shift and a mask. Row scaling keeps the whole row in registers (x read once).
-Same steps as `nvfp4._quantize_kernel` (same helpers), so the same bits as `minite.ref.nvfp4`.
+words, two elements each, loaded as [rows, blocks, 8 words] so that a thread owns whole 16-element
+blocks (no shuffles, no layout conversions), holds both nibbles of every code byte it writes, and
+widens bf16 to fp32 with a shift and a mask. Whole rows stay in registers (row scaling reads x once).
+Same helpers as `nvfp4._quantize_kernel`, so the same bits as `minite.ref.nvfp4`.
 
-Why: the general kernel spends about 25 instructions per element, the bound at about 0.4 of the copy
-bandwidth on the H200 (its integer pipe runs at half the fp32 rate). Here: one 16-bit -> fp32 step,
-one max, one multiply and ~10 operations for the E2M1 code per element; the per-block scale work is
-shared by the two threads of a block.
+Why (SASS counted with benchmarks/sass_quantize.py): the general kernel runs ~25 instructions per
+element, 0.40-0.49 of the H200's copy bandwidth; this one 15.5 for packed codes (0.82) and 23 for
+the fused values (0.87, where the traffic is the copy's).
 """
 
 import torch
@@ -88,8 +88,8 @@ def _emit_blocks(lo, hi, signs, cols, bamax, s_enc, s_dec, rows, row_ok, w0, cod
                 + tl.umulhi(signs.to(tl.uint32, bitcast=True), 0x100100).to(tl.int32, bitcast=True))
         tl.store(codes_ptr + offs, byte.to(tl.uint8), mask=m)
     if WRITE_VALUES:
-        # |value| * s_b = max(k s_b / 2, (k - 2) s_b, (2k - 8) s_b) for the code k (`_e2m1_magnitude` with
-        # s_b folded into per-block constants); exact, and exact in the 16-bit output type
+        # |value| * s_b = max(k s_b / 2, (k - 2) s_b, (2k - 8) s_b) for the magnitude code k (the E2M1 grid
+        # 0, .5, 1, 1.5, 2, 3, 4, 6 is convex in k), per-block constants; exact in the 16-bit output
         h, s1, s2 = (sb * 0.5)[:, :, None], sb[:, :, None], (sb * 2.0)[:, :, None]
         m2, m8 = (sb * -2.0)[:, :, None], (sb * -8.0)[:, :, None]
         k_lo = c_lo - 8388608.0
