@@ -1,10 +1,14 @@
-"""SASS instruction counts of the quantize kernels, compiled for the H200 (sm_90) on a machine without
-a GPU: `triton.compile` to a cubin, `nvdisasm` (shipped with Triton) to SASS, ptxas -v for registers
-and spills. The per-element cost is the main body (the IEEE-division slow path, a subroutine that
-normally never runs, excluded) over the elements one thread handles: the number to move before
-spending GPU time (the pair kernel went from ~25 to 15.5 instructions per element this way).
+"""SASS of our kernels compiled for the H200 (sm_90) on a machine without a GPU: `triton.compile` to a
+cubin, `nvdisasm` (shipped with Triton) to SASS, ptxas -v for registers and spills. The number to move
+before spending GPU time (the quantize pair kernel went from ~25 to 15.5 instructions per element
+this way).
 
-    python benchmarks/sass_quantize.py            # pair kernel, codes and fused values, 4096-wide rows
+- quantize: the pair kernel's main body (the IEEE-division slow path, a subroutine that normally
+  never runs, excluded) over the elements one thread handles, codes and fused values;
+- decode: the packed-weight decode GEMM's tiles (M 1, 16, 32, 64 at N = K = 4096): static counts,
+  registers, and the shared-memory traffic (STS/LDS) the dequantized weight tile takes to the MMA.
+
+    python benchmarks/sass_kernels.py [quantize|decode] [--k 4096]
 """
 
 import argparse
@@ -18,8 +22,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from minite.kernels import gemm as kg
 from minite.kernels import nvfp4_pairs as kp
 
+DECODE_SIGNATURE = {"a_ptr": "*i32", "codes_ptr": "*u8", "ws_ptr": "*u8", "sa_ptr": "*fp32",
+                    "sw_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
+                    "M": "i32", "N": "i32",
+                    "stride_am": "i32", "stride_cn": "i32", "stride_sn": "i32", "stride_om": "i32",
+                    "stride_sa": "i32"}
 SIGNATURE = {"w_ptr": "*i32", "codes_ptr": "*u8", "scales_ptr": "*u8", "vals_ptr": "*i32",
              "sdec_out_ptr": "*fp32", "amax_out_ptr": "*fp32", "gs_ptr": "*fp32", "R": "i32",
              "stride_wr": "i32", "rows_per_gs": "i32"}
@@ -62,11 +72,8 @@ def main_body_ops(sass: str) -> collections.Counter:
     return ops
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--k", type=int, default=4096, help="row width (elements)")
-    args = p.parse_args()
-    kw = args.k // 2
+def quantize(k: int) -> None:
+    kw = k // 2
     block_w = triton.next_power_of_2(kw)
     block_r = max(1, kp.CONFIG["WORDS"] // block_w)
     warps = max(1, block_r * block_w // (32 * kp.CONFIG["WORDS_PER_THREAD"]))
@@ -81,6 +88,26 @@ def main():
         print(f"pair kernel, {mode}: {total} instructions for {per_thread} elements a thread = "
               f"{total / per_thread:.1f} per element ({summary})")
         print("   ", ", ".join(f"{op} {n}" for op, n in ops.most_common(12)))
+
+
+def decode(k: int) -> None:
+    for bm, tile in kg.DECODE_TILES.items():
+        t = {key: v for key, v in tile.items() if key not in ("MIN_PROGRAMS", "num_warps", "num_stages")}
+        const = dict(K=k, EPILOGUE=0, A_BF16=True, SPLIT_K=1, **t)
+        sass, summary = compile_sass(kg._w4a4_decode_kernel, DECODE_SIGNATURE, const, tile["num_warps"],
+                                     aligned=("stride_am", "stride_cn", "stride_sn", "stride_om"))
+        ops = main_body_ops(sass)
+        print(f"decode M<={bm} {t}: {sum(ops.values())} static instructions, STS {ops['STS']}, "
+              f"LDS {ops['LDS'] + ops['LDSM']}, HGMMA {ops['HGMMA']} ({summary})")
+        print("   ", ", ".join(f"{op} {n}" for op, n in ops.most_common(12)))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("what", nargs="?", default="quantize", choices=["quantize", "decode"])
+    p.add_argument("--k", type=int, default=4096, help="row width / reduction length (elements)")
+    args = p.parse_args()
+    (quantize if args.what == "quantize" else decode)(args.k)
 
 
 if __name__ == "__main__":
