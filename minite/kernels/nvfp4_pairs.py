@@ -52,7 +52,8 @@ def _fp16_bits(v):
 def _load_blocks(w_rows, row_ok, w0, KW: tl.constexpr, IN_BF16: tl.constexpr, EVEN: tl.constexpr,
                  BLOCK_R: tl.constexpr, NB: tl.constexpr):
     """Words [w0, w0 + 8 NB) of BLOCK_R rows as [BLOCK_R, NB, 8] (one 16-element block per row of 8
-    words) -> (even elements, odd elements, word offsets in the row, block amax [BLOCK_R, NB])."""
+    words) -> (even elements, odd elements, their sign bits (w & 0x80008000), word offsets in the row,
+    block amax [BLOCK_R, NB])."""
     cols = w0 + tl.arange(0, NB)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
     if EVEN:  # no row or column past the end: unmasked
         w = tl.load(w_rows[:, :, None] + cols)
