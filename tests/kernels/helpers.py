@@ -31,3 +31,24 @@ def adversarial(rows: int, k: int, seed: int = 0) -> torch.Tensor:
     x[4, 5] = 3.0e4
     x[5] = torch.linspace(-1.0, 1.0, k)
     return x
+
+
+def model_through_fused_kernels(monkeypatch, module, name: str):
+    """A tiny fp32 Qwen3's output with the fused kernels off and on, and how many times `module.name`
+    ran while on: (plain, fused, calls)."""
+    from minite.models import Qwen3, tiny_qwen3
+    from minite.nn.fused import use_fused_kernels
+
+    model = Qwen3(tiny_qwen3(), recipe="bf16").float()
+    model.init_weights(std=0.2, generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    want = model(ids)
+    calls = []
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(1) or real(*a))
+    use_fused_kernels(True)
+    try:
+        got = model(ids)
+    finally:
+        use_fused_kernels(None)
+    return want, got, len(calls), model.config.num_hidden_layers

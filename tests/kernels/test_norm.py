@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from minite.kernels import norm as kn
-from minite.models import Qwen3, tiny_qwen3
 from minite.nn import norm
-from minite.nn.fused import use_fused_kernels
+from tests.kernels.helpers import model_through_fused_kernels
 
 
 @pytest.mark.parametrize("dtype,d", [(torch.float32, 64), (torch.float32, 100), (torch.float16, 128)])
@@ -46,19 +45,8 @@ def test_bad_shapes_raise():
 
 
 def test_switch_routes_the_model_through_the_kernel(monkeypatch):
-    model = Qwen3(tiny_qwen3(), recipe="bf16").float()
-    model.init_weights(std=0.2, generator=torch.Generator().manual_seed(0))
-    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
-    want = model(ids)
-    calls = []
-    real = kn._launch
-    monkeypatch.setattr(kn, "_launch", lambda *a: calls.append(1) or real(*a))
-    use_fused_kernels(True)
-    try:
-        got = model(ids)
-    finally:
-        use_fused_kernels(None)
-    assert len(calls) == 4 * model.config.num_hidden_layers + 1  # input, post-attn, q, k; final norm
+    want, got, calls, layers = model_through_fused_kernels(monkeypatch, kn, "_launch")
+    assert calls == 4 * layers + 1  # input, post-attn, q, k; final norm
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 

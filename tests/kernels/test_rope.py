@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from minite.kernels import rope as kr
-from minite.models import Qwen3, tiny_qwen3
 from minite.nn import rope
 from minite.nn.fused import use_fused_kernels
+from tests.kernels.helpers import model_through_fused_kernels
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -40,19 +40,8 @@ def test_gradient_and_switch(monkeypatch):
 
 
 def test_model_runs_both_fused_kernels(monkeypatch):
-    model = Qwen3(tiny_qwen3(), recipe="bf16").float()
-    model.init_weights(std=0.2, generator=torch.Generator().manual_seed(0))
-    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
-    want = model(ids)
-    calls = []
-    real = kr.apply_rope
-    monkeypatch.setattr(kr, "apply_rope", lambda *a: calls.append(1) or real(*a))
-    use_fused_kernels(True)
-    try:
-        got = model(ids)
-    finally:
-        use_fused_kernels(None)
-    assert len(calls) == 2 * model.config.num_hidden_layers  # q and k in every layer
+    want, got, calls, layers = model_through_fused_kernels(monkeypatch, kr, "apply_rope")
+    assert calls == 2 * layers  # q and k in every layer
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 

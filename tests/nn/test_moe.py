@@ -20,6 +20,23 @@ def _moe(recipe="aligned", e=8, h=32, i=16, k=2, **kw):
     return MoEExperts(e, h, i, k, recipe=recipe, **kw)
 
 
+def _assert_matches_reference(moe, x, g, tol):
+    """moe(x) backward g against `moe_reference`: output, input and parameter gradients within tol."""
+    y = moe(x)
+    y.backward(g)
+    grads = [p.grad.clone() for p in moe.parameters()]
+    dx = x.grad.clone()
+    moe.zero_grad()
+    x.grad = None
+    yr = moe_reference(moe, x)
+    yr.backward(g)
+    assert y.shape == x.shape
+    assert _rel(y.float(), yr.float()) <= tol
+    assert _rel(dx.float(), x.grad.float()) <= tol
+    for a, p in zip(grads, moe.parameters()):
+        assert _rel(a.float(), p.grad.float()) <= tol, p.shape
+
+
 def test_group_by_expert_layout():
     ids = torch.tensor([[3, 0], [0, 2], [3, 2], [0, 3]])  # [T=4, k=2]
     g = group_by_expert(ids, num_experts=5)
@@ -37,20 +54,7 @@ def test_group_by_expert_layout():
 def test_grouped_equals_per_expert_reference(recipe):
     moe = _moe(recipe)
     x = torch.randn(3, 11, 32, requires_grad=True)
-    g = torch.randn(3, 11, 32)
-    y = moe(x)
-    y.backward(g)
-    grads = [p.grad.clone() for p in moe.parameters()]
-    dx = x.grad.clone()
-    moe.zero_grad()
-    x.grad = None
-    yr = moe_reference(moe, x)
-    yr.backward(g)
-    assert y.shape == x.shape
-    assert _rel(y, yr) <= MOE_RTOL
-    assert _rel(dx, x.grad) <= MOE_RTOL
-    for a, p in zip(grads, moe.parameters()):
-        assert _rel(a, p.grad) <= MOE_RTOL
+    _assert_matches_reference(moe, x, torch.randn(3, 11, 32), MOE_RTOL)
 
 
 @pytest.mark.parametrize("backward", ["dequantized", "nvfp4"])
@@ -133,21 +137,9 @@ def test_bf16_experts_on_grouped_mm_equal_the_reference(dtype, monkeypatch):
     real = torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
     x = torch.randn(5, 9, 32, dtype=dtype, requires_grad=True)
-    g = torch.randn(5, 9, 32, dtype=dtype)
-    y = moe(x)
-    y.backward(g)
-    assert len(calls) == 2  # gate_up and down, one call each for all experts
-    grads = [p.grad.clone() for p in moe.parameters()]
-    dx = x.grad.clone()
-    moe.zero_grad()
-    x.grad = None
-    yr = moe_reference(moe, x)
-    yr.backward(g)
     tol = MOE_RTOL if dtype == torch.float32 else 1e-2  # bf16: other GEMM kernels, other roundings
-    assert _rel(y.float(), yr.float()) <= tol
-    assert _rel(dx.float(), x.grad.float()) <= tol
-    for a, p in zip(grads, moe.parameters()):
-        assert _rel(a.float(), p.grad.float()) <= tol, p.shape
+    _assert_matches_reference(moe, x, torch.randn(5, 9, 32, dtype=dtype), tol)
+    assert len(calls) == 2  # gate_up and down, one call each for all experts (the reference: none)
 
 
 def test_grouped_mm_needs_aligned_sizes():
