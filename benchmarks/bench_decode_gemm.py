@@ -1,16 +1,22 @@
 """Decode-regime W4A4 GEMM (small M, packed 4-bit weights read from memory) vs cuBLAS bf16.
 
 Ceiling: bf16 weights are 2 B, NVFP4 0.5 + 1/16 B per weight, so at most 3.56x faster than bf16.
-Ours: `decode` config (`gemm.decode_config`'s tile; GEMM only, and with the activation quantizer) and
-the batch-invariant `aligned` config on the packed weights. Tile sweeps: sweep_decode_gemm.py.
+Ours: the `decode` config (`decode_gemm.decode_config`'s tile; GEMM alone, and with the activation
+quantizer) and the batch-invariant `aligned` config on the packed weights. Tile sweeps:
+sweep_decode_gemm.py.
+
+Two timings of each: `do_bench` (one call, L2 flushed before it) and, as a decode step runs them, a
+CUDA graph of back-to-back calls over rotating weight copies (more bytes than the 50 MB L2, so every
+call reads its weight from HBM; no launch gaps). The headline `x` columns are the graph ones.
 """
 
 # ruff: noqa: B023  (lambdas are timed at once, inside the loop that binds them)
 import multiprocessing as mp
 
 import torch
-from bench_common import DECODE_CEILING, bench_ms, parse_args, report
+from bench_common import DECODE_CEILING, bench_ms, parse_args, report, warm_up
 
+from minite.kernels import decode_gemm as kd
 from minite.kernels import gemm as kg
 from minite.kernels import nvfp4 as kq
 
@@ -18,6 +24,7 @@ from minite.kernels import nvfp4 as kq
 SHAPES = {"q|o": (4096, 4096), "k|v": (1024, 4096), "gate|up": (12288, 4096),
           "gate+up": (24576, 4096), "down": (4096, 12288)}
 MS = (1, 8, 32, 64)
+ROTATE_BYTES = 256 << 20  # weight bytes a graph's calls cycle through (> 5x the L2)
 
 
 def operands(n, k, m):
@@ -28,10 +35,32 @@ def operands(n, k, m):
     return w, x, wq, a, sa
 
 
+def graph_us(calls) -> float:
+    """Microseconds per call of `calls` (a list of thunks) replayed as one CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:  # warm (and allocate) outside the capture
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    return bench_ms(g.replay, warmup=10, rep=60) * 1e3 / len(calls)
+
+
+def copies(t: torch.Tensor, per_copy_bytes: int) -> list:
+    n = max(2, min(64, -(-ROTATE_BYTES // per_copy_bytes)))
+    return [t.clone() for _ in range(n)]
+
+
 def _warm(job):
     """Compile one (shape, M)'s kernels (fills Triton's on-disk cache for the timing process)."""
     n, k, m = job
-    _, x, wq, a, sa = operands(n, k, m)
+    _, x, wq, _, _ = operands(n, k, m)
     for cfg in ("decode", "aligned"):
         kg.w4a4_gemm(*kq.quantize_unscaled(x), wq.codes, wq.global_scale, wq.block_scales, config=cfg)
     torch.cuda.synchronize()
@@ -42,30 +71,36 @@ def main():
     todo = [(n, k, m) for n, k in SHAPES.values() for m in MS]
     with mp.get_context("spawn").Pool(min(len(todo), 12)) as pool:
         pool.map(_warm, todo)
+    warm_up()
     rows = []
     for layer, (n, k) in SHAPES.items():
         for m in MS:
             w, x, wq, a, sa = operands(n, k, m)
-            base = bench_ms(lambda: torch.matmul(x, w.t()))
             wbytes = n * k * (0.5 + 1 / 16)
-            cfg = kg.decode_config(m, n, k)
-            row = dict(layer=layer, M=m, N=n, K=k, cublas_us=base * 1e3,
+            cfg = kd.decode_config(m, n, k)
+            row = dict(layer=layer, M=m, N=n, K=k,
                        tile=f"BM{cfg['BM']} BN{cfg['BN']} BK{cfg['BK']} S{cfg['SPLIT_K']}")
-            for name in ("decode", "aligned"):
-                t = bench_ms(lambda: kg.w4a4_gemm(a, sa, wq.codes, wq.global_scale, wq.block_scales,
-                                                  config=name))
-                row[f"{name}_us"] = t * 1e3
-                row[f"{name}_speedup"] = base / t
-                if name == "decode":
-                    tq = bench_ms(lambda: kg.w4a4_gemm(*kq.quantize_unscaled(x), wq.codes, wq.global_scale,
-                                                       wq.block_scales, config=name))
-                    row["decode+quant_speedup"] = base / tq
-                    row["decode_frac_ceiling"] = base / t / DECODE_CEILING
-                    row["decode_weight_tb_s"] = wbytes / t / 1e9
+            ws = copies(w, w.numel() * 2)
+            qs = list(zip(copies(wq.codes, int(wbytes)), copies(wq.block_scales, 1), strict=False))
+            base = graph_us([lambda w=w_: torch.matmul(x, w.t()) for w_ in ws])
+            ours = graph_us([lambda c=c, s=s: kg.w4a4_gemm(a, sa, c, wq.global_scale, s, config="decode")
+                             for c, s in qs])
+            ours_q = graph_us([lambda c=c, s=s: kg.w4a4_gemm(*kq.quantize_unscaled(x), c, wq.global_scale, s,
+                                                             config="decode") for c, s in qs])
+            row.update(cublas_us=base, decode_us=ours, decode_x=base / ours, decode_quant_x=base / ours_q,
+                       decode_frac_ceiling=base / ours / DECODE_CEILING,
+                       decode_weight_tb_s=wbytes / ours / 1e6)
+            # one call, L2 flushed (do_bench): the same kernels without the graph
+            b1 = bench_ms(lambda: torch.matmul(x, w.t())) * 1e3
+            d1 = bench_ms(lambda: kg.w4a4_gemm(a, sa, wq.codes, wq.global_scale, wq.block_scales,
+                                               config="decode")) * 1e3
+            al = bench_ms(lambda: kg.w4a4_gemm(a, sa, wq.codes, wq.global_scale, wq.block_scales)) * 1e3
+            row.update(flush_cublas_us=b1, flush_decode_us=d1, flush_decode_x=b1 / d1, aligned_x=b1 / al)
             rows.append(row)
+            print({key: round(v, 3) if isinstance(v, float) else v for key, v in row.items()}, flush=True)
     report("decode gemm", rows, args.out,
            dict(target="decode >= 2.5x cuBLAS bf16 at M in {1, 8, 32, 64}", ceiling=DECODE_CEILING,
-                decode_tiles=kg.DECODE_TILES, configs=kg.CONFIGS))
+                decode_tiles=kd.DECODE_TILES, rotate_bytes=ROTATE_BYTES))
 
 
 if __name__ == "__main__":

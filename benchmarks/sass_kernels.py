@@ -22,10 +22,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from minite.kernels import gemm as kg
+from minite.kernels import decode_gemm as kd
 from minite.kernels import nvfp4_pairs as kp
 
-DECODE_SIGNATURE = {"a_ptr": "*i32", "codes_ptr": "*u8", "ws_ptr": "*u8", "sa_ptr": "*fp32",
+DECODE_SIGNATURE = {"a_ptr": "*i32", "codes_ptr": "*i16", "ws_ptr": "*u8", "sa_ptr": "*fp32",
                     "sw_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
                     "M": "i32", "N": "i32",
                     "stride_am": "i32", "stride_cn": "i32", "stride_sn": "i32", "stride_om": "i32",
@@ -72,6 +72,25 @@ def main_body_ops(sass: str) -> collections.Counter:
     return ops
 
 
+def main_loop_ops(sass: str) -> collections.Counter:
+    """Opcode counts of the longest loop (a label up to the backward branch to it)."""
+    labels, ins = {}, []
+    for line in sass.splitlines():
+        m = re.match(r"^\s*(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = len(ins)
+            continue
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*)", line)
+        if m:
+            ins.append((m.group(1), m.group(2)))
+    best = (0, -1)
+    for i, (op, rest) in enumerate(ins):
+        target = re.search(r"(\.L_x_\d+)", rest) if op.startswith("BRA") else None
+        if target and labels.get(target.group(1), i) < i and i - labels[target.group(1)] > best[1] - best[0]:
+            best = (labels[target.group(1)], i)
+    return collections.Counter(op.split(".")[0] for op, _ in ins[best[0]: best[1] + 1])
+
+
 def quantize(k: int) -> None:
     kw = k // 2
     block_w = triton.next_power_of_2(kw)
@@ -91,13 +110,15 @@ def quantize(k: int) -> None:
 
 
 def decode(k: int) -> None:
-    for bm, tile in kg.DECODE_TILES.items():
+    for bm, tile in kd.DECODE_TILES.items():
         t = {key: v for key, v in tile.items() if key not in ("MIN_PROGRAMS", "num_warps", "num_stages")}
-        const = dict(K=k, EPILOGUE=0, A_BF16=True, SPLIT_K=1, **t)
-        sass, summary = compile_sass(kg._w4a4_decode_kernel, DECODE_SIGNATURE, const, tile["num_warps"],
+        const = dict(K=k, EPILOGUE=0, A_BF16=True, HW=True, SPLIT_K=1, EVEN_N=True, **t)
+        sass, summary = compile_sass(kd._w4a4_decode_kernel, DECODE_SIGNATURE, const, tile["num_warps"],
                                      aligned=("stride_am", "stride_cn", "stride_sn", "stride_om"))
-        ops = main_body_ops(sass)
-        print(f"decode M<={bm} {t}: {sum(ops.values())} static instructions, STS {ops['STS']}, "
+        ops = main_loop_ops(sass)
+        per_thread = t["BN"] * t["BK"] / (32 * tile["num_warps"])  # weights a thread dequantizes per step
+        print(f"decode M<={bm} {t}: main loop {sum(ops.values())} instructions = "
+              f"{sum(ops.values()) / per_thread:.2f} per weight, STS {ops['STS']}, "
               f"LDS {ops['LDS'] + ops['LDSM']}, HGMMA {ops['HGMMA']} ({summary})")
         print("   ", ", ".join(f"{op} {n}" for op, n in ops.most_common(12)))
 

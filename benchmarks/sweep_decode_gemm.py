@@ -5,10 +5,12 @@ times, in one process: cuBLAS bf16, the `aligned` config on the packed weight, `
 pick, and each candidate; each candidate's output is compared bit for bit with the aligned path on
 the dequantized copy (Gaussian data: nearly every fp32 sum is exact, FACTS.md 1.1).
 
-Expectations written before the first run (2026-11-30): M = 1 (FMA path) 2.5-3x cuBLAS on the large
-shapes (dequant ~5 ALU ops per weight, so ~2 TB/s), less on k/v and q/o (a few us of launch and
-latency against cuBLAS's 5-15 us); M = 8 (mma.sync, BN 32) ~2-2.5x; M = 32 / 64 1.5-2.2x (every N tile
-re-reads the activation from L2, and the MMA work grows with M).
+Expectations written before the first run of the int16-word kernel (session 5): the loop runs ~5.2
+instructions per weight at M <= 16 (sass_kernels.py decode), ~6.5 at M <= 32 and ~9.5 at M <= 64
+(the activation's bf16 -> fp16 pass through registers grows with M), against ~5 that the issue rate
+allows at full HBM bandwidth. So M = 1 and 8: 2-2.5x cuBLAS on the large shapes if latency is hidden
+(~2 TB/s of packed weight); M = 32 ~1.8x; M = 64 ~1.3x; k/v and q/o lower (launch and split-K
+reduction against cuBLAS's 10-20 us).
 
     python benchmarks/sweep_decode_gemm.py --out OUT.json [--workers 12]
 """
@@ -24,16 +26,15 @@ import torch
 SHAPES = {"q|o": (4096, 4096), "k|v": (1024, 4096), "gate|up": (12288, 4096),
           "gate+up": (24576, 4096), "down": (4096, 12288)}
 MS = (1, 8, 32, 64)
-# (BN, BK, SCALE_3D, num_warps, num_stages) per M padded; SPLIT_K from decode_config's rule
+# (BN, BK, num_warps, num_stages, MIN_PROGRAMS) per M padded; SPLIT_K from decode_config's rule
 TILES = {
-    1: [(32, 256, False, 4, 4), (32, 256, True, 4, 4), (16, 512, False, 4, 3), (64, 256, False, 4, 4),
-        (32, 512, False, 4, 3), (64, 128, False, 4, 4)],
-    16: [(32, 256, False, 4, 4), (32, 256, True, 4, 4), (64, 256, False, 4, 4), (64, 128, False, 4, 4),
-         (16, 512, False, 4, 3), (128, 128, False, 4, 3)],
-    32: [(64, 256, False, 4, 4), (64, 256, True, 4, 4), (32, 256, False, 4, 4), (128, 128, False, 4, 4),
-         (128, 256, False, 8, 3)],
-    64: [(128, 128, False, 4, 4), (128, 128, True, 4, 4), (64, 256, False, 4, 4), (256, 128, False, 8, 3),
-         (128, 256, False, 8, 3)],
+    16: [(64, 256, 4, 4, 264), (64, 256, 4, 4, 132), (64, 256, 4, 4, 528), (64, 128, 4, 4, 264),
+         (64, 512, 4, 3, 264), (64, 256, 4, 6, 264), (128, 256, 4, 4, 264), (128, 256, 8, 4, 264),
+         (128, 128, 8, 4, 264), (64, 256, 4, 2, 264)],
+    32: [(64, 256, 4, 4, 264), (64, 256, 4, 4, 132), (64, 128, 4, 4, 264), (64, 256, 4, 6, 264),
+         (128, 256, 8, 4, 264), (128, 128, 8, 4, 264), (128, 128, 4, 4, 264)],
+    64: [(64, 256, 4, 4, 264), (64, 128, 4, 4, 264), (64, 128, 4, 6, 264), (128, 128, 8, 4, 264),
+         (128, 256, 8, 3, 264), (64, 256, 4, 4, 132)],
 }
 
 
@@ -45,19 +46,13 @@ def split_for(n, k, bn, bk, min_programs):
 
 
 def candidates(m, n, k):
-    bm = 1 if m == 1 else (16 if m <= 16 else (32 if m <= 32 else 64))
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     out = []
-    for i, (bn, bk, s3, wp, st) in enumerate(TILES[bm]):
-        splits = {split_for(n, k, bn, bk, 264)}
-        if i == 0:
-            splits |= {split_for(n, k, bn, bk, 132), split_for(n, k, bn, bk, 528)}
-        for sp in sorted(splits):
-            if k % (sp * bk) == 0:
-                out.append(dict(kernel="decode", BM=bm, BN=bn, BK=bk, SPLIT_K=sp, SCALE_3D=s3,
-                                num_warps=wp, num_stages=st))
-    if bm == 1:  # the MMA path at M = 1, for comparison with the FMA path
-        out.append(dict(kernel="decode", BM=16, BN=32, BK=256, SPLIT_K=split_for(n, k, 32, 256, 264),
-                        SCALE_3D=False, num_warps=4, num_stages=4))
+    for bn, bk, wp, st, mp_ in TILES[bm]:
+        sp = split_for(n, k, bn, bk, mp_)
+        cfg = dict(kernel="decode", BM=bm, BN=bn, BK=bk, SPLIT_K=sp, num_warps=wp, num_stages=st)
+        if k % (sp * bk) == 0 and cfg not in out:
+            out.append(cfg)
     return out
 
 
@@ -95,8 +90,7 @@ def compile_worker(chunk):
 
 
 def tile_name(r):
-    return (f"BM{r['BM']} BN{r['BN']} BK{r['BK']} S{r['SPLIT_K']}{' 3D' if r['SCALE_3D'] else ''} "
-            f"w{r['num_warps']} st{r['num_stages']}")
+    return f"BM{r['BM']} BN{r['BN']} BK{r['BK']} S{r['SPLIT_K']} w{r['num_warps']} st{r['num_stages']}"
 
 
 def main():
@@ -106,6 +100,7 @@ def main():
     args = p.parse_args()
     from bench_common import bench_ms, env_info
 
+    from minite.kernels import decode_gemm as kd
     from minite.kernels import gemm as kg
 
     t0 = time.time()
@@ -126,7 +121,7 @@ def main():
             base = bench_ms(lambda: torch.matmul(x, w.t()), warmup=5, rep=30)
             aligned = bench_ms(lambda: kg.w4a4_gemm(a, sa, wq.codes, wq.global_scale, wq.block_scales),
                                warmup=5, rep=30)
-            pick = kg.decode_config(m, n, k)
+            pick = kd.decode_config(m, n, k)
             cands = candidates(m, n, k)
             if pick not in cands:
                 cands.append(pick)
@@ -134,7 +129,7 @@ def main():
             for cfg in cands:
                 key = (layer, m, json.dumps(cfg, sort_keys=True))
                 row = dict(layer=layer, M=m, N=n, K=k, **{c: cfg[c] for c in
-                           ("BM", "BN", "BK", "SPLIT_K", "SCALE_3D", "num_warps", "num_stages")},
+                           ("BM", "BN", "BK", "SPLIT_K", "num_warps", "num_stages")},
                            picked=cfg == pick, cublas_us=base * 1e3)
                 if key in failed:
                     rows.append(dict(row, error=failed[key]))

@@ -30,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minite.kernels.rounding import round_bf16
+from minite.kernels import decode_gemm
+from minite.kernels.epilogue import EPILOGUES, epilogue
 
 CONFIGS = {
     "aligned": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
@@ -43,7 +44,6 @@ CONFIGS = {
     # the CPU interpreter: small tiles, any M
     "interpret": dict(BM=16, BN=32, BK=32, GROUP_M=2, num_warps=4, num_stages=1),
 }
-EPILOGUES = {"sdec": 0, "alpha": 1, "bf16_scalar": 2}
 ALIGNED_LARGE_M = 2048
 
 
@@ -102,22 +102,6 @@ def tile_acc(a_rows, w_ptr, ws_ptr, offs_n, mask_m, mask_n, stride_wn, stride_ws
 
 
 @triton.jit
-def epilogue(acc, sa, sw, EPILOGUE: tl.constexpr):
-    """fp32 accumulator [BM, BN], per-row sa [BM], scalar sw -> the scaled fp32 (or bf16) output."""
-    if EPILOGUE == 1:
-        scale = (sa * sw) * 1.3840171485260771e-07  # fl32(1 / 7225344)
-    else:
-        scale = sa * sw
-    if EPILOGUE == 2:
-        # bf16 * bf16 is exact in fp32, so rounding the fp32 product once is the bf16 multiply. The
-        # result stays fp32 (bf16-exact): one return type for every epilogue (Triton needs that).
-        out = round_bf16(round_bf16(acc) * round_bf16(scale)[:, None])
-    else:
-        out = acc * scale[:, None]
-    return out
-
-
-@triton.jit
 def _w4a4_kernel(a_ptr, w_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, M, N,
                  stride_am, stride_wn, stride_wsn, stride_om, stride_sa,
                  K: tl.constexpr, EPILOGUE: tl.constexpr, W_PACKED: tl.constexpr, DOT_F16: tl.constexpr,
@@ -143,191 +127,6 @@ def _w4a4_kernel(a_ptr, w_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, M, N,
              out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-# decode tiles by M padded (1: the FMA path), from benchmarks/sweep_decode_gemm.py on the H200
-# (2026-11-30); SPLIT_K doubles (by `decode_config`) until the grid has MIN_PROGRAMS programs
-DECODE_TILES = {
-    1: dict(BM=1, BN=32, BK=256, SCALE_3D=True, MIN_PROGRAMS=264, num_warps=4, num_stages=4),
-    16: dict(BM=16, BN=128, BK=128, SCALE_3D=False, MIN_PROGRAMS=132, num_warps=4, num_stages=3),
-    32: dict(BM=32, BN=64, BK=256, SCALE_3D=True, MIN_PROGRAMS=132, num_warps=4, num_stages=4),
-    64: dict(BM=64, BN=128, BK=128, SCALE_3D=True, MIN_PROGRAMS=132, num_warps=4, num_stages=4),
-}
-MAX_SPLIT_K = 16
-# the decode kernel's weight tiles hold e2m1 * s_b * 2^-7 (exact in fp16); the epilogue undoes it
-DECODE_W_SHIFT = 128.0
-
-
-@triton.jit
-def _codes_to_f16(p):
-    """Code bytes -> (even, odd) fp16 tensors of e2m1 * 2^-14: the magnitude bits land on the fp16
-    exponent's low bits and the mantissa's top bit, so codes 0 and 1 become fp16 subnormals."""
-    p = p.to(tl.uint16)
-    lo = ((p << 9) & 0x0E00) | ((p << 12) & 0x8000)
-    hi = ((p << 5) & 0x0E00) | ((p << 8) & 0x8000)
-    return lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _scale_f16(sb):
-    """E4M3 bytes -> fp16 s_b * 2^7 (exact; at most 448 * 128 = 57344 < 65504)."""
-    return (_e4m3_to_float(sb) * 128.0).to(tl.float16)
-
-
-@triton.jit
-def _decode_w_tiles(codes_ptr, scales_ptr, offs_n, mask_n, kb, stride_cn, stride_sn,
-                    BN: tl.constexpr, BK: tl.constexpr, SCALE_3D: tl.constexpr):
-    """Packed rows offs_n, columns kb .. kb + BK -> (even, odd) [BN, BK // 2] fp16 tiles of
-    e2m1 * s_b * 2^-7. fp16(e2m1 * 2^-14) * fp16(s_b * 2^7) is exact (a product of at most 6
-    significant bits, >= 2^-17 on the fp16 grid), checked over all codes and scales by the tests."""
-    rows = offs_n.to(tl.int64)
-    if SCALE_3D:
-        offs_b = tl.arange(0, BK // 16)
-        offs_e = tl.arange(0, 8)
-        p = tl.load(codes_ptr + rows[:, None, None] * stride_cn
-                    + (kb // 2 + offs_b[None, :, None] * 8 + offs_e[None, None, :]),
-                    mask=mask_n[:, None, None], other=0)  # [BN, BK // 16, 8] uint8
-        sb = tl.load(scales_ptr + rows[:, None] * stride_sn + (kb // 16 + offs_b)[None, :],
-                     mask=mask_n[:, None], other=0)  # [BN, BK // 16]
-        s = _scale_f16(sb)[:, :, None]
-        lo, hi = _codes_to_f16(p)
-        return tl.reshape(lo * s, [BN, BK // 2]), tl.reshape(hi * s, [BN, BK // 2])
-    offs_j = tl.arange(0, BK // 2)
-    p = tl.load(codes_ptr + rows[:, None] * stride_cn + (kb // 2 + offs_j)[None, :],
-                mask=mask_n[:, None], other=0)  # [BN, BK // 2] uint8
-    # each scale byte read by the 8 bytes (16 codes) of its block
-    sb = tl.load(scales_ptr + rows[:, None] * stride_sn + (kb // 16 + offs_j // 8)[None, :],
-                 mask=mask_n[:, None], other=0)  # [BN, BK // 2]
-    s = _scale_f16(sb)
-    lo, hi = _codes_to_f16(p)
-    return lo * s, hi * s
-
-
-@triton.jit
-def _a_pairs(x, A_BF16: tl.constexpr):
-    """int32 words of two activation values (even in the low half) -> (even, odd) fp16 (exact for
-    e2m1 * s_b)."""
-    lo = x.to(tl.int16)
-    hi = (x >> 16).to(tl.int16)
-    if A_BF16:
-        return (lo.to(tl.bfloat16, bitcast=True).to(tl.float16),
-                hi.to(tl.bfloat16, bitcast=True).to(tl.float16))
-    return lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _w4a4_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, part_ptr, count_ptr, M, N,
-                        stride_am, stride_cn, stride_sn, stride_om, stride_sa,
-                        K: tl.constexpr, EPILOGUE: tl.constexpr, A_BF16: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
-                        SCALE_3D: tl.constexpr):
-    """out[:M, tile] for packed weights; a_ptr is the activation viewed as int32 pairs [M, K // 2].
-    BM == 1: FMA reduction (M = 1); else acc^T [BN, BM] += W_even a_even^T + W_odd a_odd^T."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    mask_n = offs_n < N
-    offs_m = tl.arange(0, BM)
-    mask_m = offs_m < M
-    offs_j = tl.arange(0, BK // 2)
-    KS: tl.constexpr = K // SPLIT_K
-    k_first = pid_k * KS
-    if BM == 1:
-        acc2 = tl.zeros([BN, BK // 2], dtype=tl.float32)
-        for k0 in range(0, KS, BK):
-            kb = k_first + k0
-            w_ev, w_od = _decode_w_tiles(codes_ptr, ws_ptr, offs_n, mask_n, kb, stride_cn, stride_sn,
-                                         BN, BK, SCALE_3D)
-            a_ev, a_od = _a_pairs(tl.load(a_ptr + kb // 2 + offs_j), A_BF16)  # [BK // 2]
-            acc2 += w_ev.to(tl.float32) * a_ev.to(tl.float32)[None, :]
-            acc2 += w_od.to(tl.float32) * a_od.to(tl.float32)[None, :]
-        acc = tl.sum(acc2, axis=1)[None, :] * 128.0  # [1, BN]; undoes DECODE_W_SHIFT
-    else:
-        a_cols = a_ptr + offs_m.to(tl.int64)[None, :] * stride_am
-        acc_t = tl.zeros([BN, BM], dtype=tl.float32)
-        for k0 in range(0, KS, BK):
-            kb = k_first + k0
-            w_ev, w_od = _decode_w_tiles(codes_ptr, ws_ptr, offs_n, mask_n, kb, stride_cn, stride_sn,
-                                         BN, BK, SCALE_3D)
-            x = tl.load(a_cols + (kb // 2 + offs_j)[:, None], mask=mask_m[None, :], other=0)
-            a_ev, a_od = _a_pairs(x, A_BF16)  # [BK // 2, BM]
-            acc_t = tl.dot(w_ev, a_ev, acc_t)
-            acc_t = tl.dot(w_od, a_od, acc_t)
-        acc = tl.trans(acc_t) * 128.0  # [BM, BN]; undoes DECODE_W_SHIFT
-    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    out_mask = mask_m[:, None] & mask_n[None, :]
-    sa = tl.load(sa_ptr + offs_m * stride_sa, mask=mask_m, other=1.0)
-    sw = tl.load(sw_ptr)
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, epilogue(acc, sa, sw, EPILOGUE).to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        # part [SPLIT_K, BM, N] fp32; the last program of this N tile to arrive sums the partials in
-        # split order (deterministic) and resets the tile's counter for the next launch
-        parts = part_ptr + offs_m[:, None] * N + offs_n[None, :]
-        tl.store(parts + pid_k * BM * N, acc, mask=out_mask)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            tl.debug_barrier()
-            total = tl.zeros([BM, BN], dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                total += tl.load(parts + s * BM * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-            tl.store(count_ptr + pid_n, 0)
-            tl.store(out_ptrs, epilogue(total, sa, sw, EPILOGUE).to(out_ptr.dtype.element_ty),
-                     mask=out_mask)
-
-
-def decode_config(m: int, n: int, k: int) -> dict:
-    """The decode kernel's tile for this (M, N, K): by M padded (1, 16, 32, 64), then SPLIT_K (a power
-    of 2 dividing K // BK) until the grid reaches the tile's MIN_PROGRAMS. Depends on M only through
-    the padding: rows of one padded size share the tile and the K order."""
-    if m > 64:
-        raise ValueError(f"the decode config serves M <= 64, got M={m}; use 'aligned' or 'prefill'")
-    bm = 1 if m == 1 else (16 if m <= 16 else (32 if m <= 32 else 64))
-    cfg = dict(DECODE_TILES[bm], kernel="decode")
-    min_programs = cfg.pop("MIN_PROGRAMS")
-    split = 1
-    while (triton.cdiv(n, cfg["BN"]) * split < min_programs and split < MAX_SPLIT_K
-           and k % (2 * split * cfg["BK"]) == 0):
-        split *= 2
-    cfg["SPLIT_K"] = split
-    return cfg
-
-
-_COUNTERS: dict = {}
-
-
-def _split_counters(n_tiles: int, device) -> torch.Tensor:
-    """One int32 arrival counter per N tile, zero between launches (the kernel resets what it uses).
-    Cached per device; the first call allocates (do it before a CUDA graph capture)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n_tiles:
-        buf = torch.zeros(max(n_tiles, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
-
-
-def _launch_decode(a, sa, codes, w_scale, block_scales, out, epilogue_id, cfg):
-    m, k = a.shape
-    n = codes.shape[0]
-    bm, bn, bk, split = cfg["BM"], cfg["BN"], cfg["BK"], cfg["SPLIT_K"]
-    if m > max(bm, 1) or (bm == 1 and m != 1):
-        raise ValueError(f"decode tile BM={bm} cannot hold M={m}")
-    if k % (split * bk):
-        raise ValueError(f"K={k} must be a multiple of SPLIT_K * BK = {split * bk}")
-    a32 = a.view(torch.int32)  # [M, K // 2]: (even, odd) value pairs
-    sb = block_scales.view(torch.uint8)
-    tiles = triton.cdiv(n, bn)
-    if split > 1:
-        part = torch.empty(split, bm, n, dtype=torch.float32, device=a.device)
-        counters = _split_counters(tiles, a.device)
-    else:
-        part = counters = out
-    _w4a4_decode_kernel[(tiles, split)](
-        a32, codes, sb, sa, w_scale, out, part, counters, m, n,
-        a32.stride(0), codes.stride(0), sb.stride(0), out.stride(0), 0 if sa.numel() == 1 else 1,
-        K=k, EPILOGUE=epilogue_id, A_BF16=a.dtype == torch.bfloat16, BM=bm, BN=bn, BK=bk,
-        SPLIT_K=split, SCALE_3D=cfg["SCALE_3D"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-
-
 def pick_config(config, m: int, n: int, k: int | None = None, packed: bool = False) -> dict:
     """A CONFIGS name (or a dict) -> the tile dict used for this (M, N); `decode` and `aligned` look at
     M. With packed weights (and K given), `decode` selects the decode kernel's tile (`decode_config`)."""
@@ -340,10 +139,7 @@ def pick_config(config, m: int, n: int, k: int | None = None, packed: bool = Fal
     if config == "decode" and m > 64:
         raise ValueError(f"the decode config serves M <= 64, got M={m}; use 'aligned' or 'prefill'")
     if config == "decode" and packed and k is not None:
-        cfg = decode_config(m, n, k)
-        if interpreted():
-            cfg.update(BN=32, BK=32, num_stages=1)
-        return cfg
+        return decode_gemm.decode_config(m, n, k)
     if interpreted():
         return CONFIGS["interpret"]
     if config == "aligned" and m >= ALIGNED_LARGE_M:
@@ -370,7 +166,7 @@ def w4a4_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: 
         if not packed:
             raise ValueError("the decode kernel reads packed weights (uint8 codes + w_block_scales)")
         out = torch.empty(m, n, dtype=out_dtype, device=a.device)
-        _launch_decode(a, a_scale.reshape(-1), w, w_scale, w_block_scales, out, EPILOGUES[epilogue], cfg)
+        decode_gemm.launch(a, a_scale.reshape(-1), w, w_scale, w_block_scales, out, EPILOGUES[epilogue], cfg)
         return out
     if k % cfg["BK"]:
         raise ValueError(f"K={k} must be a multiple of the config's BK={cfg['BK']}")

@@ -79,68 +79,6 @@ def test_bad_arguments_raise():
         kg.w4a4_gemm(a, s, a, torch.ones(2, device=dev))
 
 
-@triton.jit
-def _decode_values_kernel(codes_ptr, scales_ptr, lo_ptr, hi_ptr, NC: tl.constexpr, NS: tl.constexpr):
-    c = tl.load(codes_ptr + tl.arange(0, NC))[:, None]
-    s = kg._scale_f16(tl.load(scales_ptr + tl.arange(0, NS)))[None, :]
-    lo, hi = kg._codes_to_f16(c)
-    offs = tl.arange(0, NC)[:, None] * NS + tl.arange(0, NS)[None, :]
-    tl.store(lo_ptr + offs, lo * s)
-    tl.store(hi_ptr + offs, hi * s)
-
-
-def test_decode_dequant_is_exact_for_every_code_byte_and_scale():
-    """fp16(e2m1 * 2^-14) * fp16(s_b * 2^7) == e2m1 * s_b * 2^-7 for all 256 code bytes (both nibbles)
-    and all 127 finite unsigned E4M3 bytes (0x7f, NaN, never comes out of a quantizer)."""
-    dev = device()
-    codes = torch.arange(256, dtype=torch.uint8, device=dev)
-    scales = torch.arange(128, dtype=torch.uint8, device=dev)
-    lo = torch.empty(256, 128, dtype=torch.float16, device=dev)
-    hi = torch.empty_like(lo)
-    _decode_values_kernel[(1,)](codes, scales, lo, hi, NC=256, NS=128)
-    e2m1 = torch.tensor(nvfp4.E2M1_VALUES, dtype=torch.float64)
-    e2m1 = torch.cat([e2m1, -e2m1])
-    sb = scales.cpu().view(torch.float8_e4m3fn).double()
-    for got, nib in ((lo, codes.cpu() & 15), (hi, codes.cpu() >> 4)):
-        want = e2m1[nib.long()][:, None] * sb[None, :] / 128.0
-        assert torch.equal(got.cpu().double()[:, :127], want[:, :127])
-
-
-DECODE_CASES = [  # (M, N, K, tile): the FMA path (M = 1), the MMA path, split-K, 3-D scale loads
-    (1, 40, 128, dict(BM=1, BN=16, BK=32, SPLIT_K=1, SCALE_3D=False)),
-    (1, 40, 128, dict(BM=1, BN=16, BK=32, SPLIT_K=2, SCALE_3D=True)),
-    (5, 40, 128, dict(BM=16, BN=16, BK=32, SPLIT_K=1, SCALE_3D=False)),
-    (5, 40, 128, dict(BM=16, BN=16, BK=32, SPLIT_K=4, SCALE_3D=True)),
-]
-
-
-@pytest.mark.parametrize("m, n, k, tile", DECODE_CASES)
-def test_decode_kernel_matches_aligned_on_gaussian_data(m, n, k, tile):
-    """Gaussian data: every fp32 sum is exact (FACTS.md 1.1), so the decode kernel's other K order
-    gives the aligned path's bits, also on a second launch that reuses the split-K counters."""
-    x, w = torch.randn(m, k), torch.randn(n, k)
-    xq, wq = nvfp4.quantize(x, "row"), nvfp4.quantize(w, "tensor")
-    a, sa, wqd, sw = operands(xq, wq, device())
-    want = kg.w4a4_gemm(a, sa, kg.unscaled_copy(wqd), sw, out_dtype=torch.float32)
-    cfg = dict(tile, kernel="decode", num_warps=4, num_stages=1)
-    for _ in range(2):  # the second launch checks that the split-K counters were reset
-        got = kg.w4a4_gemm(a, sa, wqd.codes, sw, wqd.block_scales, out_dtype=torch.float32, config=cfg)
-        assert torch.equal(got, want)
-
-
-def test_decode_config_is_picked_by_padded_m_and_rejects_copies():
-    for m, bm in ((1, 1), (2, 16), (16, 16), (17, 32), (64, 64)):
-        assert kg.decode_config(m, 12288, 4096)["BM"] == bm
-    cfg = kg.decode_config(1, 1024, 4096)
-    assert cfg["SPLIT_K"] > 1 and 4096 % (cfg["SPLIT_K"] * cfg["BK"]) == 0
-    with pytest.raises(ValueError, match="M <= 64"):
-        kg.decode_config(65, 1024, 4096)
-    dt, dev = kg.operand_dtype(device()), device()
-    a, s = torch.zeros(2, 64, dtype=dt, device=dev), torch.ones((), device=dev)
-    with pytest.raises(ValueError, match="packed"):
-        kg.w4a4_gemm(a, s, a, s, config=dict(kg.decode_config(2, 64, 64), kernel="decode"))
-
-
 @pytest.mark.gpu
 def test_gpu_error_bound_against_reference():
     x, w = torch.randn(256, 4096), torch.randn(512, 4096)

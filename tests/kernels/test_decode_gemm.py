@@ -1,0 +1,84 @@
+"""The decode-regime W4A4 GEMM (packed weights, M <= 64): its in-register dequantization and its
+output against the aligned path. On the GPU the dequantization is inline PTX; in the CPU interpreter
+the same K order runs with plain integer ops."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from minite import nvfp4
+from minite.kernels import available, interpreted
+from minite.kernels import decode_gemm as kd
+from minite.kernels import gemm as kg
+from tests.kernels.helpers import device
+from tests.kernels.test_gemm import operands
+
+pytestmark = pytest.mark.skipif(not available(), reason="Triton kernels unavailable")
+
+
+@triton.jit
+def _dequant_kernel(q_ptr, scales_ptr, out_ptr, NQ: tl.constexpr, NS: tl.constexpr, HW: tl.constexpr):
+    rows = tl.arange(0, NQ)[:, None]
+    cols = tl.arange(0, NS)[None, :]
+    q = tl.load(q_ptr + rows + 0 * cols)  # every code word against every scale byte
+    s = kd._scale_f16(tl.load(scales_ptr + 0 * rows + cols), HW)
+    offs = rows * NS + cols
+    tl.store(out_ptr + offs, kd._nibble_f16(q, 0, HW) * s)
+    tl.store(out_ptr + NQ * NS + offs, kd._nibble_f16(q, 1, HW) * s)
+    tl.store(out_ptr + 2 * NQ * NS + offs, kd._nibble_f16(q, 2, HW) * s)
+    tl.store(out_ptr + 3 * NQ * NS + offs, kd._nibble_f16(q, 3, HW) * s)
+
+
+def test_dequant_is_exact_for_every_code_and_scale():
+    """fp16(e2m1 * 2^-14) * fp16(s_b) == e2m1 * s_b * 2^-14 exactly, for every code in each of the
+    four nibble positions of an int16 word (words c * 0x1111, and random words: no bleeding between
+    nibbles) and all 127 finite unsigned E4M3 bytes (0x7f, NaN, never comes out of a quantizer)."""
+    dev = device()
+    g = torch.Generator().manual_seed(0)
+    words = torch.cat([torch.arange(16) * 0x1111, torch.randint(0, 1 << 16, (112,), generator=g)])
+    q = words.to(torch.int32).to(torch.int16)  # wraps to the same 16 bits
+    scales = torch.arange(128, dtype=torch.uint8)
+    out = torch.empty(4, 128, 128, dtype=torch.float16, device=dev)
+    _dequant_kernel[(1,)](q.to(dev), scales.to(dev), out, NQ=128, NS=128, HW=not interpreted())
+    e2m1 = torch.tensor(nvfp4.E2M1_VALUES, dtype=torch.float64)
+    e2m1 = torch.cat([e2m1, -e2m1])
+    sb = scales.view(torch.float8_e4m3fn).double()
+    for o in range(4):
+        want = e2m1[(words >> (4 * o)) & 15][:, None] * sb[None, :] / kd.W_SHIFT
+        assert torch.equal(out[o].cpu().double()[:, :127], want[:, :127]), o
+
+
+CASES = [  # (M, N, K, tile): ragged N (masked loads), N % BN == 0, split-K, padded M 16 and 32
+    (1, 40, 128, dict(BM=16, BN=16, BK=32, SPLIT_K=1)),
+    (5, 40, 128, dict(BM=16, BN=16, BK=32, SPLIT_K=4)),
+    (16, 32, 128, dict(BM=16, BN=32, BK=64, SPLIT_K=2)),
+    (20, 48, 64, dict(BM=32, BN=16, BK=32, SPLIT_K=1)),
+]
+
+
+@pytest.mark.parametrize("m, n, k, tile", CASES)
+def test_decode_matches_aligned_on_gaussian_data(m, n, k, tile):
+    """Gaussian data: every fp32 sum is exact (FACTS.md 1.1), so the decode kernel's other K order
+    gives the aligned path's bits, also on a second launch that reuses the split-K counters."""
+    x, w = torch.randn(m, k), torch.randn(n, k)
+    xq, wq = nvfp4.quantize(x, "row"), nvfp4.quantize(w, "tensor")
+    a, sa, wqd, sw = operands(xq, wq, device())
+    want = kg.w4a4_gemm(a, sa, kg.unscaled_copy(wqd), sw, out_dtype=torch.float32)
+    cfg = dict(tile, kernel="decode", num_warps=4, num_stages=1)
+    for _ in range(2):  # the second launch checks that the split-K counters were reset
+        got = kg.w4a4_gemm(a, sa, wqd.codes, sw, wqd.block_scales, out_dtype=torch.float32, config=cfg)
+        assert torch.equal(got, want)
+
+
+def test_decode_config_is_picked_by_padded_m_and_rejects_copies():
+    for m, bm in ((1, 16), (2, 16), (16, 16), (17, 32), (64, 64)):
+        assert kd.decode_config(m, 12288, 4096)["BM"] == bm
+    cfg = kd.decode_config(1, 1024, 4096)
+    assert cfg["SPLIT_K"] > 1 and 4096 % (cfg["SPLIT_K"] * cfg["BK"]) == 0
+    with pytest.raises(ValueError, match="M <= 64"):
+        kd.decode_config(65, 1024, 4096)
+    dt, dev = kg.operand_dtype(device()), device()
+    a, s = torch.zeros(2, 64, dtype=dt, device=dev), torch.ones((), device=dev)
+    with pytest.raises(ValueError, match="packed"):
+        kg.w4a4_gemm(a, s, a, s, config=dict(kd.decode_config(2, 64, 64), kernel="decode"))
