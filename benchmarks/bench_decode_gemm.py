@@ -61,8 +61,10 @@ def _warm(job):
     """Compile one (shape, M)'s kernels (fills Triton's on-disk cache for the timing process)."""
     n, k, m = job
     _, x, wq, _, _ = operands(n, k, m)
-    for cfg in ("decode", "aligned"):
-        kg.w4a4_gemm(*kq.quantize_unscaled(x), wq.codes, wq.global_scale, wq.block_scales, config=cfg)
+    a, sa = kq.quantize_unscaled(x)
+    kd.decode_gemm(a, sa, kd.pack_codes(wq.codes, kd.decode_config(m, n, k)["BK"]), wq.global_scale,
+                   wq.block_scales)
+    kg.w4a4_gemm(a, sa, wq.codes, wq.global_scale, wq.block_scales)
     torch.cuda.synchronize()
 
 
@@ -81,19 +83,20 @@ def main():
             row = dict(layer=layer, M=m, N=n, K=k,
                        tile=f"BM{cfg['BM']} BN{cfg['BN']} BK{cfg['BK']} S{cfg['SPLIT_K']}")
             ws = copies(w, w.numel() * 2)
-            qs = list(zip(copies(wq.codes, int(wbytes)), copies(wq.block_scales, 1), strict=False))
+            codes = kd.pack_codes(wq.codes, cfg["BK"])  # the decode layout, made once per weight update
+            qs = list(zip(copies(codes, int(wbytes)), copies(wq.block_scales, 1), strict=False))
             base = graph_us([lambda w=w_: torch.matmul(x, w.t()) for w_ in ws])
-            ours = graph_us([lambda c=c, s=s: kg.w4a4_gemm(a, sa, c, wq.global_scale, s, config="decode")
+            ours = graph_us([lambda c=c, s=s: kd.decode_gemm(a, sa, c, wq.global_scale, s, config=cfg)
                              for c, s in qs])
-            ours_q = graph_us([lambda c=c, s=s: kg.w4a4_gemm(*kq.quantize_unscaled(x), c, wq.global_scale, s,
-                                                             config="decode") for c, s in qs])
+            ours_q = graph_us([lambda c=c, s=s: kd.decode_gemm(*kq.quantize_unscaled(x), c, wq.global_scale,
+                                                               s, config=cfg) for c, s in qs])
             row.update(cublas_us=base, decode_us=ours, decode_x=base / ours, decode_quant_x=base / ours_q,
                        decode_frac_ceiling=base / ours / DECODE_CEILING,
                        decode_weight_tb_s=wbytes / ours / 1e6)
             # one call, L2 flushed (do_bench): the same kernels without the graph
             b1 = bench_ms(lambda: torch.matmul(x, w.t())) * 1e3
-            d1 = bench_ms(lambda: kg.w4a4_gemm(a, sa, wq.codes, wq.global_scale, wq.block_scales,
-                                               config="decode")) * 1e3
+            d1 = bench_ms(lambda: kd.decode_gemm(a, sa, codes, wq.global_scale, wq.block_scales,
+                                                 config=cfg)) * 1e3
             al = bench_ms(lambda: kg.w4a4_gemm(a, sa, wq.codes, wq.global_scale, wq.block_scales)) * 1e3
             row.update(flush_cublas_us=b1, flush_decode_us=d1, flush_decode_x=b1 / d1, aligned_x=b1 / al)
             rows.append(row)

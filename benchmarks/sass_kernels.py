@@ -18,6 +18,7 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -25,7 +26,7 @@ from triton.compiler import ASTSource
 from minite.kernels import decode_gemm as kd
 from minite.kernels import nvfp4_pairs as kp
 
-DECODE_SIGNATURE = {"a_ptr": "*i32", "codes_ptr": "*i16", "ws_ptr": "*u8", "sa_ptr": "*fp32",
+DECODE_SIGNATURE = {"a_ptr": "*bf16", "codes_ptr": "*i16", "ws_ptr": "*u8", "sa_ptr": "*fp32",
                     "sw_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
                     "M": "i32", "N": "i32",
                     "stride_am": "i32", "stride_cn": "i32", "stride_sn": "i32", "stride_om": "i32",
@@ -112,7 +113,8 @@ def quantize(k: int) -> None:
 def decode(k: int) -> None:
     for bm, tile in kd.DECODE_TILES.items():
         t = {key: v for key, v in tile.items() if key not in ("MIN_PROGRAMS", "num_warps", "num_stages")}
-        const = dict(K=k, EPILOGUE=0, A_BF16=True, HW=True, SPLIT_K=1, EVEN_N=True, **t)
+        const = dict(K=k, EPILOGUE=0, BF16=True, HW=True, W_SHIFT=kd.W_SHIFT[torch.bfloat16], SPLIT_K=1,
+                     EVEN_N=True, **t)
         sass, summary = compile_sass(kd._w4a4_decode_kernel, DECODE_SIGNATURE, const, tile["num_warps"],
                                      aligned=("stride_am", "stride_cn", "stride_sn", "stride_om"))
         ops = main_loop_ops(sass)

@@ -1,16 +1,22 @@
 """Decode-regime W4A4 GEMM (small M, packed weights), the `decode` config of `kernels.gemm.w4a4_gemm`.
 
-The weight is read as it is stored (codes uint8 [N, K // 2] viewed as int32 words of 8 codes, E4M3
-block scales [N, K // 16]) and dequantized in registers, where it is the MMA's register operand:
-C^T = W A^T, so N fills the MMA rows and M pads to 16, 32 or 64.
+The weight is read packed (4-bit codes + E4M3 block scales) and dequantized in registers, where it
+is the MMA's register operand: C^T = W A^T, so N fills the MMA rows and M pads to 16, 32 or 64.
 
-K order (word-interleaved): nibble o of the words of a K step forms the weight operand of dot o, whose
-activation operand is the columns k = kb + 8c + o (c: the word). A word's nibbles never have to move
-between lanes, so no shared-memory shuffle of the dequantized weight. One inline-PTX block turns two
-words into eight fp16x2 registers (byte permute, shifts and masks: the code's magnitude bits land on
-the fp16 exponent's low bits and the mantissa's top bit, so a code is e2m1 * 2^-14), an fp16x2
-multiply applies the block scale (exact, the product lies on the fp16 grid), and the epilogue undoes
-the 2^-14. The CPU interpreter runs the same K order with plain integer ops instead of the PTX.
+Decode layout (`pack_codes`, made once per weight update): within each BK-wide chunk of a row, the
+codes are reordered so that int16 word c holds, at nibble o (bits 4o .. 4o + 3), the code of column
+o * BK / 4 + c. Nibble o of the chunk's words is then the weight operand of dot o, whose activation
+operand is the contiguous column range o * BK / 4 + c: the activation goes from global to shared
+memory by async copy, untouched (no register pass, no fence before each MMA), and a word's nibbles
+never move between lanes. Block scales keep their layout (dot o uses blocks o * BK / 64 + c // 16).
+
+Dequantization: inline PTX turns a pair of words into one 2 x 16-bit register per nibble position
+(shifts and masks put the code's magnitude bits on the exponent's low bits and the mantissa's top
+bit, its sign on the sign), multiplied by the block scale in the same precision (exact: the product
+has at most 6 significant bits and lies on the grid). The operand dtype is the activation's: fp16
+codes are e2m1 * 2^-14 times fp16 s_b; bf16 codes are e2m1 * 2^-126 (subnormal for +-0.5) times
+bf16 s_b * 2^62. The epilogue multiplies the fp32 accumulator back (W_SHIFT). The CPU interpreter
+runs the same K order with plain integer ops instead of the PTX.
 
 Split-K where N alone does not fill the GPU: the last program of an N tile to arrive sums the fp32
 partials in split order (deterministic). The K order depends on (N, K) and the tile, never on M, so
@@ -32,61 +38,76 @@ DECODE_TILES = {
     64: dict(BM=64, BN=64, BK=256, MIN_PROGRAMS=264, num_warps=4, num_stages=4),
 }
 MAX_SPLIT_K = 16
-W_SHIFT = 16384.0  # the weight operand holds e2m1 * s_b * 2^-14; the epilogue multiplies it back
+# the weight operand holds e2m1 * s_b / W_SHIFT; the epilogue multiplies it back
+W_SHIFT = {torch.float16: 2.0**14, torch.bfloat16: 2.0**64}
 
-def _nibble_asm(o: int) -> str:
-    """PTX: two int16 code pairs (one 32-bit register, pack=2) -> nibble o of each as fp16x2
-    e2m1 * 2^-14: the code's magnitude bits go to bits 9..11 (the fp16 exponent's low bits and the
-    mantissa's top bit), its sign to bit 15, in both halves at once."""
-    at = 4 * o  # the nibble's lowest bit
-    if o == 3:  # sign already on bit 15
-        return "{\n.reg .b32 u;\nshr.b32 u, $1, 3;\nand.b32 u, u, 0x0E000E00;\n" \
-               "and.b32 $0, $1, 0x80008000;\nor.b32 $0, $0, u;\n}"
-    mag = f"shl.b32 u, $1, {9 - at};" if at < 9 else f"shr.b32 u, $1, {at - 9};"
-    return ("{\n.reg .b32 u, v;\n" + mag + f"\nshl.b32 v, $1, {12 - at};\nand.b32 u, u, 0x0E000E00;\n"
+
+def pack_codes(codes: torch.Tensor, bk: int) -> torch.Tensor:
+    """Codes uint8 [N, K // 2] (two per byte, the even column low) -> the decode layout for chunks of
+    bk columns (same shape and dtype)."""
+    n, kh = codes.shape
+    if (2 * kh) % bk or bk % 64:
+        raise ValueError(f"K={2 * kh} must be a multiple of the decode chunk BK={bk}, itself of 64")
+    nib = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(n, 2 * kh // bk, 4, bk // 4)
+    nib = nib.transpose(-1, -2).reshape(n, kh, 2)  # word c, nibble o <- column o * bk / 4 + c
+    return (nib[..., 0] | (nib[..., 1] << 4)).contiguous()
+
+
+def _nibble_asm(o: int, bf16: bool) -> str:
+    """PTX: two int16 words (one 32-bit register, pack=2) -> nibble o of each as a 16-bit float pair:
+    magnitude bits to bits 9..11 (fp16) or 6..8 (bf16), sign to bit 15, both halves at once."""
+    at, dst = 4 * o, (6 if bf16 else 9)
+    mask = "0x01C001C0" if bf16 else "0x0E000E00"
+    mag = f"shl.b32 u, $1, {dst - at};" if at < dst else f"shr.b32 u, $1, {at - dst};"
+    sign = "mov.b32 v, $1;" if o == 3 else f"shl.b32 v, $1, {12 - at};"
+    return ("{\n.reg .b32 u, v;\n" + mag + "\n" + sign + f"\nand.b32 u, u, {mask};\n"
             "and.b32 v, v, 0x80008000;\nor.b32 $0, u, v;\n}")
 
 
-_NIBBLE_ASM = [tl.constexpr(_nibble_asm(o)) for o in range(4)]
-_ASM0, _ASM1, _ASM2, _ASM3 = _NIBBLE_ASM
+_F16_ASM = [tl.constexpr(_nibble_asm(o, False)) for o in range(4)]
+_BF16_ASM = [tl.constexpr(_nibble_asm(o, True)) for o in range(4)]
+_H0, _H1, _H2, _H3 = _F16_ASM
+_B0, _B1, _B2, _B3 = _BF16_ASM
 
 
 @triton.jit
-def _nibble_f16(q, o: tl.constexpr, HW: tl.constexpr):
-    """int16 code pairs (4 codes each, code o at bits 4o .. 4o + 3) -> fp16 e2m1 * 2^-14 of code o."""
+def _nibble(q, o: tl.constexpr, BF16: tl.constexpr, HW: tl.constexpr):
+    """int16 words (code o at bits 4o .. 4o + 3) -> code o as fp16 e2m1 * 2^-14 or bf16
+    e2m1 * 2^-126."""
     if HW:
-        if o == 0:
-            asm: tl.constexpr = _ASM0
-        elif o == 1:
-            asm: tl.constexpr = _ASM1
-        elif o == 2:
-            asm: tl.constexpr = _ASM2
+        if BF16:
+            asm: tl.constexpr = _B0 if o == 0 else (_B1 if o == 1 else (_B2 if o == 2 else _B3))
+            w = tl.inline_asm_elementwise(asm, "=r,r", [q], dtype=tl.bfloat16, is_pure=True, pack=2)
         else:
-            asm: tl.constexpr = _ASM3
-        return tl.inline_asm_elementwise(asm, "=r,r", [q], dtype=tl.float16, is_pure=True, pack=2)
-    c = (q.to(tl.uint16, bitcast=True) >> (4 * o)) & 15
-    return (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True)
+            asm: tl.constexpr = _H0 if o == 0 else (_H1 if o == 1 else (_H2 if o == 2 else _H3))
+            w = tl.inline_asm_elementwise(asm, "=r,r", [q], dtype=tl.float16, is_pure=True, pack=2)
+    else:
+        c = (q.to(tl.uint16, bitcast=True) >> (4 * o)) & 15
+        if BF16:
+            w = (((c & 7) << 6) | ((c & 8) << 12)).to(tl.bfloat16, bitcast=True)
+        else:
+            w = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True)
+    return w
 
 
 @triton.jit
-def _scale_f16(sb, HW: tl.constexpr):
-    """E4M3 bytes -> fp16 s_b (exact)."""
-    if HW:
-        return sb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+def _scale(sb, BF16: tl.constexpr, HW: tl.constexpr):
+    """E4M3 bytes -> fp16 s_b or bf16 s_b * 2^62 (exact)."""
+    if BF16:
+        s = (_e4m3_float(sb) * 4.611686018427388e18).to(tl.bfloat16)  # 2^62
+    elif HW:
+        s = sb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    else:
+        s = _e4m3_float(sb).to(tl.float16)
+    return s
+
+
+@triton.jit
+def _e4m3_float(sb):
+    """Unsigned E4M3 bytes -> fp32 (exact)."""
     b = sb.to(tl.int32)
     normal = ((b << 20) + (120 << 23)).to(tl.float32, bitcast=True)
-    return tl.where(b < 8, (b & 7).to(tl.float32) * 0.001953125, normal).to(tl.float16)
-
-
-@triton.jit
-def _act_f16(x, A_BF16: tl.constexpr):
-    """int32 words of two activation values -> (low, high) fp16 (exact for e2m1 * s_b)."""
-    lo = x.to(tl.int16)
-    hi = (x >> 16).to(tl.int16)
-    if A_BF16:
-        return (lo.to(tl.bfloat16, bitcast=True).to(tl.float16),
-                hi.to(tl.bfloat16, bitcast=True).to(tl.float16))
-    return lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True)
+    return tl.where(b < 8, (b & 7).to(tl.float32) * 0.001953125, normal)
 
 
 @triton.jit
@@ -100,11 +121,13 @@ def _load_rows(ptrs, mask_n, EVEN_N: tl.constexpr):
 @triton.jit
 def _w4a4_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, part_ptr, count_ptr, M, N,
                         stride_am, stride_cn, stride_sn, stride_om, stride_sa,
-                        K: tl.constexpr, EPILOGUE: tl.constexpr, A_BF16: tl.constexpr, HW: tl.constexpr,
+                        K: tl.constexpr, EPILOGUE: tl.constexpr, BF16: tl.constexpr, HW: tl.constexpr,
+                        W_SHIFT: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
                         EVEN_N: tl.constexpr):
-    """out[:M, tile] for packed weights; a_ptr is the activation viewed as int32 pairs [M, K // 2].
-    acc^T [BN, BM] += W_lo A_even + W_hi A_odd (low / high nibbles: even / odd columns)."""
+    """out[:M, tile] for decode-layout codes (int16 words [N, K // 4]). acc^T [BN, BM] += sum over o
+    of W_o A_o, A_o the activation columns kb + o * BK / 4 + c."""
+    QK: tl.constexpr = BK // 4  # each dot's K
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -112,29 +135,23 @@ def _w4a4_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, part_
     rows = offs_n.to(tl.int64)
     offs_m = tl.arange(0, BM)
     mask_m = offs_m < M
-    offs_c = tl.arange(0, BK // 4)
-    offs_b = tl.arange(0, BK // 16)
-    a_cols = a_ptr + offs_m.to(tl.int64)[None, :] * stride_am
+    offs_c = tl.arange(0, QK)
+    offs_b = tl.arange(0, BK // 64)
+    a_cols = a_ptr + offs_m.to(tl.int64)[None, :] * stride_am + offs_c[:, None]  # [QK, BM]
+    w_rows = codes_ptr + rows[:, None] * stride_cn + offs_c[None, :]  # [BN, QK]
+    s_rows = ws_ptr + rows[:, None] * stride_sn + offs_b[None, :]  # [BN, BK // 64]
     KS: tl.constexpr = K // SPLIT_K
     acc_t = tl.zeros([BN, BM], dtype=tl.float32)
     for k0 in range(0, KS, BK):
         kb = pid_k * KS + k0
-        q = _load_rows(codes_ptr + rows[:, None] * stride_cn + (kb // 4 + offs_c)[None, :], mask_n,
-                       EVEN_N)  # [BN, BK // 4] int16: codes kb + 4c .. kb + 4c + 3
-        sb = _load_rows(ws_ptr + rows[:, None] * stride_sn + (kb // 16 + offs_b)[None, :], mask_n,
-                        EVEN_N)  # [BN, BK // 16] scale bytes
-        # each block scale onto its 4 code pairs (a broadcast in registers: no shuffle)
-        s = tl.reshape(tl.broadcast_to(_scale_f16(sb, HW)[:, :, None], [BN, BK // 16, 4]), [BN, BK // 4])
-        # activation words 2c and 2c + 1 hold the columns 4c, 4c + 1 and 4c + 2, 4c + 3
-        x01 = tl.load(a_cols + (kb // 2 + 2 * offs_c)[:, None], mask=mask_m[None, :], other=0)
-        x23 = tl.load(a_cols + (kb // 2 + 2 * offs_c + 1)[:, None], mask=mask_m[None, :], other=0)
-        a0, a1 = _act_f16(x01, A_BF16)  # [BK // 4, BM]
-        a2, a3 = _act_f16(x23, A_BF16)
-        acc_t = tl.dot(_nibble_f16(q, 0, HW) * s, a0, acc_t)
-        acc_t = tl.dot(_nibble_f16(q, 1, HW) * s, a1, acc_t)
-        acc_t = tl.dot(_nibble_f16(q, 2, HW) * s, a2, acc_t)
-        acc_t = tl.dot(_nibble_f16(q, 3, HW) * s, a3, acc_t)
-    acc = tl.trans(acc_t) * 16384.0  # [BM, BN]; undoes W_SHIFT
+        q = _load_rows(w_rows + kb // 4, mask_n, EVEN_N)  # [BN, QK] int16 words
+        for o in tl.static_range(4):
+            sb = _load_rows(s_rows + (kb + o * QK) // 16, mask_n, EVEN_N)  # [BN, BK // 64]
+            # each block scale onto its 16 columns (a broadcast in registers: no shuffle)
+            s = tl.reshape(tl.broadcast_to(_scale(sb, BF16, HW)[:, :, None], [BN, BK // 64, 16]), [BN, QK])
+            x = tl.load(a_cols + kb + o * QK, mask=mask_m[None, :], other=0.0)  # [QK, BM]
+            acc_t = tl.dot(_nibble(q, o, BF16, HW) * s, x, acc_t)
+    acc = tl.trans(acc_t) * W_SHIFT  # [BM, BN]
     out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     out_mask = mask_m[:, None] & mask_n[None, :]
     sa = tl.load(sa_ptr + offs_m * stride_sa, mask=mask_m, other=1.0)
@@ -168,7 +185,7 @@ def decode_config(m: int, n: int, k: int) -> dict:
     cfg = dict(DECODE_TILES[bm], kernel="decode")
     min_programs = cfg.pop("MIN_PROGRAMS")
     if interpreted():
-        cfg.update(BN=32, BK=32, num_stages=1)
+        cfg.update(BN=32, BK=64, num_stages=1)
     split = 1
     while (triton.cdiv(n, cfg["BN"]) * split < min_programs and split < MAX_SPLIT_K
            and k % (2 * split * cfg["BK"]) == 0):
@@ -190,8 +207,24 @@ def _split_counters(n_tiles: int, device) -> torch.Tensor:
     return buf
 
 
+def decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, codes: torch.Tensor, w_scale: torch.Tensor,
+                block_scales: torch.Tensor, epilogue: str = "sdec", out_dtype=torch.bfloat16,
+                config: dict | None = None) -> torch.Tensor:
+    """`gemm.w4a4_gemm`'s decode config for a weight already in the decode layout: codes from
+    `pack_codes(codes, config["BK"])` (config defaults to `decode_config(M, N, K)`)."""
+    from minite.kernels.epilogue import EPILOGUES
+
+    m, k = a.shape
+    n = codes.shape[0]
+    cfg = config or decode_config(m, n, k)
+    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    launch(a, a_scale.reshape(-1), codes, w_scale, block_scales, out, EPILOGUES[epilogue], cfg)
+    return out
+
+
 def launch(a, sa, codes, w_scale, block_scales, out, epilogue_id: int, cfg: dict) -> None:
-    """out[:M] = the decode GEMM of a [M, K] (bf16 / fp16 values) and the packed weight."""
+    """out[:M] = the decode GEMM of a [M, K] (bf16 / fp16 values, unit stride along K) and a weight
+    whose codes are in the decode layout of cfg's BK (`pack_codes`)."""
     m, k = a.shape
     n = codes.shape[0]
     bm, bn, bk, split = cfg["BM"], cfg["BN"], cfg["BK"], cfg["SPLIT_K"]
@@ -199,7 +232,6 @@ def launch(a, sa, codes, w_scale, block_scales, out, epilogue_id: int, cfg: dict
         raise ValueError(f"decode tile BM={bm} cannot hold M={m}")
     if k % (split * bk):
         raise ValueError(f"K={k} must be a multiple of SPLIT_K * BK = {split * bk}")
-    a32 = a.view(torch.int32)  # [M, K // 2]: (even, odd) value pairs
     q16 = codes.view(torch.int16)  # [N, K // 4]: 4 codes each
     sb = block_scales.view(torch.uint8)
     tiles = triton.cdiv(n, bn)
@@ -209,8 +241,8 @@ def launch(a, sa, codes, w_scale, block_scales, out, epilogue_id: int, cfg: dict
     else:
         part = counters = out
     _w4a4_decode_kernel[(tiles, split)](
-        a32, q16, sb, sa, w_scale, out, part, counters, m, n,
-        a32.stride(0), q16.stride(0), sb.stride(0), out.stride(0), 0 if sa.numel() == 1 else 1,
-        K=k, EPILOGUE=epilogue_id, A_BF16=a.dtype == torch.bfloat16, HW=not interpreted(), BM=bm, BN=bn,
-        BK=bk, SPLIT_K=split, EVEN_N=n % bn == 0, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        a, q16, sb, sa, w_scale, out, part, counters, m, n,
+        a.stride(0), q16.stride(0), sb.stride(0), out.stride(0), 0 if sa.numel() == 1 else 1,
+        K=k, EPILOGUE=epilogue_id, BF16=a.dtype == torch.bfloat16, HW=not interpreted(),
+        W_SHIFT=W_SHIFT[a.dtype], BM=bm, BN=bn, BK=bk, SPLIT_K=split, EVEN_N=n % bn == 0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

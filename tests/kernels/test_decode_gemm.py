@@ -18,42 +18,60 @@ pytestmark = pytest.mark.skipif(not available(), reason="Triton kernels unavaila
 
 
 @triton.jit
-def _dequant_kernel(q_ptr, scales_ptr, out_ptr, NQ: tl.constexpr, NS: tl.constexpr, HW: tl.constexpr):
+def _dequant_kernel(q_ptr, scales_ptr, out_ptr, NQ: tl.constexpr, NS: tl.constexpr, BF16: tl.constexpr,
+                    HW: tl.constexpr):
     rows = tl.arange(0, NQ)[:, None]
     cols = tl.arange(0, NS)[None, :]
     q = tl.load(q_ptr + rows + 0 * cols)  # every code word against every scale byte
-    s = kd._scale_f16(tl.load(scales_ptr + 0 * rows + cols), HW)
+    s = kd._scale(tl.load(scales_ptr + 0 * rows + cols), BF16, HW)
     offs = rows * NS + cols
-    tl.store(out_ptr + offs, kd._nibble_f16(q, 0, HW) * s)
-    tl.store(out_ptr + NQ * NS + offs, kd._nibble_f16(q, 1, HW) * s)
-    tl.store(out_ptr + 2 * NQ * NS + offs, kd._nibble_f16(q, 2, HW) * s)
-    tl.store(out_ptr + 3 * NQ * NS + offs, kd._nibble_f16(q, 3, HW) * s)
+    for o in tl.static_range(4):
+        tl.store(out_ptr + o * NQ * NS + offs, (kd._nibble(q, o, BF16, HW) * s).to(tl.float32))
 
 
-def test_dequant_is_exact_for_every_code_and_scale():
-    """fp16(e2m1 * 2^-14) * fp16(s_b) == e2m1 * s_b * 2^-14 exactly, for every code in each of the
-    four nibble positions of an int16 word (words c * 0x1111, and random words: no bleeding between
-    nibbles) and all 127 finite unsigned E4M3 bytes (0x7f, NaN, never comes out of a quantizer)."""
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dequant_is_exact_for_every_code_and_scale(dtype):
+    """nibble * scale == e2m1 * s_b / W_SHIFT exactly, for every code in each of the four nibble
+    positions of an int16 word (words c * 0x1111, and random words: no bleeding between nibbles) and
+    all 127 finite unsigned E4M3 bytes (0x7f, NaN, never comes out of a quantizer). In bf16 the
+    codes +-0.5 are subnormal: this also checks that the multiply keeps them."""
+    if dtype == torch.bfloat16 and interpreted():
+        pytest.skip("bf16 is the GPU's operand dtype; the interpreter's bf16 is not faithful (FACTS.md 2)")
     dev = device()
     g = torch.Generator().manual_seed(0)
     words = torch.cat([torch.arange(16) * 0x1111, torch.randint(0, 1 << 16, (112,), generator=g)])
     q = words.to(torch.int32).to(torch.int16)  # wraps to the same 16 bits
     scales = torch.arange(128, dtype=torch.uint8)
-    out = torch.empty(4, 128, 128, dtype=torch.float16, device=dev)
-    _dequant_kernel[(1,)](q.to(dev), scales.to(dev), out, NQ=128, NS=128, HW=not interpreted())
+    out = torch.empty(4, 128, 128, dtype=torch.float32, device=dev)
+    _dequant_kernel[(1,)](q.to(dev), scales.to(dev), out, NQ=128, NS=128, BF16=dtype == torch.bfloat16,
+                          HW=not interpreted())
     e2m1 = torch.tensor(nvfp4.E2M1_VALUES, dtype=torch.float64)
     e2m1 = torch.cat([e2m1, -e2m1])
     sb = scales.view(torch.float8_e4m3fn).double()
     for o in range(4):
-        want = e2m1[(words >> (4 * o)) & 15][:, None] * sb[None, :] / kd.W_SHIFT
+        want = e2m1[(words >> (4 * o)) & 15][:, None] * sb[None, :] / kd.W_SHIFT[dtype]
         assert torch.equal(out[o].cpu().double()[:, :127], want[:, :127]), o
 
 
+def test_pack_codes_puts_column_o_bk4_plus_c_at_word_c_nibble_o():
+    g = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 256, (3, 256), generator=g, dtype=torch.int32).to(torch.uint8)  # K = 512
+    nib = torch.stack([codes & 15, codes >> 4], -1).reshape(3, 512)
+    packed = kd.pack_codes(codes, 256).view(torch.int16).to(torch.int32) & 0xFFFF  # [3, 128] words
+    for chunk in range(2):
+        for c in range(64):
+            for o in range(4):
+                got = (packed[:, chunk * 64 + c] >> (4 * o)) & 15
+                assert torch.equal(got.to(torch.uint8), nib[:, chunk * 256 + o * 64 + c])
+    with pytest.raises(ValueError, match="multiple"):
+        kd.pack_codes(codes[:, :96], 256)
+
+
 CASES = [  # (M, N, K, tile): ragged N (masked loads), N % BN == 0, split-K, padded M 16 and 32
-    (1, 40, 128, dict(BM=16, BN=16, BK=32, SPLIT_K=1)),
-    (5, 40, 128, dict(BM=16, BN=16, BK=32, SPLIT_K=4)),
-    (16, 32, 128, dict(BM=16, BN=32, BK=64, SPLIT_K=2)),
-    (20, 48, 64, dict(BM=32, BN=16, BK=32, SPLIT_K=1)),
+    (1, 40, 256, dict(BM=16, BN=16, BK=64, SPLIT_K=1)),
+    (5, 40, 256, dict(BM=16, BN=16, BK=64, SPLIT_K=4)),
+    (16, 32, 512, dict(BM=16, BN=32, BK=128, SPLIT_K=2)),
+    (20, 48, 128, dict(BM=32, BN=16, BK=64, SPLIT_K=1)),
 ]
 
 
