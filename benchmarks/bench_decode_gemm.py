@@ -62,8 +62,8 @@ def _warm(job):
     n, k, m = job
     _, x, wq, _, _ = operands(n, k, m)
     a, sa = kq.quantize_unscaled(x)
-    kd.decode_gemm(a, sa, kd.pack_codes(wq.codes, kd.decode_config(m, n, k)["BK"]), wq.global_scale,
-                   wq.block_scales)
+    kd.decode_gemm(a, sa, kd.pack_weight(wq.codes, wq.block_scales, kd.decode_config(m, n, k)["BK"]),
+                   wq.global_scale)
     kg.w4a4_gemm(a, sa, wq.codes, wq.global_scale, wq.block_scales)
     torch.cuda.synchronize()
 
@@ -78,25 +78,23 @@ def main():
     for layer, (n, k) in SHAPES.items():
         for m in MS:
             w, x, wq, a, sa = operands(n, k, m)
-            wbytes = n * k * (0.5 + 1 / 16)
+            wbytes = n * k * (0.5 + 2 / 16)  # codes + the decode layout's 16-bit block scales
             cfg = kd.decode_config(m, n, k)
             row = dict(layer=layer, M=m, N=n, K=k,
                        tile=f"BM{cfg['BM']} BN{cfg['BN']} BK{cfg['BK']} S{cfg['SPLIT_K']}")
             ws = copies(w, w.numel() * 2)
-            codes = kd.pack_codes(wq.codes, cfg["BK"])  # the decode layout, made once per weight update
-            qs = list(zip(copies(codes, int(wbytes)), copies(wq.block_scales, 1), strict=False))
+            dw = kd.pack_weight(wq.codes, wq.block_scales, cfg["BK"])  # once per weight update
+            dws = [kd.DecodeWeight(c, dw.scales.clone(), dw.bk) for c in copies(dw.codes, int(wbytes))]
             base = graph_us([lambda w=w_: torch.matmul(x, w.t()) for w_ in ws])
-            ours = graph_us([lambda c=c, s=s: kd.decode_gemm(a, sa, c, wq.global_scale, s, config=cfg)
-                             for c, s in qs])
-            ours_q = graph_us([lambda c=c, s=s: kd.decode_gemm(*kq.quantize_unscaled(x), c, wq.global_scale,
-                                                               s, config=cfg) for c, s in qs])
+            ours = graph_us([lambda d=d: kd.decode_gemm(a, sa, d, wq.global_scale, config=cfg) for d in dws])
+            ours_q = graph_us([lambda d=d: kd.decode_gemm(*kq.quantize_unscaled(x), d, wq.global_scale,
+                                                          config=cfg) for d in dws])
             row.update(cublas_us=base, decode_us=ours, decode_x=base / ours, decode_quant_x=base / ours_q,
                        decode_frac_ceiling=base / ours / DECODE_CEILING,
                        decode_weight_tb_s=wbytes / ours / 1e6)
             # one call, L2 flushed (do_bench): the same kernels without the graph
             b1 = bench_ms(lambda: torch.matmul(x, w.t())) * 1e3
-            d1 = bench_ms(lambda: kd.decode_gemm(a, sa, codes, wq.global_scale, wq.block_scales,
-                                                 config=cfg)) * 1e3
+            d1 = bench_ms(lambda: kd.decode_gemm(a, sa, dw, wq.global_scale, config=cfg)) * 1e3
             al = bench_ms(lambda: kg.w4a4_gemm(a, sa, wq.codes, wq.global_scale, wq.block_scales)) * 1e3
             row.update(flush_cublas_us=b1, flush_decode_us=d1, flush_decode_x=b1 / d1, aligned_x=b1 / al)
             rows.append(row)

@@ -26,7 +26,7 @@ from triton.compiler import ASTSource
 from minite.kernels import decode_gemm as kd
 from minite.kernels import nvfp4_pairs as kp
 
-DECODE_SIGNATURE = {"a_ptr": "*bf16", "codes_ptr": "*i16", "ws_ptr": "*u8", "sa_ptr": "*fp32",
+DECODE_SIGNATURE = {"a_ptr": "*bf16", "codes_ptr": "*i16", "ws_ptr": "*bf16", "sa_ptr": "*fp32",
                     "sw_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
                     "M": "i32", "N": "i32",
                     "stride_am": "i32", "stride_cn": "i32", "stride_sn": "i32", "stride_om": "i32",

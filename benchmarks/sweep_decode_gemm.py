@@ -5,12 +5,15 @@ times, in one process: cuBLAS bf16, the `aligned` config on the packed weight, `
 pick, and each candidate; each candidate's output is compared bit for bit with the aligned path on
 the dequantized copy (Gaussian data: nearly every fp32 sum is exact, FACTS.md 1.1).
 
-Expectations written before the first run of the int16-word kernel (session 5): the loop runs ~5.2
-instructions per weight at M <= 16 (sass_kernels.py decode), ~6.5 at M <= 32 and ~9.5 at M <= 64
-(the activation's bf16 -> fp16 pass through registers grows with M), against ~5 that the issue rate
-allows at full HBM bandwidth. So M = 1 and 8: 2-2.5x cuBLAS on the large shapes if latency is hidden
-(~2 TB/s of packed weight); M = 32 ~1.8x; M = 64 ~1.3x; k/v and q/o lower (launch and split-K
-reduction against cuBLAS's 10-20 us).
+Session 5, in order (graph timings in bench_decode_gemm.py; sass_kernels.py decode for the counts):
+- int16 code words, inline-PTX dequant into the wgmma register operand, strided bf16 activation
+  converted to fp16 in registers: 5.2-9.5 instructions per weight; measured 0.1-0.6x. The SASS had a
+  MEMBAR.ALL.CTA + proxy fence before every MMA (the register-written activation tile).
+- decode weight layout (activation slices async-copied untouched): 5.6-5.9 per weight, no fence;
+  measured 1.1-1.5x at M <= 8 on the large shapes (1.25-1.5 TB/s), 0.5-0.8x at M = 64.
+- block scales stored in the operand dtype (no E4M3 conversion in the loop): 3.2-3.8 per weight.
+  Expected: issue no longer the limit; 1.5-2x at M <= 8 if latency hiding holds, mma.sync tiles
+  (1-2 warps, no warpgroup waits) better than wgmma at M = 1-16.
 
     python benchmarks/sweep_decode_gemm.py --out OUT.json [--workers 12]
 """
@@ -26,15 +29,16 @@ import torch
 SHAPES = {"q|o": (4096, 4096), "k|v": (1024, 4096), "gate|up": (12288, 4096),
           "gate+up": (24576, 4096), "down": (4096, 12288)}
 MS = (1, 8, 32, 64)
-# (BN, BK, num_warps, num_stages, MIN_PROGRAMS) per M padded; SPLIT_K from decode_config's rule
+# (BN, BK, num_warps, num_stages, MIN_PROGRAMS) per M padded; SPLIT_K from decode_config's rule. BN a
+# multiple of 64 with 4 warps runs wgmma; 1-2 warps (or BN 32) run mma.sync (no warpgroup waits)
 TILES = {
-    16: [(64, 256, 4, 4, 264), (64, 256, 4, 4, 132), (64, 256, 4, 4, 528), (64, 128, 4, 4, 264),
-         (64, 512, 4, 3, 264), (64, 256, 4, 6, 264), (128, 256, 4, 4, 264), (128, 256, 8, 4, 264),
-         (128, 128, 8, 4, 264), (64, 256, 4, 2, 264)],
-    32: [(64, 256, 4, 4, 264), (64, 256, 4, 4, 132), (64, 128, 4, 4, 264), (64, 256, 4, 6, 264),
-         (128, 256, 8, 4, 264), (128, 128, 8, 4, 264), (128, 128, 4, 4, 264)],
-    64: [(64, 256, 4, 4, 264), (64, 128, 4, 4, 264), (64, 128, 4, 6, 264), (128, 128, 8, 4, 264),
-         (128, 256, 8, 3, 264), (64, 256, 4, 4, 132)],
+    16: [(64, 256, 4, 4, 264), (64, 256, 4, 2, 264), (64, 256, 4, 4, 528), (128, 256, 4, 4, 264),
+         (64, 256, 2, 4, 264), (64, 256, 2, 4, 528), (64, 256, 2, 2, 528), (32, 256, 1, 4, 528),
+         (128, 256, 2, 3, 264), (64, 512, 2, 3, 528), (64, 128, 2, 4, 528)],
+    32: [(64, 256, 4, 4, 264), (64, 256, 4, 2, 264), (128, 256, 4, 4, 264), (64, 256, 2, 4, 528),
+         (64, 256, 2, 2, 528), (64, 128, 2, 4, 528)],
+    64: [(64, 256, 4, 4, 264), (64, 256, 4, 2, 264), (128, 256, 4, 3, 264), (64, 128, 4, 4, 264),
+         (64, 256, 2, 3, 528), (128, 128, 4, 4, 264)],
 }
 
 
@@ -76,9 +80,8 @@ def run(a, sa, wq, cfg, packed, out_dtype=torch.bfloat16):
     from minite.kernels import decode_gemm as kd
 
     if cfg["BK"] not in packed:
-        packed[cfg["BK"]] = kd.pack_codes(wq.codes, cfg["BK"])
-    return kd.decode_gemm(a, sa, packed[cfg["BK"]], wq.global_scale, wq.block_scales, out_dtype=out_dtype,
-                          config=cfg)
+        packed[cfg["BK"]] = kd.pack_weight(wq.codes, wq.block_scales, cfg["BK"], a.dtype)
+    return kd.decode_gemm(a, sa, packed[cfg["BK"]], wq.global_scale, out_dtype=out_dtype, config=cfg)
 
 
 def compile_worker(chunk):

@@ -3,26 +3,30 @@
 The weight is read packed (4-bit codes + E4M3 block scales) and dequantized in registers, where it
 is the MMA's register operand: C^T = W A^T, so N fills the MMA rows and M pads to 16, 32 or 64.
 
-Decode layout (`pack_codes`, made once per weight update): within each BK-wide chunk of a row, the
+Decode layout (`pack_weight`, made once per weight update): within each BK-wide chunk of a row, the
 codes are reordered so that int16 word c holds, at nibble o (bits 4o .. 4o + 3), the code of column
 o * BK / 4 + c. Nibble o of the chunk's words is then the weight operand of dot o, whose activation
 operand is the contiguous column range o * BK / 4 + c: the activation goes from global to shared
 memory by async copy, untouched (no register pass, no fence before each MMA), and a word's nibbles
-never move between lanes. Block scales keep their layout (dot o uses blocks o * BK / 64 + c // 16).
+never move between lanes. The block scales keep their order and are stored in the operand dtype
+(0.125 instead of 0.0625 bytes per weight: converting E4M3 in the kernel cost ~1.5 instructions per
+weight, a quarter of the loop, because each scale is needed by four lanes).
 
 Dequantization: inline PTX turns a pair of words into one 2 x 16-bit register per nibble position
 (shifts and masks put the code's magnitude bits on the exponent's low bits and the mantissa's top
 bit, its sign on the sign), multiplied by the block scale in the same precision (exact: the product
 has at most 6 significant bits and lies on the grid). The operand dtype is the activation's: fp16
 codes are e2m1 * 2^-14 times fp16 s_b; bf16 codes are e2m1 * 2^-126 (subnormal for +-0.5) times
-bf16 s_b * 2^62. The epilogue multiplies the fp32 accumulator back (W_SHIFT). The CPU interpreter
-runs the same K order with plain integer ops instead of the PTX.
+bf16 s_b * 2^62 (SCALE_SHIFT). The epilogue multiplies the fp32 accumulator back (W_SHIFT). The CPU
+interpreter runs the same K order with plain integer ops instead of the PTX.
 
 Split-K where N alone does not fill the GPU: the last program of an N tile to arrive sums the fp32
 partials in split order (deterministic). The K order depends on (N, K) and the tile, never on M, so
 rows keep their bits for every M of one padded size; it is not the aligned order, so bits equal the
 aligned path's wherever the fp32 accumulation is exact (nearly all outputs, FACTS.md 1.1).
 """
+
+import dataclasses
 
 import torch
 import triton
@@ -42,15 +46,39 @@ MAX_SPLIT_K = 16
 W_SHIFT = {torch.float16: 2.0**14, torch.bfloat16: 2.0**64}
 
 
-def pack_codes(codes: torch.Tensor, bk: int) -> torch.Tensor:
-    """Codes uint8 [N, K // 2] (two per byte, the even column low) -> the decode layout for chunks of
-    bk columns (same shape and dtype)."""
+SCALE_SHIFT = {torch.float16: 1.0, torch.bfloat16: 2.0**62}  # stored scales are s_b * SCALE_SHIFT
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeWeight:
+    """A packed weight in the decode layout for chunks of bk columns: codes uint8 [N, K // 2] (two
+    per byte, reordered) and block scales [N, K // 16] in the operand dtype (s_b * SCALE_SHIFT)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    bk: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], 2 * self.codes.shape[1]
+
+
+def pack_weight(codes: torch.Tensor, block_scales: torch.Tensor, bk: int = 256,
+                dtype=torch.bfloat16) -> DecodeWeight:
+    """Codes uint8 [N, K // 2] (the even column in the low nibble) and E4M3 block scales [N, K // 16]
+    -> the decode layout for chunks of bk columns and activations of `dtype` (bf16 or fp16)."""
     n, kh = codes.shape
     if (2 * kh) % bk or bk % 64:
         raise ValueError(f"K={2 * kh} must be a multiple of the decode chunk BK={bk}, itself of 64")
+    if dtype not in SCALE_SHIFT:
+        raise TypeError(f"the decode operand dtype is bf16 or fp16, not {dtype}")
+    if tuple(block_scales.shape) != (n, kh // 8) or block_scales.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"block_scales must be float8_e4m3fn [N, K // 16] = {(n, kh // 8)}, got "
+                         f"{block_scales.dtype} {tuple(block_scales.shape)}")
     nib = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(n, 2 * kh // bk, 4, bk // 4)
     nib = nib.transpose(-1, -2).reshape(n, kh, 2)  # word c, nibble o <- column o * bk / 4 + c
-    return (nib[..., 0] | (nib[..., 1] << 4)).contiguous()
+    scales = (block_scales.float() * SCALE_SHIFT[dtype]).to(dtype)  # exact
+    return DecodeWeight((nib[..., 0] | (nib[..., 1] << 4)).contiguous(), scales.contiguous(), bk)
 
 
 def _nibble_asm(o: int, bf16: bool) -> str:
@@ -91,26 +119,6 @@ def _nibble(q, o: tl.constexpr, BF16: tl.constexpr, HW: tl.constexpr):
 
 
 @triton.jit
-def _scale(sb, BF16: tl.constexpr, HW: tl.constexpr):
-    """E4M3 bytes -> fp16 s_b or bf16 s_b * 2^62 (exact)."""
-    if BF16:
-        s = (_e4m3_float(sb) * 4.611686018427388e18).to(tl.bfloat16)  # 2^62
-    elif HW:
-        s = sb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    else:
-        s = _e4m3_float(sb).to(tl.float16)
-    return s
-
-
-@triton.jit
-def _e4m3_float(sb):
-    """Unsigned E4M3 bytes -> fp32 (exact)."""
-    b = sb.to(tl.int32)
-    normal = ((b << 20) + (120 << 23)).to(tl.float32, bitcast=True)
-    return tl.where(b < 8, (b & 7).to(tl.float32) * 0.001953125, normal)
-
-
-@triton.jit
 def _load_rows(ptrs, mask_n, EVEN_N: tl.constexpr):
     """Weight rows (zeros past N; unmasked when N % BN == 0)."""
     if EVEN_N:
@@ -148,7 +156,7 @@ def _w4a4_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, part_
         for o in tl.static_range(4):
             sb = _load_rows(s_rows + (kb + o * QK) // 16, mask_n, EVEN_N)  # [BN, BK // 64]
             # each block scale onto its 16 columns (a broadcast in registers: no shuffle)
-            s = tl.reshape(tl.broadcast_to(_scale(sb, BF16, HW)[:, :, None], [BN, BK // 64, 16]), [BN, QK])
+            s = tl.reshape(tl.broadcast_to(sb[:, :, None], [BN, BK // 64, 16]), [BN, QK])
             x = tl.load(a_cols + kb + o * QK, mask=mask_m[None, :], other=0.0)  # [QK, BM]
             acc_t = tl.dot(_nibble(q, o, BF16, HW) * s, x, acc_t)
     acc = tl.trans(acc_t) * W_SHIFT  # [BM, BN]
@@ -207,33 +215,36 @@ def _split_counters(n_tiles: int, device) -> torch.Tensor:
     return buf
 
 
-def decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, codes: torch.Tensor, w_scale: torch.Tensor,
-                block_scales: torch.Tensor, epilogue: str = "sdec", out_dtype=torch.bfloat16,
-                config: dict | None = None) -> torch.Tensor:
-    """`gemm.w4a4_gemm`'s decode config for a weight already in the decode layout: codes from
-    `pack_codes(codes, config["BK"])` (config defaults to `decode_config(M, N, K)`)."""
+def decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, w_scale: torch.Tensor,
+                epilogue: str = "sdec", out_dtype=torch.bfloat16, config: dict | None = None) -> torch.Tensor:
+    """`gemm.w4a4_gemm`'s decode config for a weight in the decode layout (`pack_weight`): a [M, K]
+    e2m1 * s_b (the weight's operand dtype), a_scale fp32 [M] or [], w_scale fp32 [] -> [M, N].
+    config defaults to `decode_config(M, N, K)`; its BK must be the weight's."""
     from minite.kernels.epilogue import EPILOGUES
 
     m, k = a.shape
-    n = codes.shape[0]
+    n = w.shape[0]
+    if w.shape[1] != k or a.dtype != w.scales.dtype or a.stride(1) != 1:
+        raise ValueError(f"a must be [M, K={w.shape[1]}] in {w.scales.dtype} with unit stride along K, "
+                         f"got {tuple(a.shape)} {a.dtype}")
     cfg = config or decode_config(m, n, k)
+    if cfg["BK"] != w.bk:
+        raise ValueError(f"the weight was packed for BK={w.bk}, the config has BK={cfg['BK']}")
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
-    launch(a, a_scale.reshape(-1), codes, w_scale, block_scales, out, EPILOGUES[epilogue], cfg)
+    launch(a, a_scale.reshape(-1), w, w_scale, out, EPILOGUES[epilogue], cfg)
     return out
 
 
-def launch(a, sa, codes, w_scale, block_scales, out, epilogue_id: int, cfg: dict) -> None:
-    """out[:M] = the decode GEMM of a [M, K] (bf16 / fp16 values, unit stride along K) and a weight
-    whose codes are in the decode layout of cfg's BK (`pack_codes`)."""
+def launch(a, sa, w: DecodeWeight, w_scale, out, epilogue_id: int, cfg: dict) -> None:
+    """out[:M] = the decode GEMM of a [M, K] and w (checked by the callers)."""
     m, k = a.shape
-    n = codes.shape[0]
+    n = w.shape[0]
     bm, bn, bk, split = cfg["BM"], cfg["BN"], cfg["BK"], cfg["SPLIT_K"]
     if m > bm:
         raise ValueError(f"decode tile BM={bm} cannot hold M={m}")
     if k % (split * bk):
         raise ValueError(f"K={k} must be a multiple of SPLIT_K * BK = {split * bk}")
-    q16 = codes.view(torch.int16)  # [N, K // 4]: 4 codes each
-    sb = block_scales.view(torch.uint8)
+    q16 = w.codes.view(torch.int16)  # [N, K // 4]: 4 codes each
     tiles = triton.cdiv(n, bn)
     if split > 1:
         part = torch.empty(split, bm, n, dtype=torch.float32, device=a.device)
@@ -241,8 +252,8 @@ def launch(a, sa, codes, w_scale, block_scales, out, epilogue_id: int, cfg: dict
     else:
         part = counters = out
     _w4a4_decode_kernel[(tiles, split)](
-        a, q16, sb, sa, w_scale, out, part, counters, m, n,
-        a.stride(0), q16.stride(0), sb.stride(0), out.stride(0), 0 if sa.numel() == 1 else 1,
+        a, q16, w.scales, sa, w_scale, out, part, counters, m, n,
+        a.stride(0), q16.stride(0), w.scales.stride(0), out.stride(0), 0 if sa.numel() == 1 else 1,
         K=k, EPILOGUE=epilogue_id, BF16=a.dtype == torch.bfloat16, HW=not interpreted(),
         W_SHIFT=W_SHIFT[a.dtype], BM=bm, BN=bn, BK=bk, SPLIT_K=split, EVEN_N=n % bn == 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

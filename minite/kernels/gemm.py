@@ -166,10 +166,9 @@ def w4a4_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: 
         if not packed:
             raise ValueError("the decode kernel reads packed weights (uint8 codes + w_block_scales)")
         out = torch.empty(m, n, dtype=out_dtype, device=a.device)
-        # standard codes: reordered into the decode layout on every call (the nn layers cache it)
-        codes = decode_gemm.pack_codes(w, cfg["BK"])
-        decode_gemm.launch(a, a_scale.reshape(-1), codes, w_scale, w_block_scales, out, EPILOGUES[epilogue],
-                           cfg)
+        # packed into the decode layout on every call here (the nn layers keep it with the weight)
+        dw = decode_gemm.pack_weight(w, w_block_scales, cfg["BK"], a.dtype)
+        decode_gemm.launch(a, a_scale.reshape(-1), dw, w_scale, out, EPILOGUES[epilogue], cfg)
         return out
     if k % cfg["BK"]:
         raise ValueError(f"K={k} must be a multiple of the config's BK={cfg['BK']}")

@@ -23,7 +23,7 @@ def _dequant_kernel(q_ptr, scales_ptr, out_ptr, NQ: tl.constexpr, NS: tl.constex
     rows = tl.arange(0, NQ)[:, None]
     cols = tl.arange(0, NS)[None, :]
     q = tl.load(q_ptr + rows + 0 * cols)  # every code word against every scale byte
-    s = kd._scale(tl.load(scales_ptr + 0 * rows + cols), BF16, HW)
+    s = tl.load(scales_ptr + 0 * rows + cols)
     offs = rows * NS + cols
     for o in tl.static_range(4):
         tl.store(out_ptr + o * NQ * NS + offs, (kd._nibble(q, o, BF16, HW) * s).to(tl.float32))
@@ -42,8 +42,10 @@ def test_dequant_is_exact_for_every_code_and_scale(dtype):
     words = torch.cat([torch.arange(16) * 0x1111, torch.randint(0, 1 << 16, (112,), generator=g)])
     q = words.to(torch.int32).to(torch.int16)  # wraps to the same 16 bits
     scales = torch.arange(128, dtype=torch.uint8)
+    dw = kd.pack_weight(torch.zeros(1, 1024, dtype=torch.uint8), scales.view(torch.float8_e4m3fn)[None],
+                        256, dtype)  # converts the scales to the operand dtype
     out = torch.empty(4, 128, 128, dtype=torch.float32, device=dev)
-    _dequant_kernel[(1,)](q.to(dev), scales.to(dev), out, NQ=128, NS=128, BF16=dtype == torch.bfloat16,
+    _dequant_kernel[(1,)](q.to(dev), dw.scales[0].to(dev), out, NQ=128, NS=128, BF16=dtype == torch.bfloat16,
                           HW=not interpreted())
     e2m1 = torch.tensor(nvfp4.E2M1_VALUES, dtype=torch.float64)
     e2m1 = torch.cat([e2m1, -e2m1])
@@ -53,18 +55,26 @@ def test_dequant_is_exact_for_every_code_and_scale(dtype):
         assert torch.equal(out[o].cpu().double()[:, :127], want[:, :127]), o
 
 
-def test_pack_codes_puts_column_o_bk4_plus_c_at_word_c_nibble_o():
+def test_pack_weight_puts_column_o_bk4_plus_c_at_word_c_nibble_o():
     g = torch.Generator().manual_seed(1)
     codes = torch.randint(0, 256, (3, 256), generator=g, dtype=torch.int32).to(torch.uint8)  # K = 512
+    scales = torch.rand(3, 32, generator=g).to(torch.float8_e4m3fn)
     nib = torch.stack([codes & 15, codes >> 4], -1).reshape(3, 512)
-    packed = kd.pack_codes(codes, 256).view(torch.int16).to(torch.int32) & 0xFFFF  # [3, 128] words
+    dw = kd.pack_weight(codes, scales, 256)
+    assert dw.shape == (3, 512) and dw.scales.dtype == torch.bfloat16
+    assert torch.equal(dw.scales.double(), scales.double() * 2.0**62)
+    packed = dw.codes.view(torch.int16).to(torch.int32) & 0xFFFF  # [3, 128] words
     for chunk in range(2):
         for c in range(64):
             for o in range(4):
                 got = (packed[:, chunk * 64 + c] >> (4 * o)) & 15
                 assert torch.equal(got.to(torch.uint8), nib[:, chunk * 256 + o * 64 + c])
     with pytest.raises(ValueError, match="multiple"):
-        kd.pack_codes(codes[:, :96], 256)
+        kd.pack_weight(codes[:, :96], scales[:, :12], 256)
+    with pytest.raises(ValueError, match="BK=256"):
+        a = torch.zeros(2, 512, dtype=torch.bfloat16)
+        cfg = dict(kd.decode_config(2, 3, 512), BK=128)
+        kd.decode_gemm(a, torch.ones(()), dw, torch.ones(()), config=cfg)
 
 
 CASES = [  # (M, N, K, tile): ragged N (masked loads), N % BN == 0, split-K, padded M 16 and 32

@@ -2,8 +2,6 @@
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from minite import nvfp4
 from minite.kernels import available
