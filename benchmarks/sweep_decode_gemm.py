@@ -3,7 +3,9 @@
 Compiles every candidate first in parallel worker processes (they fill Triton's on-disk cache), then
 times, in one process: cuBLAS bf16, the `aligned` config on the packed weight, `decode_config`'s
 pick, and each candidate; each candidate's output is compared bit for bit with the aligned path on
-the dequantized copy (Gaussian data: nearly every fp32 sum is exact, FACTS.md 1.1).
+the dequantized copy (Gaussian data: nearly every fp32 sum is exact, FACTS.md 1.1). cuBLAS and the
+candidates are timed as bench_decode_gemm.py times them (CUDA graphs over rotating weight copies);
+the aligned config with do_bench.
 
 Session 5, in order (graph timings in bench_decode_gemm.py; sass_kernels.py decode for the counts):
 - int16 code words, inline-PTX dequant into the wgmma register operand, strided bf16 activation
@@ -32,13 +34,13 @@ MS = (1, 8, 32, 64)
 # (BN, BK, num_warps, num_stages, MIN_PROGRAMS) per M padded; SPLIT_K from decode_config's rule. BN a
 # multiple of 64 with 4 warps runs wgmma; 1-2 warps (or BN 32) run mma.sync (no warpgroup waits)
 TILES = {
-    16: [(64, 256, 4, 4, 264), (64, 256, 4, 2, 264), (64, 256, 4, 4, 528), (128, 256, 4, 4, 264),
-         (64, 256, 2, 4, 264), (64, 256, 2, 4, 528), (64, 256, 2, 2, 528), (32, 256, 1, 4, 528),
-         (128, 256, 2, 3, 264), (64, 512, 2, 3, 528), (64, 128, 2, 4, 528)],
-    32: [(64, 256, 4, 4, 264), (64, 256, 4, 2, 264), (128, 256, 4, 4, 264), (64, 256, 2, 4, 528),
-         (64, 256, 2, 2, 528), (64, 128, 2, 4, 528)],
-    64: [(64, 256, 4, 4, 264), (64, 256, 4, 2, 264), (128, 256, 4, 3, 264), (64, 128, 4, 4, 264),
-         (64, 256, 2, 3, 528), (128, 128, 4, 4, 264)],
+    16: [(64, 256, 4, 4, 264), (64, 256, 4, 3, 264), (64, 256, 4, 6, 264), (64, 256, 4, 4, 132),
+         (64, 256, 4, 4, 528), (128, 256, 4, 4, 264), (128, 256, 4, 2, 264), (64, 512, 4, 3, 264),
+         (64, 256, 2, 4, 528), (64, 256, 2, 2, 528), (32, 256, 1, 4, 528), (128, 256, 8, 3, 264)],
+    32: [(64, 256, 4, 4, 264), (64, 256, 4, 2, 264), (64, 256, 4, 3, 264), (128, 256, 4, 2, 264),
+         (128, 256, 4, 3, 264), (64, 256, 2, 2, 528), (128, 256, 8, 2, 264)],
+    64: [(64, 256, 4, 2, 264), (64, 256, 4, 3, 264), (128, 256, 4, 2, 264), (128, 256, 8, 2, 264),
+         (256, 256, 8, 2, 132), (128, 128, 4, 3, 264), (64, 256, 2, 2, 528)],
 }
 
 
@@ -110,7 +112,8 @@ def main():
     p.add_argument("--out", default="decode_gemm_sweep.json")
     p.add_argument("--workers", type=int, default=12)
     args = p.parse_args()
-    from bench_common import bench_ms, env_info
+    from bench_common import bench_ms, env_info, warm_up
+    from bench_decode_gemm import copies, graph_us
 
     from minite.kernels import decode_gemm as kd
     from minite.kernels import gemm as kg
@@ -125,12 +128,14 @@ def main():
     for e in errors[:8]:
         print("  failed:", e)
 
+    warm_up()
     rows, best = [], []
     for layer, (n, k) in SHAPES.items():
         for m in MS:
             w, x, wq, a, sa = operands(n, k, m)
             ref = kg.w4a4_gemm(a, sa, kg.unscaled_copy(wq), wq.global_scale, out_dtype=torch.float32)
-            base = bench_ms(lambda: torch.matmul(x, w.t()), warmup=5, rep=30)
+            # CUDA graphs over rotating weight copies (bench_decode_gemm.py): HBM reads, no launch gaps
+            base = graph_us([lambda w=w_: torch.matmul(x, w.t()) for w_ in copies(w, w.numel() * 2)]) / 1e3
             aligned = bench_ms(lambda: kg.w4a4_gemm(a, sa, wq.codes, wq.global_scale, wq.block_scales),
                                warmup=5, rep=30)
             pick = kd.decode_config(m, n, k)
@@ -148,13 +153,17 @@ def main():
                     continue
                 try:
                     got = run(a, sa, wq, cfg, packed, torch.float32)
-                    t = bench_ms(lambda: run(a, sa, wq, cfg, packed), warmup=5, rep=30)
+                    dw = packed[cfg["BK"]]
+                    dws = [kd.DecodeWeight(c, dw.scales.clone(), dw.bk)
+                           for c in copies(dw.codes, n * k * 5 // 8)]
+                    t = graph_us([lambda d=d: kd.decode_gemm(a, sa, d, wq.global_scale, config=cfg)
+                                  for d in dws]) / 1e3
                 except Exception as e:  # noqa: BLE001
                     rows.append(dict(row, error=f"{type(e).__name__}: {str(e)[:200]}"))
                     continue
                 exact = float((got == ref).float().mean())
                 rel = float((got - ref).abs().max() / ref.abs().max())
-                row.update(us=t * 1e3, speedup=base / t, weight_tb_s=n * k * 0.5625 / t / 1e9,
+                row.update(us=t * 1e3, speedup=base / t, weight_tb_s=n * k * 0.625 / t / 1e9,
                            exact_vs_aligned=exact, max_rel_err=rel)
                 rows.append(row)
                 if exact > 0.99 and (top is None or t < top["us"] / 1e3):
