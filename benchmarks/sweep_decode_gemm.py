@@ -14,8 +14,11 @@ Session 5, in order (graph timings in bench_decode_gemm.py; sass_kernels.py deco
 - decode weight layout (activation slices async-copied untouched): 5.6-5.9 per weight, no fence;
   measured 1.1-1.5x at M <= 8 on the large shapes (1.25-1.5 TB/s), 0.5-0.8x at M = 64.
 - block scales stored in the operand dtype (no E4M3 conversion in the loop): 3.2-3.8 per weight.
-  Expected: issue no longer the limit; 1.5-2x at M <= 8 if latency hiding holds, mma.sync tiles
-  (1-2 warps, no warpgroup waits) better than wgmma at M = 1-16.
+  Expected 1.5-2x at M <= 8 if latency hiding holds, mma.sync tiles better than wgmma at M = 1-16.
+  Measured (graph): 1.3-2.2x at M <= 8, 0.8-1.4x at M = 64; fewer stages (more CTAs per SM) won,
+  mma.sync at 1-2 warps lost.
+- word bit placement (WORD_BITS) and an M <= 8 tile on mma.sync at 4 warps (m16n8k16: half the
+  activation tile): 2.7 per weight at M <= 8, 3.1-3.3 above. Expected ~10-20% at M <= 8.
 
     python benchmarks/sweep_decode_gemm.py --out OUT.json [--workers 12]
 """
@@ -34,6 +37,9 @@ MS = (1, 8, 32, 64)
 # (BN, BK, num_warps, num_stages, MIN_PROGRAMS) per M padded; SPLIT_K from decode_config's rule. BN a
 # multiple of 64 with 4 warps runs wgmma; 1-2 warps (or BN 32) run mma.sync (no warpgroup waits)
 TILES = {
+    8: [(64, 256, 4, 3, 200), (64, 256, 4, 2, 200), (64, 256, 4, 4, 200), (64, 256, 4, 3, 132),
+        (64, 256, 4, 3, 264), (128, 256, 4, 3, 200), (64, 512, 4, 3, 200), (64, 256, 2, 3, 264),
+        (128, 256, 8, 3, 200)],
     16: [(64, 256, 4, 4, 264), (64, 256, 4, 3, 264), (64, 256, 4, 6, 264), (64, 256, 4, 4, 132),
          (64, 256, 4, 4, 528), (128, 256, 4, 4, 264), (128, 256, 4, 2, 264), (64, 512, 4, 3, 264),
          (64, 256, 2, 4, 528), (64, 256, 2, 2, 528), (32, 256, 1, 4, 528), (128, 256, 8, 3, 264)],
@@ -52,7 +58,7 @@ def split_for(n, k, bn, bk, min_programs):
 
 
 def candidates(m, n, k):
-    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    bm = 8 if m <= 8 else (16 if m <= 16 else (32 if m <= 32 else 64))
     out = []
     for bn, bk, wp, st, mp_ in TILES[bm]:
         sp = split_for(n, k, bn, bk, mp_)
@@ -73,8 +79,8 @@ def operands(n, k, m, seed=0):
     return w, x, wq, a, sa
 
 
-def jobs():
-    return [(layer, m, cfg) for layer, (n, k) in SHAPES.items() for m in MS for cfg in candidates(m, n, k)]
+def jobs(ms=MS):
+    return [(layer, m, cfg) for layer, (n, k) in SHAPES.items() for m in ms for cfg in candidates(m, n, k)]
 
 
 def run(a, sa, wq, cfg, packed, out_dtype=torch.bfloat16):
@@ -111,7 +117,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="decode_gemm_sweep.json")
     p.add_argument("--workers", type=int, default=12)
+    p.add_argument("--ms", default=",".join(map(str, MS)), help="the M values to sweep, comma-separated")
     args = p.parse_args()
+    ms = [int(v) for v in args.ms.split(",")]
     from bench_common import bench_ms, env_info, warm_up
     from bench_decode_gemm import copies, graph_us
 
@@ -119,7 +127,7 @@ def main():
     from minite.kernels import gemm as kg
 
     t0 = time.time()
-    todo = jobs()
+    todo = jobs(ms)
     chunks = [todo[i:: args.workers] for i in range(args.workers)]
     with mp.get_context("spawn").Pool(args.workers) as pool:
         errors = [e for errs in pool.map(compile_worker, chunks) for e in errs]
@@ -131,7 +139,7 @@ def main():
     warm_up()
     rows, best = [], []
     for layer, (n, k) in SHAPES.items():
-        for m in MS:
+        for m in ms:
             w, x, wq, a, sa = operands(n, k, m)
             ref = kg.w4a4_gemm(a, sa, kg.unscaled_copy(wq), wq.global_scale, out_dtype=torch.float32)
             # CUDA graphs over rotating weight copies (bench_decode_gemm.py): HBM reads, no launch gaps

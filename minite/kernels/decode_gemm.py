@@ -1,24 +1,24 @@
 """Decode-regime W4A4 GEMM (small M, packed weights), the `decode` config of `kernels.gemm.w4a4_gemm`.
 
-The weight is read packed (4-bit codes + E4M3 block scales) and dequantized in registers, where it
-is the MMA's register operand: C^T = W A^T, so N fills the MMA rows and M pads to 16, 32 or 64.
+The weight is read packed (4-bit codes + block scales) and dequantized in registers, where it is the
+MMA's register operand: C^T = W A^T, so N fills the MMA rows and M pads to 8 (mma.sync), 16, 32 or
+64 (wgmma).
 
-Decode layout (`pack_weight`, made once per weight update): within each BK-wide chunk of a row, the
-codes are reordered so that int16 word c holds, at nibble o (bits 4o .. 4o + 3), the code of column
-o * BK / 4 + c. Nibble o of the chunk's words is then the weight operand of dot o, whose activation
-operand is the contiguous column range o * BK / 4 + c: the activation goes from global to shared
-memory by async copy, untouched (no register pass, no fence before each MMA), and a word's nibbles
-never move between lanes. The block scales keep their order and are stored in the operand dtype
-(0.125 instead of 0.0625 bytes per weight: converting E4M3 in the kernel cost ~1.5 instructions per
-weight, a quarter of the loop, because each scale is needed by four lanes).
+Decode layout (`pack_weight`, made once per weight update): within each BK-wide chunk of a row, int16
+word c holds code o of column o * BK / 4 + c (o = 0..3, bits placed as WORD_BITS says). Code o of the
+chunk's words is the weight operand of dot o, whose activation operand is the contiguous column range
+o * BK / 4 + c: the activation goes from global to shared memory by async copy, untouched (no
+register pass, no fence before each MMA), and a word's codes never move between lanes. The block
+scales keep their order, stored in the operand dtype (0.125 instead of 0.0625 bytes per weight:
+converting E4M3 in the loop cost ~1.5 of 5.6 instructions per weight, each scale serving four lanes).
 
-Dequantization: inline PTX turns a pair of words into one 2 x 16-bit register per nibble position
-(shifts and masks put the code's magnitude bits on the exponent's low bits and the mantissa's top
-bit, its sign on the sign), multiplied by the block scale in the same precision (exact: the product
-has at most 6 significant bits and lies on the grid). The operand dtype is the activation's: fp16
-codes are e2m1 * 2^-14 times fp16 s_b; bf16 codes are e2m1 * 2^-126 (subnormal for +-0.5) times
-bf16 s_b * 2^62 (SCALE_SHIFT). The epilogue multiplies the fp32 accumulator back (W_SHIFT). The CPU
-interpreter runs the same K order with plain integer ops instead of the PTX.
+Dequantization (bf16 activations, the GPU's case): inline PTX turns a pair of words into one bf16x2
+register per code position, e2m1 * 2^-126 (the code's magnitude bits on the exponent's low bits and
+the mantissa's top bit, its sign on the sign; WORD_BITS makes that one AND for code 2, a shift and
+an AND for codes 0 and 1); a bf16x2 multiply by s_b * 2^62 (SCALE_SHIFT) follows. Both are exact:
+the products have at most 6 significant bits, on the grid, subnormal ones included (+-0.5 codes).
+fp16 activations (the CPU interpreter) take e2m1 * 2^-14 times s_b through plain integer ops. The
+epilogue multiplies the fp32 accumulator back (W_SHIFT).
 
 Split-K where N alone does not fill the GPU: the last program of an N tile to arrive sums the fp32
 partials in split order (deterministic). The K order depends on (N, K) and the tile, never on M, so
@@ -35,11 +35,14 @@ import triton.language as tl
 from minite.kernels import interpreted
 from minite.kernels.epilogue import epilogue
 
-# by M padded to 16 / 32 / 64; SPLIT_K doubles (`decode_config`) until the grid has MIN_PROGRAMS
+# by M padded to 8 / 16 / 32 / 64; SPLIT_K doubles (`decode_config`) until the grid has MIN_PROGRAMS
+# (benchmarks/sweep_decode_gemm.py on the H200, CUDA graphs over rotating weights, 2026-11-30: fewer
+# stages, i.e. more CTAs per SM, won over a deeper pipeline; mma.sync tiles lost to wgmma)
 DECODE_TILES = {
-    16: dict(BM=16, BN=64, BK=256, MIN_PROGRAMS=264, num_warps=4, num_stages=4),
-    32: dict(BM=32, BN=64, BK=256, MIN_PROGRAMS=264, num_warps=4, num_stages=4),
-    64: dict(BM=64, BN=64, BK=256, MIN_PROGRAMS=264, num_warps=4, num_stages=4),
+    8: dict(BM=8, BN=64, BK=256, MIN_PROGRAMS=200, num_warps=4, num_stages=3),
+    16: dict(BM=16, BN=64, BK=256, MIN_PROGRAMS=200, num_warps=4, num_stages=3),
+    32: dict(BM=32, BN=64, BK=256, MIN_PROGRAMS=264, num_warps=4, num_stages=3),
+    64: dict(BM=64, BN=64, BK=256, MIN_PROGRAMS=264, num_warps=4, num_stages=2),
 }
 MAX_SPLIT_K = 16
 # the weight operand holds e2m1 * s_b / W_SHIFT; the epilogue multiplies it back
@@ -47,12 +50,15 @@ W_SHIFT = {torch.float16: 2.0**14, torch.bfloat16: 2.0**64}
 
 
 SCALE_SHIFT = {torch.float16: 1.0, torch.bfloat16: 2.0**62}  # stored scales are s_b * SCALE_SHIFT
+# where code o's magnitude bits (low to high) and sign bit sit in a decode-layout word: codes 0-2 have
+# their sign 9 above the magnitude, as bf16 has (magnitude on bits 6..8, sign on 15)
+WORD_BITS = (((0, 1, 2), 9), ((3, 4, 5), 12), ((6, 7, 8), 15), ((10, 11, 13), 14))
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeWeight:
-    """A packed weight in the decode layout for chunks of bk columns: codes uint8 [N, K // 2] (two
-    per byte, reordered) and block scales [N, K // 16] in the operand dtype (s_b * SCALE_SHIFT)."""
+    """A packed weight in the decode layout for chunks of bk columns: codes as int16 words [N, K // 4]
+    (4 codes each, WORD_BITS) and block scales [N, K // 16] in the operand dtype (s_b * SCALE_SHIFT)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -60,7 +66,7 @@ class DecodeWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.codes.shape[0], 2 * self.codes.shape[1]
+        return self.codes.shape[0], 4 * self.codes.shape[1]
 
 
 def pack_weight(codes: torch.Tensor, block_scales: torch.Tensor, bk: int = 256,
@@ -75,46 +81,51 @@ def pack_weight(codes: torch.Tensor, block_scales: torch.Tensor, bk: int = 256,
     if tuple(block_scales.shape) != (n, kh // 8) or block_scales.dtype != torch.float8_e4m3fn:
         raise ValueError(f"block_scales must be float8_e4m3fn [N, K // 16] = {(n, kh // 8)}, got "
                          f"{block_scales.dtype} {tuple(block_scales.shape)}")
-    nib = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(n, 2 * kh // bk, 4, bk // 4)
-    nib = nib.transpose(-1, -2).reshape(n, kh, 2)  # word c, nibble o <- column o * bk / 4 + c
+    nib = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(n, 2 * kh // bk, 4, bk // 4).to(torch.int32)
+    mag, sign = nib & 7, nib >> 3  # [N, K // BK, o, c]
+    word = torch.zeros_like(mag[:, :, 0])
+    for o, (mag_at, sign_at) in enumerate(WORD_BITS):
+        for bit, at in enumerate(mag_at):
+            word |= ((mag[:, :, o] >> bit) & 1) << at
+        word |= sign[:, :, o] << sign_at
     scales = (block_scales.float() * SCALE_SHIFT[dtype]).to(dtype)  # exact
-    return DecodeWeight((nib[..., 0] | (nib[..., 1] << 4)).contiguous(), scales.contiguous(), bk)
+    words = word.reshape(n, kh // 2).to(torch.int16)  # wraps bit 15 onto the sign: same 16 bits
+    return DecodeWeight(words.contiguous(), scales.contiguous(), bk)
 
 
-def _nibble_asm(o: int, bf16: bool) -> str:
-    """PTX: two int16 words (one 32-bit register, pack=2) -> nibble o of each as a 16-bit float pair:
-    magnitude bits to bits 9..11 (fp16) or 6..8 (bf16), sign to bit 15, both halves at once."""
-    at, dst = 4 * o, (6 if bf16 else 9)
-    mask = "0x01C001C0" if bf16 else "0x0E000E00"
-    mag = f"shl.b32 u, $1, {dst - at};" if at < dst else f"shr.b32 u, $1, {at - dst};"
-    sign = "mov.b32 v, $1;" if o == 3 else f"shl.b32 v, $1, {12 - at};"
-    return ("{\n.reg .b32 u, v;\n" + mag + "\n" + sign + f"\nand.b32 u, u, {mask};\n"
-            "and.b32 v, v, 0x80008000;\nor.b32 $0, u, v;\n}")
-
-
-_F16_ASM = [tl.constexpr(_nibble_asm(o, False)) for o in range(4)]
-_BF16_ASM = [tl.constexpr(_nibble_asm(o, True)) for o in range(4)]
-_H0, _H1, _H2, _H3 = _F16_ASM
-_B0, _B1, _B2, _B3 = _BF16_ASM
+# PTX, two int16 words (one 32-bit register, pack=2) -> code o of each as bf16 e2m1 * 2^-126 (magnitude
+# to bits 6..8, sign to bit 15, both halves at once; left shifts only, so no bit crosses halves)
+_BF16_ASM = (
+    "{\n.reg .b32 u;\nshl.b32 u, $1, 6;\nand.b32 $0, u, 0x81C081C0;\n}",
+    "{\n.reg .b32 u;\nshl.b32 u, $1, 3;\nand.b32 $0, u, 0x81C081C0;\n}",
+    "and.b32 $0, $1, 0x81C081C0;",
+    "{\n.reg .b32 u, v;\nshr.b32 u, $1, 4;\nand.b32 u, u, 0x00C000C0;\nshr.b32 v, $1, 5;\n"
+    "and.b32 v, v, 0x01000100;\nor.b32 u, u, v;\nshl.b32 v, $1, 1;\nand.b32 v, v, 0x80008000;\n"
+    "or.b32 $0, u, v;\n}",
+)
+_B0, _B1, _B2, _B3 = (tl.constexpr(a) for a in _BF16_ASM)
 
 
 @triton.jit
-def _nibble(q, o: tl.constexpr, BF16: tl.constexpr, HW: tl.constexpr):
-    """int16 words (code o at bits 4o .. 4o + 3) -> code o as fp16 e2m1 * 2^-14 or bf16
-    e2m1 * 2^-126."""
-    if HW:
-        if BF16:
-            asm: tl.constexpr = _B0 if o == 0 else (_B1 if o == 1 else (_B2 if o == 2 else _B3))
-            w = tl.inline_asm_elementwise(asm, "=r,r", [q], dtype=tl.bfloat16, is_pure=True, pack=2)
+def _code(q, o: tl.constexpr, BF16: tl.constexpr, HW: tl.constexpr):
+    """Decode-layout int16 words -> code o as bf16 e2m1 * 2^-126 or fp16 e2m1 * 2^-14."""
+    if HW and BF16:
+        asm: tl.constexpr = _B0 if o == 0 else (_B1 if o == 1 else (_B2 if o == 2 else _B3))
+        w = tl.inline_asm_elementwise(asm, "=r,r", [q], dtype=tl.bfloat16, is_pure=True, pack=2)
+    else:  # WORD_BITS with integer ops (the interpreter, and fp16 activations)
+        u = q.to(tl.uint16, bitcast=True)
+        if o == 0:
+            mag, sign = u & 7, (u >> 9) & 1
+        elif o == 1:
+            mag, sign = (u >> 3) & 7, (u >> 12) & 1
+        elif o == 2:
+            mag, sign = (u >> 6) & 7, u >> 15
         else:
-            asm: tl.constexpr = _H0 if o == 0 else (_H1 if o == 1 else (_H2 if o == 2 else _H3))
-            w = tl.inline_asm_elementwise(asm, "=r,r", [q], dtype=tl.float16, is_pure=True, pack=2)
-    else:
-        c = (q.to(tl.uint16, bitcast=True) >> (4 * o)) & 15
+            mag, sign = ((u >> 10) & 3) | ((u >> 11) & 4), (u >> 14) & 1
         if BF16:
-            w = (((c & 7) << 6) | ((c & 8) << 12)).to(tl.bfloat16, bitcast=True)
+            w = ((mag << 6) | (sign << 15)).to(tl.bfloat16, bitcast=True)
         else:
-            w = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True)
+            w = ((mag << 9) | (sign << 15)).to(tl.float16, bitcast=True)
     return w
 
 
@@ -158,7 +169,7 @@ def _w4a4_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, part_
             # each block scale onto its 16 columns (a broadcast in registers: no shuffle)
             s = tl.reshape(tl.broadcast_to(sb[:, :, None], [BN, BK // 64, 16]), [BN, QK])
             x = tl.load(a_cols + kb + o * QK, mask=mask_m[None, :], other=0.0)  # [QK, BM]
-            acc_t = tl.dot(_nibble(q, o, BF16, HW) * s, x, acc_t)
+            acc_t = tl.dot(_code(q, o, BF16, HW) * s, x, acc_t)
     acc = tl.trans(acc_t) * W_SHIFT  # [BM, BN]
     out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     out_mask = mask_m[:, None] & mask_n[None, :]
@@ -184,12 +195,12 @@ def _w4a4_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, part_
 
 
 def decode_config(m: int, n: int, k: int) -> dict:
-    """The tile for this (M, N, K): by M padded (16, 32, 64), then SPLIT_K (a power of 2 dividing
+    """The tile for this (M, N, K): by M padded (8, 16, 32, 64), then SPLIT_K (a power of 2 dividing
     K // BK) until the grid reaches the tile's MIN_PROGRAMS. Depends on M only through the padding:
     rows of one padded size share the tile and the K order."""
     if m > 64:
         raise ValueError(f"the decode config serves M <= 64, got M={m}; use 'aligned' or 'prefill'")
-    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    bm = 8 if m <= 8 else (16 if m <= 16 else (32 if m <= 32 else 64))
     cfg = dict(DECODE_TILES[bm], kernel="decode")
     min_programs = cfg.pop("MIN_PROGRAMS")
     if interpreted():
@@ -244,7 +255,7 @@ def launch(a, sa, w: DecodeWeight, w_scale, out, epilogue_id: int, cfg: dict) ->
         raise ValueError(f"decode tile BM={bm} cannot hold M={m}")
     if k % (split * bk):
         raise ValueError(f"K={k} must be a multiple of SPLIT_K * BK = {split * bk}")
-    q16 = w.codes.view(torch.int16)  # [N, K // 4]: 4 codes each
+    q16 = w.codes  # [N, K // 4] int16 words, 4 codes each
     tiles = triton.cdiv(n, bn)
     if split > 1:
         part = torch.empty(split, bm, n, dtype=torch.float32, device=a.device)

@@ -194,6 +194,7 @@ def _weight_scale(qweight: QuantizedWeight, recipe: Recipe) -> torch.Tensor:
 
 def _dense_kernel(x2: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe, fast: bool):
     """x2 [M, K] times a 2D weight on the kernels -> (out [M, N] in x2.dtype, a, S_dec)."""
+    from minite.kernels import decode_gemm as kd
     from minite.kernels import gemm as kg
 
     a, sdec, row_factor = _kernel_rows(x2, recipe)
@@ -201,10 +202,10 @@ def _dense_kernel(x2: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe, fa
     n = qweight.unscaled.shape[-2]
     sw = _weight_scale(qweight, recipe)
     config = "prefill" if fast else "aligned"
-    if fast and m <= FAST_DECODE_MAX_M and k % kg.pick_config("decode", m, n, k, packed=True)["BK"] == 0:
-        q = qweight.q
-        out = kg.w4a4_gemm(a, row_factor, q.codes[:n], sw, q.block_scales[:n], recipe.epilogue, x2.dtype,
-                           "decode")
+    cfg = kd.decode_config(m, n, k) if fast and m <= FAST_DECODE_MAX_M else None
+    if cfg is not None and k % cfg["BK"] == 0:
+        out = kd.decode_gemm(a, row_factor, qweight.decode_weight(cfg["BK"], a.dtype), sw, recipe.epilogue,
+                             x2.dtype, cfg)
     else:
         w = qweight.operand(a.dtype, kg.pick_config(config, m, n)["BK"])  # [N, Kp]
         out = kg.w4a4_gemm(_pad_k(a, w.shape[-1]), row_factor, w, sw, None, recipe.epilogue, x2.dtype, config)

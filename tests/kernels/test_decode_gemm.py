@@ -22,53 +22,61 @@ def _dequant_kernel(q_ptr, scales_ptr, out_ptr, NQ: tl.constexpr, NS: tl.constex
                     HW: tl.constexpr):
     rows = tl.arange(0, NQ)[:, None]
     cols = tl.arange(0, NS)[None, :]
-    q = tl.load(q_ptr + rows + 0 * cols)  # every code word against every scale byte
+    q = tl.load(q_ptr + rows + 0 * cols)  # every word against every scale
     s = tl.load(scales_ptr + 0 * rows + cols)
     offs = rows * NS + cols
     for o in tl.static_range(4):
-        tl.store(out_ptr + o * NQ * NS + offs, (kd._nibble(q, o, BF16, HW) * s).to(tl.float32))
+        tl.store(out_ptr + o * NQ * NS + offs, (kd._code(q, o, BF16, HW) * s).to(tl.float32))
+
+
+def _codes(n, k, seed):
+    """Codes uint8 [n, k // 2] in which each of the 16 codes lands on each word position of each chunk."""
+    g = torch.Generator().manual_seed(seed)
+    nib = torch.randint(0, 16, (n, k), generator=g)
+    nib[:, :16] = torch.arange(16)
+    nib = nib.reshape(n, k // 256, 4, 64)
+    nib[:, :, :, :16] = torch.arange(16)  # columns o * 64 + c, c < 16: code c at every o
+    nib = nib.reshape(n, k // 2, 2)
+    return (nib[..., 0] | (nib[..., 1] << 4)).to(torch.uint8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_dequant_is_exact_for_every_code_and_scale(dtype):
-    """nibble * scale == e2m1 * s_b / W_SHIFT exactly, for every code in each of the four nibble
-    positions of an int16 word (words c * 0x1111, and random words: no bleeding between nibbles) and
-    all 127 finite unsigned E4M3 bytes (0x7f, NaN, never comes out of a quantizer). In bf16 the
-    codes +-0.5 are subnormal: this also checks that the multiply keeps them."""
+    """code * scale == e2m1 * s_b / W_SHIFT exactly, for every code at each of a word's four
+    positions and all 127 finite unsigned E4M3 bytes (0x7f, NaN, never comes out of a quantizer).
+    In bf16 the codes +-0.5 are subnormal: this also checks that the multiply keeps them."""
     if dtype == torch.bfloat16 and interpreted():
         pytest.skip("bf16 is the GPU's operand dtype; the interpreter's bf16 is not faithful (FACTS.md 2)")
     dev = device()
-    g = torch.Generator().manual_seed(0)
-    words = torch.cat([torch.arange(16) * 0x1111, torch.randint(0, 1 << 16, (112,), generator=g)])
-    q = words.to(torch.int32).to(torch.int16)  # wraps to the same 16 bits
-    scales = torch.arange(128, dtype=torch.uint8)
-    dw = kd.pack_weight(torch.zeros(1, 1024, dtype=torch.uint8), scales.view(torch.float8_e4m3fn)[None],
-                        256, dtype)  # converts the scales to the operand dtype
+    codes = _codes(1, 512, 0)  # 128 words
+    scales = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    dw = kd.pack_weight(codes, torch.zeros(1, 32, dtype=torch.float8_e4m3fn), 256, dtype)
+    sw = kd.pack_weight(torch.zeros(1, 1024, dtype=torch.uint8), scales[None], 256, dtype).scales[0]
     out = torch.empty(4, 128, 128, dtype=torch.float32, device=dev)
-    _dequant_kernel[(1,)](q.to(dev), dw.scales[0].to(dev), out, NQ=128, NS=128, BF16=dtype == torch.bfloat16,
+    _dequant_kernel[(1,)](dw.codes[0].to(dev), sw.to(dev), out, NQ=128, NS=128, BF16=dtype == torch.bfloat16,
                           HW=not interpreted())
     e2m1 = torch.tensor(nvfp4.E2M1_VALUES, dtype=torch.float64)
     e2m1 = torch.cat([e2m1, -e2m1])
-    sb = scales.view(torch.float8_e4m3fn).double()
+    nib = torch.stack([codes & 15, codes >> 4], -1).reshape(2, 4, 64).long()  # [chunk, o, c]
     for o in range(4):
-        want = e2m1[(words >> (4 * o)) & 15][:, None] * sb[None, :] / kd.W_SHIFT[dtype]
+        want = e2m1[nib[:, o].reshape(128)][:, None] * scales.double()[None, :] / kd.W_SHIFT[dtype]
         assert torch.equal(out[o].cpu().double()[:, :127], want[:, :127]), o
 
 
-def test_pack_weight_puts_column_o_bk4_plus_c_at_word_c_nibble_o():
-    g = torch.Generator().manual_seed(1)
-    codes = torch.randint(0, 256, (3, 256), generator=g, dtype=torch.int32).to(torch.uint8)  # K = 512
-    scales = torch.rand(3, 32, generator=g).to(torch.float8_e4m3fn)
-    nib = torch.stack([codes & 15, codes >> 4], -1).reshape(3, 512)
+def test_pack_weight_puts_column_o_bk4_plus_c_at_word_c_code_o():
+    codes = _codes(3, 512, 1)
+    scales = torch.rand(3, 32, generator=torch.Generator().manual_seed(2)).to(torch.float8_e4m3fn)
+    nib = torch.stack([codes & 15, codes >> 4], -1).reshape(3, 512).to(torch.int32)
     dw = kd.pack_weight(codes, scales, 256)
-    assert dw.shape == (3, 512) and dw.scales.dtype == torch.bfloat16
+    assert dw.shape == (3, 512) and dw.codes.dtype == torch.int16 and dw.scales.dtype == torch.bfloat16
     assert torch.equal(dw.scales.double(), scales.double() * 2.0**62)
-    packed = dw.codes.view(torch.int16).to(torch.int32) & 0xFFFF  # [3, 128] words
-    for chunk in range(2):
-        for c in range(64):
-            for o in range(4):
-                got = (packed[:, chunk * 64 + c] >> (4 * o)) & 15
-                assert torch.equal(got.to(torch.uint8), nib[:, chunk * 256 + o * 64 + c])
+    words = dw.codes.to(torch.int32) & 0xFFFF  # [3, 128]
+    for o, (mag_at, sign_at) in enumerate(kd.WORD_BITS):
+        mag = sum(((words >> at) & 1) << bit for bit, at in enumerate(mag_at))
+        got = mag | (((words >> sign_at) & 1) << 3)
+        for chunk in range(2):
+            want = nib[:, chunk * 256 + o * 64: chunk * 256 + (o + 1) * 64]
+            assert torch.equal(got[:, chunk * 64: (chunk + 1) * 64], want), (o, chunk)
     with pytest.raises(ValueError, match="multiple"):
         kd.pack_weight(codes[:, :96], scales[:, :12], 256)
     with pytest.raises(ValueError, match="BK=256"):
@@ -77,8 +85,9 @@ def test_pack_weight_puts_column_o_bk4_plus_c_at_word_c_nibble_o():
         kd.decode_gemm(a, torch.ones(()), dw, torch.ones(()), config=cfg)
 
 
-CASES = [  # (M, N, K, tile): ragged N (masked loads), N % BN == 0, split-K, padded M 16 and 32
-    (1, 40, 256, dict(BM=16, BN=16, BK=64, SPLIT_K=1)),
+CASES = [  # (M, N, K, tile): ragged N (masked loads), N % BN == 0, split-K, padded M 8, 16 and 32
+    (1, 40, 256, dict(BM=8, BN=16, BK=64, SPLIT_K=1)),
+    (3, 48, 256, dict(BM=16, BN=16, BK=64, SPLIT_K=1)),
     (5, 40, 256, dict(BM=16, BN=16, BK=64, SPLIT_K=4)),
     (16, 32, 512, dict(BM=16, BN=32, BK=128, SPLIT_K=2)),
     (20, 48, 128, dict(BM=32, BN=16, BK=64, SPLIT_K=1)),
@@ -100,7 +109,7 @@ def test_decode_matches_aligned_on_gaussian_data(m, n, k, tile):
 
 
 def test_decode_config_is_picked_by_padded_m_and_rejects_copies():
-    for m, bm in ((1, 16), (2, 16), (16, 16), (17, 32), (64, 64)):
+    for m, bm in ((1, 8), (8, 8), (9, 16), (16, 16), (17, 32), (64, 64)):
         assert kd.decode_config(m, 12288, 4096)["BM"] == bm
     cfg = kd.decode_config(1, 1024, 4096)
     assert cfg["SPLIT_K"] > 1 and 4096 % (cfg["SPLIT_K"] * cfg["BK"]) == 0
