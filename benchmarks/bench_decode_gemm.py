@@ -62,8 +62,7 @@ def _warm(job):
     n, k, m = job
     _, x, wq, _, _ = operands(n, k, m)
     a, sa = kq.quantize_unscaled(x)
-    kd.decode_gemm(a, sa, kd.pack_weight(wq.codes, wq.block_scales, kd.decode_config(m, n, k)["BK"]),
-                   wq.global_scale)
+    kd.decode_gemm(a, sa, kd.pack_weight(wq.codes, wq.block_scales), wq.global_scale)
     kg.w4a4_gemm(a, sa, wq.codes, wq.global_scale, wq.block_scales)
     torch.cuda.synchronize()
 
@@ -83,8 +82,8 @@ def main():
             row = dict(layer=layer, M=m, N=n, K=k,
                        tile=f"BM{cfg['BM']} BN{cfg['BN']} BK{cfg['BK']} S{cfg['SPLIT_K']}")
             ws = copies(w, w.numel() * 2)
-            dw = kd.pack_weight(wq.codes, wq.block_scales, cfg["BK"])  # once per weight update
-            dws = [kd.DecodeWeight(c, dw.scales.clone(), dw.bk) for c in copies(dw.codes, int(wbytes))]
+            dw = kd.pack_weight(wq.codes, wq.block_scales)  # once per weight update
+            dws = [kd.DecodeWeight(c, dw.scales.clone(), dw.chunk) for c in copies(dw.codes, int(wbytes))]
             base = graph_us([lambda w=w_: torch.matmul(x, w.t()) for w_ in ws])
             ours = graph_us([lambda d=d: kd.decode_gemm(a, sa, d, wq.global_scale, config=cfg) for d in dws])
             ours_q = graph_us([lambda d=d: kd.decode_gemm(*kq.quantize_unscaled(x), d, wq.global_scale,

@@ -113,8 +113,8 @@ def quantize(k: int) -> None:
 def decode(k: int) -> None:
     for bm, tile in kd.DECODE_TILES.items():
         t = {key: v for key, v in tile.items() if key not in ("MIN_PROGRAMS", "num_warps", "num_stages")}
-        const = dict(K=k, EPILOGUE=0, BF16=True, HW=True, W_SHIFT=kd.W_SHIFT[torch.bfloat16], SPLIT_K=1,
-                     EVEN_N=True, **t)
+        const = dict(K=k, EPILOGUE=0, BF16=True, HW=True, W_SHIFT=kd.W_SHIFT[torch.bfloat16], CHUNK=kd.CHUNK,
+                     SPLIT_K=1, EVEN_N=True, **t)
         sass, summary = compile_sass(kd._w4a4_decode_kernel, DECODE_SIGNATURE, const, tile["num_warps"],
                                      aligned=("stride_am", "stride_cn", "stride_sn", "stride_om"))
         ops = main_loop_ops(sass)

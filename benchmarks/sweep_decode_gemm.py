@@ -87,9 +87,9 @@ def run(a, sa, wq, cfg, packed, out_dtype=torch.bfloat16):
     """The decode kernel on codes already in the decode layout of cfg's BK (cached in `packed`)."""
     from minite.kernels import decode_gemm as kd
 
-    if cfg["BK"] not in packed:
-        packed[cfg["BK"]] = kd.pack_weight(wq.codes, wq.block_scales, cfg["BK"], a.dtype)
-    return kd.decode_gemm(a, sa, packed[cfg["BK"]], wq.global_scale, out_dtype=out_dtype, config=cfg)
+    if "w" not in packed:
+        packed["w"] = kd.pack_weight(wq.codes, wq.block_scales, kd.CHUNK, a.dtype)
+    return kd.decode_gemm(a, sa, packed["w"], wq.global_scale, out_dtype=out_dtype, config=cfg)
 
 
 def compile_worker(chunk):
@@ -161,8 +161,8 @@ def main():
                     continue
                 try:
                     got = run(a, sa, wq, cfg, packed, torch.float32)
-                    dw = packed[cfg["BK"]]
-                    dws = [kd.DecodeWeight(c, dw.scales.clone(), dw.bk)
+                    dw = packed["w"]
+                    dws = [kd.DecodeWeight(c, dw.scales.clone(), dw.chunk)
                            for c in copies(dw.codes, n * k * 5 // 8)]
                     t = graph_us([lambda d=d: kd.decode_gemm(a, sa, d, wq.global_scale, config=cfg)
                                   for d in dws]) / 1e3

@@ -4,10 +4,11 @@ The weight is read packed (4-bit codes + block scales) and dequantized in regist
 MMA's register operand: C^T = W A^T, so N fills the MMA rows and M pads to 8 (mma.sync), 16, 32 or
 64 (wgmma).
 
-Decode layout (`pack_weight`, made once per weight update): within each BK-wide chunk of a row, int16
-word c holds code o of column o * BK / 4 + c (o = 0..3, bits placed as WORD_BITS says). Code o of the
-chunk's words is the weight operand of dot o, whose activation operand is the contiguous column range
-o * BK / 4 + c: the activation goes from global to shared memory by async copy, untouched (no
+Decode layout (`pack_weight`, made once per weight update): within each CHUNK-wide chunk of a row,
+int16 word c holds code o of column o * CHUNK / 4 + c (o = 0..3, bits placed as WORD_BITS says). A K
+step of BK columns (BK divides CHUNK) reads BK / 4 consecutive words; their code o is the weight
+operand of dot o, whose activation operand is a contiguous run of BK / 4 columns in quarter o of the
+chunk: the activation goes from global to shared memory by async copy, untouched (no
 register pass, no fence before each MMA), and a word's codes never move between lanes. The block
 scales keep their order, stored in the operand dtype (0.125 instead of 0.0625 bytes per weight:
 converting E4M3 in the loop cost ~1.5 of 5.6 instructions per weight, each scale serving four lanes).
@@ -39,12 +40,18 @@ from minite.kernels.epilogue import epilogue
 # (benchmarks/sweep_decode_gemm.py on the H200, CUDA graphs over rotating weights, 2026-11-30: fewer
 # stages, i.e. more CTAs per SM, won over a deeper pipeline; mma.sync tiles lost to wgmma)
 DECODE_TILES = {
-    8: dict(BM=8, BN=64, BK=256, MIN_PROGRAMS=200, num_warps=4, num_stages=3),
+    8: dict(BM=8, BN=64, BK=512, MIN_PROGRAMS=200, num_warps=4, num_stages=3),
     16: dict(BM=16, BN=64, BK=256, MIN_PROGRAMS=200, num_warps=4, num_stages=3),
     32: dict(BM=32, BN=64, BK=256, MIN_PROGRAMS=264, num_warps=4, num_stages=3),
     64: dict(BM=64, BN=64, BK=256, MIN_PROGRAMS=264, num_warps=4, num_stages=2),
 }
 MAX_SPLIT_K = 16
+CHUNK = 512  # the decode layout's chunk (columns): every tile's BK divides it
+
+
+def layout_chunk() -> int:
+    """The decode layout's chunk: CHUNK on the GPU, 64 in the CPU interpreter (tiny test shapes)."""
+    return 64 if interpreted() else CHUNK
 # the weight operand holds e2m1 * s_b / W_SHIFT; the epilogue multiplies it back
 W_SHIFT = {torch.float16: 2.0**14, torch.bfloat16: 2.0**64}
 
@@ -57,25 +64,27 @@ WORD_BITS = (((0, 1, 2), 9), ((3, 4, 5), 12), ((6, 7, 8), 15), ((10, 11, 13), 14
 
 @dataclasses.dataclass(frozen=True)
 class DecodeWeight:
-    """A packed weight in the decode layout for chunks of bk columns: codes as int16 words [N, K // 4]
+    """A packed weight in the decode layout of `chunk`-column chunks: codes as int16 words [N, K // 4]
     (4 codes each, WORD_BITS) and block scales [N, K // 16] in the operand dtype (s_b * SCALE_SHIFT)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
-    bk: int
+    chunk: int
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.codes.shape[0], 4 * self.codes.shape[1]
 
 
-def pack_weight(codes: torch.Tensor, block_scales: torch.Tensor, bk: int = 256,
+def pack_weight(codes: torch.Tensor, block_scales: torch.Tensor, chunk: int | None = None,
                 dtype=torch.bfloat16) -> DecodeWeight:
     """Codes uint8 [N, K // 2] (the even column in the low nibble) and E4M3 block scales [N, K // 16]
-    -> the decode layout for chunks of bk columns and activations of `dtype` (bf16 or fp16)."""
+    -> the decode layout (chunks of `chunk` columns, default CHUNK) for `dtype` activations (bf16 or
+    fp16)."""
+    bk = chunk or layout_chunk()
     n, kh = codes.shape
     if (2 * kh) % bk or bk % 64:
-        raise ValueError(f"K={2 * kh} must be a multiple of the decode chunk BK={bk}, itself of 64")
+        raise ValueError(f"K={2 * kh} must be a multiple of the decode chunk {bk}, itself of 64")
     if dtype not in SCALE_SHIFT:
         raise TypeError(f"the decode operand dtype is bf16 or fp16, not {dtype}")
     if tuple(block_scales.shape) != (n, kh // 8) or block_scales.dtype != torch.float8_e4m3fn:
@@ -142,10 +151,11 @@ def _w4a4_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, part_
                         stride_am, stride_cn, stride_sn, stride_om, stride_sa,
                         K: tl.constexpr, EPILOGUE: tl.constexpr, BF16: tl.constexpr, HW: tl.constexpr,
                         W_SHIFT: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
+                        CHUNK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        SPLIT_K: tl.constexpr,
                         EVEN_N: tl.constexpr):
     """out[:M, tile] for decode-layout codes (int16 words [N, K // 4]). acc^T [BN, BM] += sum over o
-    of W_o A_o, A_o the activation columns kb + o * BK / 4 + c."""
+    of W_o A_o, A_o the activation columns of quarter o of kb's chunk, (kb % CHUNK) / 4 + c in it."""
     QK: tl.constexpr = BK // 4  # each dot's K
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -165,10 +175,12 @@ def _w4a4_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, part_
         kb = pid_k * KS + k0
         q = _load_rows(w_rows + kb // 4, mask_n, EVEN_N)  # [BN, QK] int16 words
         for o in tl.static_range(4):
-            sb = _load_rows(s_rows + (kb + o * QK) // 16, mask_n, EVEN_N)  # [BN, BK // 64]
+            # dot o's first column: a multiple of BK / 4 (the hint keeps the activation loads async)
+            col = tl.multiple_of((kb // CHUNK) * CHUNK + o * (CHUNK // 4) + (kb % CHUNK) // 4, QK)
+            sb = _load_rows(s_rows + col // 16, mask_n, EVEN_N)  # [BN, BK // 64]
             # each block scale onto its 16 columns (a broadcast in registers: no shuffle)
             s = tl.reshape(tl.broadcast_to(sb[:, :, None], [BN, BK // 64, 16]), [BN, QK])
-            x = tl.load(a_cols + kb + o * QK, mask=mask_m[None, :], other=0.0)  # [QK, BM]
+            x = tl.load(a_cols + col, mask=mask_m[None, :], other=0.0)  # [QK, BM]
             acc_t = tl.dot(_code(q, o, BF16, HW) * s, x, acc_t)
     acc = tl.trans(acc_t) * W_SHIFT  # [BM, BN]
     out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -204,7 +216,7 @@ def decode_config(m: int, n: int, k: int) -> dict:
     cfg = dict(DECODE_TILES[bm], kernel="decode")
     min_programs = cfg.pop("MIN_PROGRAMS")
     if interpreted():
-        cfg.update(BN=32, BK=64, num_stages=1)
+        cfg.update(BN=32, BK=min(cfg["BK"], 64), num_stages=1)
     split = 1
     while (triton.cdiv(n, cfg["BN"]) * split < min_programs and split < MAX_SPLIT_K
            and k % (2 * split * cfg["BK"]) == 0):
@@ -230,7 +242,7 @@ def decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, w_scale
                 epilogue: str = "sdec", out_dtype=torch.bfloat16, config: dict | None = None) -> torch.Tensor:
     """`gemm.w4a4_gemm`'s decode config for a weight in the decode layout (`pack_weight`): a [M, K]
     e2m1 * s_b (the weight's operand dtype), a_scale fp32 [M] or [], w_scale fp32 [] -> [M, N].
-    config defaults to `decode_config(M, N, K)`; its BK must be the weight's."""
+    config defaults to `decode_config(M, N, K)`; its BK must divide the weight's chunk."""
     from minite.kernels.epilogue import EPILOGUES
 
     m, k = a.shape
@@ -239,8 +251,8 @@ def decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, w_scale
         raise ValueError(f"a must be [M, K={w.shape[1]}] in {w.scales.dtype} with unit stride along K, "
                          f"got {tuple(a.shape)} {a.dtype}")
     cfg = config or decode_config(m, n, k)
-    if cfg["BK"] != w.bk:
-        raise ValueError(f"the weight was packed for BK={w.bk}, the config has BK={cfg['BK']}")
+    if w.chunk % cfg["BK"]:
+        raise ValueError(f"the weight was packed in chunks of {w.chunk}; BK={cfg['BK']} does not divide it")
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     launch(a, a_scale.reshape(-1), w, w_scale, out, EPILOGUES[epilogue], cfg)
     return out
@@ -266,5 +278,5 @@ def launch(a, sa, w: DecodeWeight, w_scale, out, epilogue_id: int, cfg: dict) ->
         a, q16, w.scales, sa, w_scale, out, part, counters, m, n,
         a.stride(0), q16.stride(0), w.scales.stride(0), out.stride(0), 0 if sa.numel() == 1 else 1,
         K=k, EPILOGUE=epilogue_id, BF16=a.dtype == torch.bfloat16, HW=not interpreted(),
-        W_SHIFT=W_SHIFT[a.dtype], BM=bm, BN=bn, BK=bk, SPLIT_K=split, EVEN_N=n % bn == 0,
+        W_SHIFT=W_SHIFT[a.dtype], CHUNK=w.chunk, BM=bm, BN=bn, BK=bk, SPLIT_K=split, EVEN_N=n % bn == 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

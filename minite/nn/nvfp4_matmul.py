@@ -202,10 +202,10 @@ def _dense_kernel(x2: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe, fa
     n = qweight.unscaled.shape[-2]
     sw = _weight_scale(qweight, recipe)
     config = "prefill" if fast else "aligned"
-    cfg = kd.decode_config(m, n, k) if fast and m <= FAST_DECODE_MAX_M else None
-    if cfg is not None and k % cfg["BK"] == 0:
-        out = kd.decode_gemm(a, row_factor, qweight.decode_weight(cfg["BK"], a.dtype), sw, recipe.epilogue,
-                             x2.dtype, cfg)
+    chunk = kd.layout_chunk()
+    if fast and m <= FAST_DECODE_MAX_M and k % chunk == 0:
+        out = kd.decode_gemm(a, row_factor, qweight.decode_weight(chunk, a.dtype), sw, recipe.epilogue,
+                             x2.dtype)
     else:
         w = qweight.operand(a.dtype, kg.pick_config(config, m, n)["BK"])  # [N, Kp]
         out = kg.w4a4_gemm(_pad_k(a, w.shape[-1]), row_factor, w, sw, None, recipe.epilogue, x2.dtype, config)

@@ -79,9 +79,9 @@ def test_pack_weight_puts_column_o_bk4_plus_c_at_word_c_code_o():
             assert torch.equal(got[:, chunk * 64: (chunk + 1) * 64], want), (o, chunk)
     with pytest.raises(ValueError, match="multiple"):
         kd.pack_weight(codes[:, :96], scales[:, :12], 256)
-    with pytest.raises(ValueError, match="BK=256"):
+    with pytest.raises(ValueError, match="does not divide"):
         a = torch.zeros(2, 512, dtype=torch.bfloat16)
-        cfg = dict(kd.decode_config(2, 3, 512), BK=128)
+        cfg = dict(kd.decode_config(2, 3, 512), BK=512)
         kd.decode_gemm(a, torch.ones(()), dw, torch.ones(()), config=cfg)
 
 
@@ -106,6 +106,17 @@ def test_decode_matches_aligned_on_gaussian_data(m, n, k, tile):
     for _ in range(2):  # the second launch checks that the split-K counters were reset
         got = kg.w4a4_gemm(a, sa, wqd.codes, sw, wqd.block_scales, out_dtype=torch.float32, config=cfg)
         assert torch.equal(got, want)
+
+
+def test_k_steps_inside_a_wider_layout_chunk():
+    """BK = 64 steps through 256-column chunks (and split-K across them): same bits as aligned."""
+    x, w = torch.randn(3, 512), torch.randn(32, 512)
+    xq, wq = nvfp4.quantize(x, "row"), nvfp4.quantize(w, "tensor")
+    a, sa, wqd, sw = operands(xq, wq, device())
+    want = kg.w4a4_gemm(a, sa, kg.unscaled_copy(wqd), sw, out_dtype=torch.float32)
+    dw = kd.pack_weight(wqd.codes, wqd.block_scales, 256, a.dtype)
+    cfg = dict(BM=8, BN=16, BK=64, SPLIT_K=2, num_warps=4, num_stages=1)
+    assert torch.equal(kd.decode_gemm(a, sa, dw, sw, out_dtype=torch.float32, config=cfg), want)
 
 
 def test_decode_config_is_picked_by_padded_m_and_rejects_copies():

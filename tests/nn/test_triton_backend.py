@@ -139,10 +139,10 @@ def test_linear_triton_k_not_a_multiple_of_the_tile_and_fast_mode():
     ref, tri = _pair(Linear, 48, 24)  # K = 48: zero-padded to the GEMM's K tile
     x = torch.randn(6, 48, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     _assert_gemm_close(tri(x), ref(x), _gemm_bound(x, tri), 48)
-    ref, tri = _pair(Linear, 256, 32)
+    ref, tri = _pair(Linear, 512, 32)  # K a multiple of the decode layout's chunk: the decode GEMM
     tri.fast = True
-    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(5)).to(DEVICE)
-    _assert_gemm_close(tri(x), ref(x), _gemm_bound(x, tri), 256)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    _assert_gemm_close(tri(x), ref(x), _gemm_bound(x, tri), 512)
 
 
 VARIANTS = {"alpha": dict(epilogue="alpha"),
