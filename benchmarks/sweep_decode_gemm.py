@@ -21,7 +21,9 @@ Session 5, in order (graph timings in bench_decode_gemm.py; sass_kernels.py deco
   activation tile): 2.7 per weight at M <= 8, 3.1-3.3 above. Expected ~10-20% at M <= 8.
   Measured: BK 512 best at M <= 8 (1.3-2.6x, the table's tile since).
 - BK 128 at M = 32 / 64 (half the activation tile per stage, more CTAs per SM). Expected: M = 64
-  gains most (its st2 tile holds two CTAs per SM), ~10-25 %.
+  gains most (its st2 tile holds two CTAs per SM), ~10-25 %. Measured: no gain (0.74-1.43x as
+  before): occupancy is not what holds M = 64 back; the serialized wgmma waits and the activation
+  re-read by every N tile are the suspects.
 
     python benchmarks/sweep_decode_gemm.py --out OUT.json [--workers 12]
 """
