@@ -1,6 +1,7 @@
 """Decode-regime W4A4 GEMM (small M, packed 4-bit weights read from memory) vs cuBLAS bf16.
 
-Ceiling: bf16 weights are 2 B, NVFP4 0.5 + 1/16 B per weight, so at most 3.56x faster than bf16.
+Ceiling: bf16 weights are 2 B, NVFP4 0.5 + 1/16 B per weight, so at most 3.56x faster than bf16; the
+decode layout (`decode_gemm.pack_weight`) stores 16-bit block scales, 0.625 B per weight: 3.2x.
 Ours: the `decode` config (`decode_gemm.decode_config`'s tile; GEMM alone, and with the activation
 quantizer) and the batch-invariant `aligned` config on the packed weights. Tile sweeps:
 sweep_decode_gemm.py.

@@ -5,8 +5,9 @@ this way).
 
 - quantize: the pair kernel's main body (the IEEE-division slow path, a subroutine that normally
   never runs, excluded) over the elements one thread handles, codes and fused values;
-- decode: the packed-weight decode GEMM's tiles (M 1, 16, 32, 64 at N = K = 4096): static counts,
-  registers, and the shared-memory traffic (STS/LDS) the dequantized weight tile takes to the MMA.
+- decode: the decode GEMM's tiles (`decode_gemm.DECODE_TILES`, K = 4096): instructions of the main
+  loop per weight a thread dequantizes, registers, and shared-memory stores (a register-written MMA
+  operand shows up as STS, and costs a fence before each MMA).
 
     python benchmarks/sass_kernels.py [quantize|decode] [--k 4096]
 """

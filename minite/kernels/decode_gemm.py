@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from minite.kernels import interpreted
-from minite.kernels.epilogue import epilogue
+from minite.kernels.epilogue import EPILOGUES, epilogue
 
 # by M padded to 8 / 16 / 32 / 64; SPLIT_K doubles (`decode_config`) until the grid has MIN_PROGRAMS
 # (benchmarks/sweep_decode_gemm.py on the H200, CUDA graphs over rotating weights, 2026-11-30: fewer
@@ -47,19 +47,17 @@ DECODE_TILES = {
 }
 MAX_SPLIT_K = 16
 CHUNK = 512  # the decode layout's chunk (columns): every tile's BK divides it
+# the weight operand holds e2m1 * s_b / W_SHIFT; the epilogue multiplies it back
+W_SHIFT = {torch.float16: 2.0**14, torch.bfloat16: 2.0**64}
+SCALE_SHIFT = {torch.float16: 1.0, torch.bfloat16: 2.0**62}  # stored scales are s_b * SCALE_SHIFT
+# where code o's magnitude bits (low to high) and sign bit sit in a decode-layout word: codes 0-2 have
+# their sign 9 above the magnitude, as bf16 has (magnitude on bits 6..8, sign on 15)
+WORD_BITS = (((0, 1, 2), 9), ((3, 4, 5), 12), ((6, 7, 8), 15), ((10, 11, 13), 14))
 
 
 def layout_chunk() -> int:
     """The decode layout's chunk: CHUNK on the GPU, 64 in the CPU interpreter (tiny test shapes)."""
     return 64 if interpreted() else CHUNK
-# the weight operand holds e2m1 * s_b / W_SHIFT; the epilogue multiplies it back
-W_SHIFT = {torch.float16: 2.0**14, torch.bfloat16: 2.0**64}
-
-
-SCALE_SHIFT = {torch.float16: 1.0, torch.bfloat16: 2.0**62}  # stored scales are s_b * SCALE_SHIFT
-# where code o's magnitude bits (low to high) and sign bit sit in a decode-layout word: codes 0-2 have
-# their sign 9 above the magnitude, as bf16 has (magnitude on bits 6..8, sign on 15)
-WORD_BITS = (((0, 1, 2), 9), ((3, 4, 5), 12), ((6, 7, 8), 15), ((10, 11, 13), 14))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +77,8 @@ class DecodeWeight:
 def pack_weight(codes: torch.Tensor, block_scales: torch.Tensor, chunk: int | None = None,
                 dtype=torch.bfloat16) -> DecodeWeight:
     """Codes uint8 [N, K // 2] (the even column in the low nibble) and E4M3 block scales [N, K // 16]
-    -> the decode layout (chunks of `chunk` columns, default CHUNK) for `dtype` activations (bf16 or
-    fp16)."""
+    -> the decode layout (chunks of `chunk` columns, default `layout_chunk()`) for `dtype` activations
+    (bf16 or fp16)."""
     bk = chunk or layout_chunk()
     n, kh = codes.shape
     if (2 * kh) % bk or bk % 64:
@@ -150,10 +148,8 @@ def _load_rows(ptrs, mask_n, EVEN_N: tl.constexpr):
 def _w4a4_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, part_ptr, count_ptr, M, N,
                         stride_am, stride_cn, stride_sn, stride_om, stride_sa,
                         K: tl.constexpr, EPILOGUE: tl.constexpr, BF16: tl.constexpr, HW: tl.constexpr,
-                        W_SHIFT: tl.constexpr,
-                        CHUNK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        SPLIT_K: tl.constexpr,
-                        EVEN_N: tl.constexpr):
+                        W_SHIFT: tl.constexpr, CHUNK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        BK: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr):
     """out[:M, tile] for decode-layout codes (int16 words [N, K // 4]). acc^T [BN, BM] += sum over o
     of W_o A_o, A_o the activation columns of quarter o of kb's chunk, (kb % CHUNK) / 4 + c in it."""
     QK: tl.constexpr = BK // 4  # each dot's K
@@ -243,13 +239,16 @@ def decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, w_scale
     """`gemm.w4a4_gemm`'s decode config for a weight in the decode layout (`pack_weight`): a [M, K]
     e2m1 * s_b (the weight's operand dtype), a_scale fp32 [M] or [], w_scale fp32 [] -> [M, N].
     config defaults to `decode_config(M, N, K)`; its BK must divide the weight's chunk."""
-    from minite.kernels.epilogue import EPILOGUES
-
-    m, k = a.shape
-    n = w.shape[0]
-    if w.shape[1] != k or a.dtype != w.scales.dtype or a.stride(1) != 1:
+    if a.ndim != 2 or a.shape[1] != w.shape[1] or a.dtype != w.scales.dtype or a.stride(1) != 1:
         raise ValueError(f"a must be [M, K={w.shape[1]}] in {w.scales.dtype} with unit stride along K, "
                          f"got {tuple(a.shape)} {a.dtype}")
+    m, k = a.shape
+    n = w.shape[0]
+    if a_scale.dtype != torch.float32 or a_scale.numel() not in (1, m) or w_scale.numel() != 1:
+        raise ValueError(f"a_scale must be fp32 with 1 or M={m} elements and w_scale one number, got "
+                         f"{a_scale.dtype} {tuple(a_scale.shape)} and {tuple(w_scale.shape)}")
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue={epilogue!r} is not supported; choose one of {list(EPILOGUES)}")
     cfg = config or decode_config(m, n, k)
     if w.chunk % cfg["BK"]:
         raise ValueError(f"the weight was packed in chunks of {w.chunk}; BK={cfg['BK']} does not divide it")

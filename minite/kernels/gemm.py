@@ -16,13 +16,11 @@ Configurations (CONFIGS, fixed; no autotuning):
   there); the GPU tests and the tile sweep (benchmarks/sweep_aligned_gemm.py: 44 tiles, one set of
   bits) check that rows keep their bits across it.
 - `prefill`: the fastest tile for large M (dequantized weight copy).
-- `decode`: small M (<= 64), packed weights, its own kernel (`_w4a4_decode_kernel`, below): the
-  weight is the MMA's large operand (C^T = W A^T, so N fills the MMA rows and M pads to 16..64),
-  even and odd codes of a byte are dequantized into two tiles and multiplied with the even and odd
-  activation columns (two dots, no interleaving shuffle), narrow N tiles, and a deterministic split-K
-  (partials summed in split order by the last program of a tile) where N alone does not fill the GPU;
-  M = 1 takes an FMA reduction instead of an MMA. Its K order depends on (N, K) and the tile, never
-  on M, so it is batch-invariant over M <= 64, but it is not the aligned order: its bits equal the
+- `decode`: small M (<= 64), packed weights, its own kernel (`kernels.decode_gemm`): the weight,
+  repacked into a decode layout (once per update by the nn layers; on every call here), is
+  dequantized by inline PTX into the MMA's register operand (C^T = W A^T, M padded to 8..64), with a
+  deterministic split-K where N alone does not fill the GPU. Its K order depends on (N, K) and the
+  tile, never on M within one padded size, but it is not the aligned order: its bits equal the
   aligned path's wherever the fp32 accumulation is exact (nearly all outputs, FACTS.md 1.1).
 """
 

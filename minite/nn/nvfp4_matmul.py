@@ -20,7 +20,8 @@ Execution (`recipe.backend`):
   Recipes outside that (`te`, `torchao`: per-tensor activation scale; `vllm`: static scale;
   stochastic rounding or RHT on activations) run the reference GEMM, with activations and weights
   quantized by the kernels on CUDA (bitwise the same codes and scales). `fast=True` gives up the
-  alignment for speed: M <= 64 runs the 'decode' config on the packed weight, larger M 'prefill'.
+  alignment for speed: M <= 64 runs the decode GEMM on the weight's decode layout (K a multiple of
+  512), larger M 'prefill'.
   Kernel outputs equal the reference wherever the fp32 accumulation across 16-blocks is exact (nearly
   all outputs) and differ by at most one fp32 rounding per 16-block otherwise (`minite.ref.gemm`).
 

@@ -32,9 +32,7 @@ def _dequant_kernel(q_ptr, scales_ptr, out_ptr, NQ: tl.constexpr, NS: tl.constex
 def _codes(n, k, seed):
     """Codes uint8 [n, k // 2] in which each of the 16 codes lands on each word position of each chunk."""
     g = torch.Generator().manual_seed(seed)
-    nib = torch.randint(0, 16, (n, k), generator=g)
-    nib[:, :16] = torch.arange(16)
-    nib = nib.reshape(n, k // 256, 4, 64)
+    nib = torch.randint(0, 16, (n, k // 256, 4, 64), generator=g)
     nib[:, :, :, :16] = torch.arange(16)  # columns o * 64 + c, c < 16: code c at every o
     nib = nib.reshape(n, k // 2, 2)
     return (nib[..., 0] | (nib[..., 1] << 4)).to(torch.uint8)
@@ -63,7 +61,7 @@ def test_dequant_is_exact_for_every_code_and_scale(dtype):
         assert torch.equal(out[o].cpu().double()[:, :127], want[:, :127]), o
 
 
-def test_pack_weight_puts_column_o_bk4_plus_c_at_word_c_code_o():
+def test_pack_weight_puts_column_o_chunk4_plus_c_at_word_c_code_o():
     codes = _codes(3, 512, 1)
     scales = torch.rand(3, 32, generator=torch.Generator().manual_seed(2)).to(torch.float8_e4m3fn)
     nib = torch.stack([codes & 15, codes >> 4], -1).reshape(3, 512).to(torch.int32)
@@ -79,6 +77,11 @@ def test_pack_weight_puts_column_o_bk4_plus_c_at_word_c_code_o():
             assert torch.equal(got[:, chunk * 64: (chunk + 1) * 64], want), (o, chunk)
     with pytest.raises(ValueError, match="multiple"):
         kd.pack_weight(codes[:, :96], scales[:, :12], 256)
+    a = torch.zeros(2, 512, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="K=512"):
+        kd.decode_gemm(a[:, :256], torch.ones(()), dw, torch.ones(()))
+    with pytest.raises(ValueError, match="a_scale"):
+        kd.decode_gemm(a, torch.ones(3), dw, torch.ones(()))
     with pytest.raises(ValueError, match="does not divide"):
         a = torch.zeros(2, 512, dtype=torch.bfloat16)
         cfg = dict(kd.decode_config(2, 3, 512), BK=512)
