@@ -3,6 +3,8 @@
 - `nvfp4.quantize_packed` / `nvfp4.quantize`: NVFP4 quantization, bitwise equal to the reference (RNE).
 - `nvfp4.quantize_unscaled`: the fused activation form for the compute-bound GEMM (row scaling).
 - `gemm.w4a4_gemm` / `gemm.nvfp4_gemm`: W4A4 GEMM (compute-bound and decode regimes, aligned config).
+- `decode_gemm.decode_gemm`: the decode regime (M <= 64) on a weight in its decode layout
+  (`decode_gemm.pack_weight`, made once per update).
 - `grouped_gemm.grouped_w4a4_gemm`: MoE grouped GEMM over experts in one launch.
 
 Nothing here imports Triton at package import time: `available()` says whether the kernels can run
