@@ -59,9 +59,10 @@ def parse_args(argv=None):
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--no-moe-grouped-mm", action="store_true",
                    help="bf16 MoE experts on padded bmm, not torch._grouped_mm (the CUDA default)")
-    p.add_argument("--moe-packed-rows", type=int, default=None,
-                   help="NVFP4 MoE reads packed expert weights up to this many rows per expert "
-                        "(minite.nn.nvfp4_matmul.PACKED_MAX_ROWS_PER_EXPERT; 0: always the bf16 copy)")
+    p.add_argument("--moe-decode-rows", type=int, default=None,
+                   help="NVFP4 MoE runs the grouped decode kernel (packed expert weights) up to this many "
+                        "rows per expert (minite.nn.nvfp4_matmul.DECODE_MAX_ROWS_PER_EXPERT; 0: always the "
+                        "aligned tile on the bf16 copy)")
     p.add_argument("--no-fused-kernels", action="store_true",
                    help="the plain torch RMSNorm/RoPE ops, not the fused kernels (the CUDA default)")
     p.add_argument("--sync-recipes", default="",
@@ -182,8 +183,8 @@ def run_hf(model: Qwen3, prompts, args, device, dtype) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.moe_packed_rows is not None:
-        nvfp4_matmul.PACKED_MAX_ROWS_PER_EXPERT = args.moe_packed_rows
+    if args.moe_decode_rows is not None:
+        nvfp4_matmul.DECODE_MAX_ROWS_PER_EXPERT = args.moe_decode_rows
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     rows = []
@@ -220,7 +221,7 @@ def main(argv=None):
                     prompt_len=args.prompt_len, device=str(device), dtype=str(dtype), backend=args.backend,
                     moe_layers_of_48=args.moe_layers, dense_layers_of_28=args.dense_layers, tiny=args.tiny,
                     moe_grouped_mm=not args.no_moe_grouped_mm,
-                    moe_packed_max_rows_per_expert=nvfp4_matmul.PACKED_MAX_ROWS_PER_EXPERT,
+                    moe_decode_max_rows_per_expert=nvfp4_matmul.DECODE_MAX_ROWS_PER_EXPERT,
                     fused_kernels=not args.no_fused_kernels)
     report("rollout", rows, args.out, extra=dict(workload=workload))
     return rows

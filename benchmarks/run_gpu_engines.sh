@@ -4,7 +4,10 @@
 #   profile   where a rollout decode step spends its time (benchmarks/profile_rollout.py): dense aligned,
 #             MoE (24 layers) bf16 and aligned
 #   rollout   rollout benchmark: dense 1.7B against HF generate
-#   moe       MoE rollout, 24 layers of 48: bf16 vs aligned, and aligned reading packed expert weights
+#   moe       MoE rollout, 24 layers of 48: bf16 vs aligned (experts on the grouped decode kernel), and
+#             aligned with the experts on the aligned tile over the bf16 copy
+#   grouped_decode  MoE decode-step expert GEMMs: grouped decode kernel vs torch._grouped_mm and the aligned
+#             tile on the bf16 copy, plus a tile sweep (benchmarks/bench_grouped_decode.py)
 #   quantize  the quantize kernel against a device copy (benchmarks/bench_quantize.py)
 #   sweep     the quantize kernel's launch configurations (benchmarks/sweep_quantize.py)
 #   gemm      the W4A4 GEMM (compute-bound) and the MoE grouped GEMM against cuBLAS / torch._grouped_mm
@@ -54,7 +57,9 @@ for part in "$@"; do
       step 90 python3 benchmarks/bench_rollout.py --models moe --moe-layers 24 --new-tokens 256 --backend triton \
         --no-hf --out "$OUT/rollout_moe24.json"
       step 60 python3 benchmarks/bench_rollout.py --models moe --moe-layers 24 --new-tokens 256 --backend triton \
-        --no-hf --recipes aligned --moe-packed-rows 64 --out "$OUT/rollout_moe24_packed.json" ;;
+        --no-hf --recipes aligned --moe-decode-rows 0 --out "$OUT/rollout_moe24_bf16_copy.json" ;;
+    grouped_decode)
+      step 200 python3 benchmarks/bench_grouped_decode.py --out "$OUT/kernels_grouped_decode.json" ;;
     quantize)
       step 90 python3 benchmarks/bench_quantize.py --out "$OUT/kernels_quantize.json" ;;
     gemm)

@@ -7,9 +7,10 @@ this way).
   never runs, excluded) over the elements one thread handles, codes and fused values;
 - decode: the decode GEMM's tiles (`decode_gemm.DECODE_TILES`, K = 4096): instructions of the main
   loop per weight a thread dequantizes, registers, and shared-memory stores (a register-written MMA
-  operand shows up as STS, and costs a fence before each MMA).
+  operand shows up as STS, and costs a fence before each MMA);
+- grouped: the same for the MoE grouped decode kernel's tiles (`grouped_decode.GROUPED_DECODE_TILES`).
 
-    python benchmarks/sass_kernels.py [quantize|decode] [--k 4096]
+    python benchmarks/sass_kernels.py [quantize|decode|grouped] [--k 4096]
 """
 
 import argparse
@@ -25,6 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from minite.kernels import decode_gemm as kd
+from minite.kernels import grouped_decode as gd
 from minite.kernels import nvfp4_pairs as kp
 
 DECODE_SIGNATURE = {"a_ptr": "*bf16", "codes_ptr": "*i16", "ws_ptr": "*bf16", "sa_ptr": "*fp32",
@@ -32,6 +34,10 @@ DECODE_SIGNATURE = {"a_ptr": "*bf16", "codes_ptr": "*i16", "ws_ptr": "*bf16", "s
                     "M": "i32", "N": "i32",
                     "stride_am": "i32", "stride_cn": "i32", "stride_sn": "i32", "stride_om": "i32",
                     "stride_sa": "i32"}
+GROUPED_SIGNATURE = {"a_ptr": "*bf16", "codes_ptr": "*i16", "ws_ptr": "*bf16", "sa_ptr": "*fp32",
+                     "sw_ptr": "*fp32", "offsets_ptr": "*i32", "out_ptr": "*bf16", "N": "i32", "E": "i32",
+                     "stride_am": "i32", "stride_ce": "i32", "stride_cn": "i32", "stride_se": "i32",
+                     "stride_sn": "i32", "stride_om": "i32", "stride_sa": "i32"}
 SIGNATURE = {"w_ptr": "*i32", "codes_ptr": "*u8", "scales_ptr": "*u8", "vals_ptr": "*i32",
              "sdec_out_ptr": "*fp32", "amax_out_ptr": "*fp32", "gs_ptr": "*fp32", "R": "i32",
              "stride_wr": "i32", "rows_per_gs": "i32"}
@@ -111,27 +117,40 @@ def quantize(k: int) -> None:
         print("   ", ", ".join(f"{op} {n}" for op, n in ops.most_common(12)))
 
 
+def _loop_report(name, fn, signature, const, tile, aligned) -> None:
+    sass, summary = compile_sass(fn, signature, const, tile["num_warps"], aligned=aligned)
+    ops = main_loop_ops(sass)
+    per_thread = tile["BN"] * tile["BK"] / (32 * tile["num_warps"])  # weights a thread dequantizes per step
+    print(f"{name} {dict(BM=tile['BM'], BN=tile['BN'], BK=tile['BK'])}: main loop {sum(ops.values())} "
+          f"instructions = {sum(ops.values()) / per_thread:.2f} per weight, STS {ops['STS']}, "
+          f"LDS {ops['LDS'] + ops['LDSM']}, HGMMA {ops['HGMMA']} ({summary})")
+    print("   ", ", ".join(f"{op} {n}" for op, n in ops.most_common(12)))
+
+
 def decode(k: int) -> None:
     for bm, tile in kd.DECODE_TILES.items():
         t = {key: v for key, v in tile.items() if key not in ("MIN_PROGRAMS", "num_warps", "num_stages")}
         const = dict(K=k, EPILOGUE=0, BF16=True, HW=True, W_SHIFT=kd.W_SHIFT[torch.bfloat16], CHUNK=kd.CHUNK,
                      SPLIT_K=1, EVEN_N=True, **t)
-        sass, summary = compile_sass(kd._w4a4_decode_kernel, DECODE_SIGNATURE, const, tile["num_warps"],
-                                     aligned=("stride_am", "stride_cn", "stride_sn", "stride_om"))
-        ops = main_loop_ops(sass)
-        per_thread = t["BN"] * t["BK"] / (32 * tile["num_warps"])  # weights a thread dequantizes per step
-        print(f"decode M<={bm} {t}: main loop {sum(ops.values())} instructions = "
-              f"{sum(ops.values()) / per_thread:.2f} per weight, STS {ops['STS']}, "
-              f"LDS {ops['LDS'] + ops['LDSM']}, HGMMA {ops['HGMMA']} ({summary})")
-        print("   ", ", ".join(f"{op} {n}" for op, n in ops.most_common(12)))
+        _loop_report(f"decode M<={bm}", kd._w4a4_decode_kernel, DECODE_SIGNATURE, const, tile,
+                     ("stride_am", "stride_cn", "stride_sn", "stride_om"))
+
+
+def grouped(k: int) -> None:
+    for bm, tile in gd.GROUPED_DECODE_TILES.items():
+        t = dict(BM=tile["BM"], BN=tile["BN"], BK=gd.CHUNK)
+        const = dict(K=k, EPILOGUE=0, BF16=True, HW=True, W_SHIFT=kd.W_SHIFT[torch.bfloat16], E_P2=128,
+                     EVEN_N=True, **t)
+        _loop_report(f"grouped decode BM={bm}", gd._grouped_decode_kernel, GROUPED_SIGNATURE, const,
+                     dict(tile, **t), ("stride_am", "stride_ce", "stride_cn", "stride_se", "stride_sn", "stride_om"))
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("what", nargs="?", default="quantize", choices=["quantize", "decode"])
+    p.add_argument("what", nargs="?", default="quantize", choices=["quantize", "decode", "grouped"])
     p.add_argument("--k", type=int, default=4096, help="row width / reduction length (elements)")
     args = p.parse_args()
-    (quantize if args.what == "quantize" else decode)(args.k)
+    dict(quantize=quantize, decode=decode, grouped=grouped)[args.what](args.k)
 
 
 if __name__ == "__main__":

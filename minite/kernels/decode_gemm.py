@@ -62,41 +62,43 @@ def layout_chunk() -> int:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeWeight:
-    """A packed weight in the decode layout of `chunk`-column chunks: codes as int16 words [N, K // 4]
-    (4 codes each, WORD_BITS) and block scales [N, K // 16] in the operand dtype (s_b * SCALE_SHIFT)."""
+    """A packed weight in the decode layout of `chunk`-column chunks: codes as int16 words [..., N, K // 4]
+    (4 codes each, WORD_BITS) and block scales [..., N, K // 16] in the operand dtype (s_b * SCALE_SHIFT);
+    the leading dimension, if any, runs over MoE experts."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     chunk: int
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return self.codes.shape[0], 4 * self.codes.shape[1]
+    def shape(self) -> tuple[int, ...]:
+        return (*self.codes.shape[:-1], 4 * self.codes.shape[-1])
 
 
 def pack_weight(codes: torch.Tensor, block_scales: torch.Tensor, chunk: int | None = None,
                 dtype=torch.bfloat16) -> DecodeWeight:
-    """Codes uint8 [N, K // 2] (the even column in the low nibble) and E4M3 block scales [N, K // 16]
-    -> the decode layout (chunks of `chunk` columns, default `layout_chunk()`) for `dtype` activations
-    (bf16 or fp16)."""
+    """Codes uint8 [..., N, K // 2] (the even column in the low nibble) and E4M3 block scales
+    [..., N, K // 16] -> the decode layout (chunks of `chunk` columns, default `layout_chunk()`) for
+    `dtype` activations (bf16 or fp16)."""
     bk = chunk or layout_chunk()
-    n, kh = codes.shape
+    kh = codes.shape[-1]
     if (2 * kh) % bk or bk % 64:
         raise ValueError(f"K={2 * kh} must be a multiple of the decode chunk {bk}, itself of 64")
     if dtype not in SCALE_SHIFT:
         raise TypeError(f"the decode operand dtype is bf16 or fp16, not {dtype}")
-    if tuple(block_scales.shape) != (n, kh // 8) or block_scales.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"block_scales must be float8_e4m3fn [N, K // 16] = {(n, kh // 8)}, got "
+    want = (*codes.shape[:-1], kh // 8)
+    if tuple(block_scales.shape) != want or block_scales.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"block_scales must be float8_e4m3fn [..., N, K // 16] = {want}, got "
                          f"{block_scales.dtype} {tuple(block_scales.shape)}")
-    nib = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(n, 2 * kh // bk, 4, bk // 4).to(torch.int32)
-    mag, sign = nib & 7, nib >> 3  # [N, K // BK, o, c]
+    nib = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(-1, 2 * kh // bk, 4, bk // 4).to(torch.int32)
+    mag, sign = nib & 7, nib >> 3  # [rows, K // BK, o, c]
     word = torch.zeros_like(mag[:, :, 0])
     for o, (mag_at, sign_at) in enumerate(WORD_BITS):
         for bit, at in enumerate(mag_at):
             word |= ((mag[:, :, o] >> bit) & 1) << at
         word |= sign[:, :, o] << sign_at
     scales = (block_scales.float() * SCALE_SHIFT[dtype]).to(dtype)  # exact
-    words = word.reshape(n, kh // 2).to(torch.int16)  # wraps bit 15 onto the sign: same 16 bits
+    words = word.reshape(*codes.shape[:-1], kh // 2).to(torch.int16)  # wraps bit 15 onto the sign: same bits
     return DecodeWeight(words.contiguous(), scales.contiguous(), bk)
 
 
@@ -145,14 +147,40 @@ def _load_rows(ptrs, mask_n, EVEN_N: tl.constexpr):
 
 
 @triton.jit
+def decode_acc(a_rows, mask_m, w_rows, s_rows, mask_n, k_begin, KS: tl.constexpr, BF16: tl.constexpr,
+               HW: tl.constexpr, CHUNK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+               BK: tl.constexpr, EVEN_N: tl.constexpr):
+    """acc^T [BN, BM] fp32 over columns k_begin .. k_begin + KS: the sum over K steps kb and o of
+    W_o A_o, A_o the activation columns of quarter o of kb's chunk ((kb % CHUNK) / 4 + c in it).
+    a_rows [BM] points at the activation rows, w_rows / s_rows [BN] at the weight's word / scale
+    rows. With CHUNK == BK the columns come in plain order (the aligned K order)."""
+    QK: tl.constexpr = BK // 4  # each dot's K
+    offs_c = tl.arange(0, QK)
+    a_cols = a_rows[None, :] + offs_c[:, None]  # [QK, BM]
+    w_cols = w_rows[:, None] + offs_c[None, :]  # [BN, QK]
+    s_cols = s_rows[:, None] + tl.arange(0, BK // 64)[None, :]  # [BN, BK // 64]
+    acc_t = tl.zeros([BN, BM], dtype=tl.float32)
+    for k0 in range(0, KS, BK):
+        kb = k_begin + k0
+        q = _load_rows(w_cols + kb // 4, mask_n, EVEN_N)  # [BN, QK] int16 words
+        for o in tl.static_range(4):
+            # dot o's first column: a multiple of BK / 4 (the hint keeps the activation loads async)
+            col = tl.multiple_of((kb // CHUNK) * CHUNK + o * (CHUNK // 4) + (kb % CHUNK) // 4, QK)
+            sb = _load_rows(s_cols + col // 16, mask_n, EVEN_N)  # [BN, BK // 64]
+            # each block scale onto its 16 columns (a broadcast in registers: no shuffle)
+            s = tl.reshape(tl.broadcast_to(sb[:, :, None], [BN, BK // 64, 16]), [BN, QK])
+            x = tl.load(a_cols + col, mask=mask_m[None, :], other=0.0)  # [QK, BM]
+            acc_t = tl.dot(_code(q, o, BF16, HW) * s, x, acc_t)
+    return acc_t
+
+
+@triton.jit
 def _w4a4_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, part_ptr, count_ptr, M, N,
                         stride_am, stride_cn, stride_sn, stride_om, stride_sa,
                         K: tl.constexpr, EPILOGUE: tl.constexpr, BF16: tl.constexpr, HW: tl.constexpr,
                         W_SHIFT: tl.constexpr, CHUNK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                         BK: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr):
-    """out[:M, tile] for decode-layout codes (int16 words [N, K // 4]). acc^T [BN, BM] += sum over o
-    of W_o A_o, A_o the activation columns of quarter o of kb's chunk, (kb % CHUNK) / 4 + c in it."""
-    QK: tl.constexpr = BK // 4  # each dot's K
+    """out[:M, tile] for decode-layout codes (int16 words [N, K // 4]); `decode_acc` is the loop."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -160,24 +188,9 @@ def _w4a4_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, part_
     rows = offs_n.to(tl.int64)
     offs_m = tl.arange(0, BM)
     mask_m = offs_m < M
-    offs_c = tl.arange(0, QK)
-    offs_b = tl.arange(0, BK // 64)
-    a_cols = a_ptr + offs_m.to(tl.int64)[None, :] * stride_am + offs_c[:, None]  # [QK, BM]
-    w_rows = codes_ptr + rows[:, None] * stride_cn + offs_c[None, :]  # [BN, QK]
-    s_rows = ws_ptr + rows[:, None] * stride_sn + offs_b[None, :]  # [BN, BK // 64]
     KS: tl.constexpr = K // SPLIT_K
-    acc_t = tl.zeros([BN, BM], dtype=tl.float32)
-    for k0 in range(0, KS, BK):
-        kb = pid_k * KS + k0
-        q = _load_rows(w_rows + kb // 4, mask_n, EVEN_N)  # [BN, QK] int16 words
-        for o in tl.static_range(4):
-            # dot o's first column: a multiple of BK / 4 (the hint keeps the activation loads async)
-            col = tl.multiple_of((kb // CHUNK) * CHUNK + o * (CHUNK // 4) + (kb % CHUNK) // 4, QK)
-            sb = _load_rows(s_rows + col // 16, mask_n, EVEN_N)  # [BN, BK // 64]
-            # each block scale onto its 16 columns (a broadcast in registers: no shuffle)
-            s = tl.reshape(tl.broadcast_to(sb[:, :, None], [BN, BK // 64, 16]), [BN, QK])
-            x = tl.load(a_cols + col, mask=mask_m[None, :], other=0.0)  # [QK, BM]
-            acc_t = tl.dot(_code(q, o, BF16, HW) * s, x, acc_t)
+    acc_t = decode_acc(a_ptr + offs_m.to(tl.int64) * stride_am, mask_m, codes_ptr + rows * stride_cn,
+                       ws_ptr + rows * stride_sn, mask_n, pid_k * KS, KS, BF16, HW, CHUNK, BM, BN, BK, EVEN_N)
     acc = tl.trans(acc_t) * W_SHIFT  # [BM, BN]
     out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     out_mask = mask_m[:, None] & mask_n[None, :]
@@ -239,6 +252,8 @@ def decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, w_scale
     """`gemm.w4a4_gemm`'s decode config for a weight in the decode layout (`pack_weight`): a [M, K]
     e2m1 * s_b (the weight's operand dtype), a_scale fp32 [M] or [], w_scale fp32 [] -> [M, N].
     config defaults to `decode_config(M, N, K)`; its BK must divide the weight's chunk."""
+    if w.codes.ndim != 2:
+        raise ValueError(f"decode_gemm takes a 2D weight, got {tuple(w.shape)} (experts: grouped_decode)")
     if a.ndim != 2 or a.shape[1] != w.shape[1] or a.dtype != w.scales.dtype or a.stride(1) != 1:
         raise ValueError(f"a must be [M, K={w.shape[1]}] in {w.scales.dtype} with unit stride along K, "
                          f"got {tuple(a.shape)} {a.dtype}")

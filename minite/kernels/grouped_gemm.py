@@ -30,6 +30,22 @@ ALIGNED_LARGE_ROWS_PER_EXPERT = 64  # H200 sweep: 32 rows/expert favour `aligned
 
 
 @triton.jit
+def expert_tile(offsets_ptr, E, pid_m, BM: tl.constexpr, E_P2: tl.constexpr):
+    """Row tile pid_m of the experts' tiles (each expert's rows cut into tiles of BM, experts in
+    order) -> (expert, first row, end of the expert's rows); expert == E past the last tile."""
+    experts = tl.arange(0, E_P2)
+    start = tl.load(offsets_ptr + experts, mask=experts < E, other=0).to(tl.int32)
+    end = tl.load(offsets_ptr + experts + 1, mask=experts < E, other=0).to(tl.int32)
+    tiles = (end - start + BM - 1) // BM
+    cum = tl.cumsum(tiles, 0)
+    e = tl.sum((cum <= pid_m).to(tl.int32), 0)
+    here = experts == e
+    first_tile = tl.sum(tl.where(here, cum - tiles, 0), 0)
+    row0 = tl.sum(tl.where(here, start, 0), 0) + (pid_m - first_tile) * BM
+    return e, row0, tl.sum(tl.where(here, end, 0), 0)
+
+
+@triton.jit
 def _grouped_kernel(a_ptr, w_ptr, ws_ptr, sa_ptr, sw_ptr, offsets_ptr, out_ptr, N, E,
                     stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_sa,
                     K: tl.constexpr, EPILOGUE: tl.constexpr, W_PACKED: tl.constexpr,
@@ -39,18 +55,9 @@ def _grouped_kernel(a_ptr, w_ptr, ws_ptr, sa_ptr, sw_ptr, offsets_ptr, out_ptr, 
     grid_n = tl.cdiv(N, BN)
     pid_m = pid // grid_n
     pid_n = pid % grid_n
-    experts = tl.arange(0, E_P2)
-    start = tl.load(offsets_ptr + experts, mask=experts < E, other=0).to(tl.int32)
-    end = tl.load(offsets_ptr + experts + 1, mask=experts < E, other=0).to(tl.int32)
-    tiles = (end - start + BM - 1) // BM
-    cum = tl.cumsum(tiles, 0)
-    e = tl.sum((cum <= pid_m).to(tl.int32), 0)
+    e, row0, row_end = expert_tile(offsets_ptr, E, pid_m, BM, E_P2)
     if e >= E:
         return
-    here = experts == e
-    first_tile = tl.sum(tl.where(here, cum - tiles, 0), 0)
-    row0 = tl.sum(tl.where(here, start, 0), 0) + (pid_m - first_tile) * BM
-    row_end = tl.sum(tl.where(here, end, 0), 0)
     offs_m = row0 + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_m = offs_m < row_end

@@ -16,7 +16,8 @@ Execution (`recipe.backend`):
   forward runs `kernels.nvfp4.quantize_unscaled` (exact e2m1 * s_b values + fp32 row S_dec) and
   `kernels.gemm.w4a4_gemm` (dense) or `kernels.grouped_gemm.grouped_w4a4_gemm` (experts, one launch)
   in the batch-invariant 'aligned' configuration on the weight's unscaled copy, whatever M is (MoE
-  can read the packed codes instead at few rows per expert, `PACKED_MAX_ROWS_PER_EXPERT`: same bits).
+  at few rows per expert, `DECODE_MAX_ROWS_PER_EXPERT`, reads the packed weights instead through
+  `kernels.grouped_decode`: the same K order, the same bits).
   Recipes outside that (`te`, `torchao`: per-tensor activation scale; `vllm`: static scale;
   stochastic rounding or RHT on activations) run the reference GEMM, with activations and weights
   quantized by the kernels on CUDA (bitwise the same codes and scales). `fast=True` gives up the
@@ -57,12 +58,10 @@ DGRAD_DY_SPEC = QuantSpec(scaling="tensor", block=(1, 16), rounding="stochastic"
 WGRAD_DY_SPEC = QuantSpec(scaling="tensor", block=(1, 16), rounding="stochastic", hadamard=True)
 WGRAD_X_SPEC = QuantSpec(scaling="tensor", block=(1, 16), rounding="rne", hadamard=True)
 FAST_DECODE_MAX_M = 64  # the kernels' 'decode' config serves M <= 64
-# MoE: at most this many rows per expert on average (a decode step), the grouped GEMM reads the packed
-# weights (4-bit codes + E4M3 scales, dequantized in registers) instead of the bf16 copy: a quarter of
-# the bytes, the same bits (same tiles, same K order, the same exact operand values). Off (0): on the
-# H200 the aligned tile's in-register dequantization cost more than the bytes it saved (24-layer MoE
-# rollout, ~32 rows per expert: 16.5k tokens/s packed vs 20.7k on the bf16 copy).
-PACKED_MAX_ROWS_PER_EXPERT = 0
+# MoE: at most this many rows per expert on average (a decode step), the experts run on the grouped
+# decode kernel (`kernels.grouped_decode`: the packed weights in the decode layout, 0.625 bytes per
+# weight, dequantized in registers) instead of the aligned tile on the bf16 copy: the same bits.
+DECODE_MAX_ROWS_PER_EXPERT = 64
 
 
 class Operand(NamedTuple):
@@ -217,6 +216,7 @@ def _grouped_kernel(xs: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe, 
                     fast: bool):
     """xs [R, K] sorted by expert, offsets [E + 1] -> (out [R, N] in xs.dtype, a, S_dec); one launch."""
     from minite import kernels
+    from minite.kernels import grouped_decode as gd
     from minite.kernels import grouped_gemm as gg
 
     a, sdec, row_factor = _kernel_rows(xs, recipe)
@@ -224,10 +224,11 @@ def _grouped_kernel(xs: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe, 
     bk = gg.CONFIGS["interpret" if kernels.interpreted() else config]["BK"]
     e, n, k = qweight.unscaled.shape
     sw = _weight_scale(qweight, recipe)
-    if xs.shape[0] <= PACKED_MAX_ROWS_PER_EXPERT * e and k % bk == 0:
-        q = qweight.q  # few rows per expert (decode): read the 4-bit codes, not the bf16 copy
-        out = gg.grouped_w4a4_gemm(a, row_factor, q.codes[:, :n], sw, offsets, q.block_scales[:, :n],
-                                   recipe.epilogue, xs.dtype, config)
+    chunk = gd.grouped_chunk()
+    if xs.shape[0] <= DECODE_MAX_ROWS_PER_EXPERT * e and k % chunk == 0:
+        # few rows per expert (decode): read the 4-bit codes, not the bf16 copy
+        out = gd.grouped_decode_gemm(a, row_factor, qweight.decode_weight(chunk, a.dtype), sw, offsets,
+                                     recipe.epilogue, xs.dtype)
         return out, a, sdec
     w = qweight.operand(a.dtype, bk)  # [E, N, Kp]
     out = gg.grouped_w4a4_gemm(_pad_k(a, w.shape[-1]), row_factor, w, sw, offsets, None, recipe.epilogue,

@@ -63,14 +63,16 @@ class QuantizedWeight:
         return self._operands[key]
 
     def decode_weight(self, chunk: int, dtype: torch.dtype):
-        """The 2D weight's codes and block scales in the decode GEMM's layout (chunks of `chunk`
-        columns, `dtype` activations: `kernels.decode_gemm.pack_weight`); made once and cached."""
+        """The codes and block scales ([N, K] or experts [E, N, K]) in the decode GEMMs' layout (chunks
+        of `chunk` columns, `dtype` activations: `kernels.decode_gemm.pack_weight`); made once and
+        cached."""
         from minite.kernels.decode_gemm import pack_weight
 
         key = ("decode", chunk, dtype)
         if key not in self._operands:
             n = self.unscaled.shape[-2]
-            self._operands[key] = pack_weight(self.q.codes[:n], self.q.block_scales[:n], chunk, dtype)
+            q = self.q
+            self._operands[key] = pack_weight(q.codes[..., :n, :], q.block_scales[..., :n, :], chunk, dtype)
         return self._operands[key]
 
     def dequantize(self) -> torch.Tensor:

@@ -223,16 +223,18 @@ def test_moe_triton_matches_ref_and_moe_reference():
     assert torch.equal(tri(x[:4]), a[:4])
 
 
-def test_moe_triton_packed_and_bf16_copy_weights_give_the_same_bits(monkeypatch):
-    """Few rows per expert read the packed codes, many the bf16 copy: the same outputs either way."""
+def test_moe_triton_grouped_decode_and_bf16_copy_give_the_same_bits(monkeypatch):
+    """Few rows per expert run the grouped decode kernel on the packed weights, many the aligned tile
+    on the bf16 copy: the same outputs either way (K = 64: one interpreter decode chunk)."""
     from minite.nn import nvfp4_matmul
 
     _, tri = _pair(MoEExperts, 4, 64, 32, 2)
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(6)).to(DEVICE)
-    monkeypatch.setattr(nvfp4_matmul, "PACKED_MAX_ROWS_PER_EXPERT", 64)
-    packed = tri(x)
-    monkeypatch.setattr(nvfp4_matmul, "PACKED_MAX_ROWS_PER_EXPERT", 0)
-    assert torch.equal(tri(x), packed)
+    monkeypatch.setattr(nvfp4_matmul, "DECODE_MAX_ROWS_PER_EXPERT", 64)
+    decoded = tri(x)
+    assert any(key[0] == "decode" for key in tri.quantized_weight("gate_up_proj")._operands)
+    monkeypatch.setattr(nvfp4_matmul, "DECODE_MAX_ROWS_PER_EXPERT", 0)
+    assert torch.equal(tri(x), decoded)
 
 
 def test_moe_triton_backward_matches_ref():

@@ -1,0 +1,117 @@
+"""MoE expert GEMMs of a rollout decode step: the grouped decode kernel (packed weights, aligned bits)
+vs torch._grouped_mm bf16 and our grouped aligned tile on the bf16 copy.
+
+Qwen3-30B-A3B experts (128 experts, top-8, hidden 2048, expert intermediate 768) at 64-1024 tokens a
+step, i.e. 4-64 rows per expert on average. Every column is one CUDA graph of several calls (the
+expert weights, 0.8 GB bf16, never fit in L2, so no rotation is needed), in microseconds per call.
+A tile sweep (BM x BN x stages) follows, bitwise checked against the default tile. Writes JSON.
+"""
+
+# ruff: noqa: B023  (lambdas are timed at once, inside the loop that binds them)
+import multiprocessing as mp
+
+import torch
+from bench_common import parse_args, report, warm_up
+from bench_decode_gemm import graph_us
+
+from minite.kernels import decode_gemm as kd
+from minite.kernels import gemm as kg
+from minite.kernels import grouped_decode as gd
+from minite.kernels import grouped_gemm as gg
+from minite.kernels import nvfp4 as kq
+
+E, TOPK, HIDDEN, INTER = 128, 8, 2048, 768
+OPS = {"gate|up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
+TOKENS = (64, 256, 512, 1024)
+CALLS = 4  # calls per graph
+SWEEP = [dict(BM=bm, BN=bn, num_warps=4, num_stages=st) for bm in (8, 16, 32, 64) for bn in (32, 64, 128)
+         for st in (2, 3)]
+
+
+def experts(n, k):
+    """bf16 weights [E, N, K], their quantized container, the bf16 copy and the decode layout."""
+    w = torch.randn(E, n, k, device="cuda", dtype=torch.bfloat16)
+    qs = [kq.quantize(w[e], "tensor") for e in range(E)]
+    codes = torch.stack([q.codes for q in qs])
+    sb = torch.stack([q.block_scales for q in qs])
+    sw = torch.stack([q.global_scale for q in qs]).reshape(E)
+    copy = torch.stack([kg.unscaled_copy(q) for q in qs])
+    return w, sw, copy, kd.pack_weight(codes, sb, gd.CHUNK)
+
+
+def _warm(job):
+    """Compile one (op, tile) (fills Triton's on-disk cache for the timing process): random words,
+    the real shapes and argument values."""
+    (n, k), cfg = job
+    dw = kd.DecodeWeight(torch.randint(-2**15, 2**15, (E, n, k // 4), dtype=torch.int16, device="cuda"),
+                         torch.rand(E, n, k // 16, device="cuda").to(torch.bfloat16), gd.CHUNK)
+    a = torch.randn(E * 4, k, device="cuda", dtype=torch.bfloat16)
+    offsets = torch.arange(0, E * 4 + 1, 4, dtype=torch.int32, device="cuda")
+    gd.grouped_decode_gemm(a, torch.ones(E * 4, device="cuda"), dw, torch.ones(E, device="cuda"), offsets,
+                           config=cfg)
+    torch.cuda.synchronize()
+
+
+def main():
+    args = parse_args("benchmarks/results/kernels_grouped_decode.json")
+    todo = [(nk, dict(c, BK=gd.CHUNK)) for nk in OPS.values() for c in SWEEP]
+    with mp.get_context("spawn").Pool(12) as pool:
+        pool.map(_warm, todo)
+    warm_up()
+    rows, sweep = [], []
+    for op, (n, k) in OPS.items():
+        w, sw, copy, dw = experts(n, k)
+        w_t = w.transpose(-2, -1)
+        for tokens in TOKENS:
+            g = torch.Generator(device="cuda").manual_seed(tokens)
+            ids = torch.randn(tokens, E, device="cuda", generator=g).topk(TOPK, dim=-1).indices.reshape(-1)
+            counts = torch.bincount(ids, minlength=E)
+            offsets = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
+            offsets[1:] = counts.cumsum(0)
+            t = tokens * TOPK
+            x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+            a, sa = kq.quantize_unscaled(x)
+            active = int((counts > 0).sum())
+            cfg = gd.grouped_decode_config(t, E)
+            base = graph_us([lambda: torch._grouped_mm(x, w_t, offs=offsets[1:])] * CALLS)
+            aligned = graph_us([lambda: gg.grouped_w4a4_gemm(a, sa, copy, sw, offsets, config="aligned")]
+                               * CALLS)
+            ours = graph_us([lambda: gd.grouped_decode_gemm(a, sa, dw, sw, offsets)] * CALLS)
+            ours_q = graph_us([lambda: gd.grouped_decode_gemm(*kq.quantize_unscaled(x), dw, sw, offsets)]
+                              * CALLS)
+            want = gg.grouped_w4a4_gemm(a, sa, copy, sw, offsets, config="aligned")
+            got = gd.grouped_decode_gemm(a, sa, dw, sw, offsets)
+            wbytes = active * n * k * (0.5 + 2 / 16)
+            row = dict(op=op, tokens=tokens, rows_per_expert=t / E, max_rows=int(counts.max()), N=n, K=k,
+                       tile=f"BM{cfg['BM']} BN{cfg['BN']} S{cfg['num_stages']}",
+                       grouped_mm_us=base, aligned_copy_us=aligned, decode_us=ours, decode_quant_us=ours_q,
+                       decode_vs_grouped_mm=base / ours, decode_vs_aligned_copy=aligned / ours,
+                       decode_quant_vs_grouped_mm=base / ours_q,
+                       bf16_weight_tb_s=active * n * k * 2 / base / 1e6,
+                       decode_weight_tb_s=wbytes / ours / 1e6,
+                       same_bits_as_aligned=bool(torch.equal(got, want)))
+            rows.append(row)
+            print({key: round(v, 3) if isinstance(v, float) else v for key, v in row.items()}, flush=True)
+            for c in SWEEP:
+                c = dict(c, BK=gd.CHUNK)
+                try:
+                    same = bool(torch.equal(gd.grouped_decode_gemm(a, sa, dw, sw, offsets, config=c), got))
+                    us = graph_us([lambda: gd.grouped_decode_gemm(a, sa, dw, sw, offsets, config=c)] * CALLS)
+                except Exception as err:  # a tile that does not build (shared memory, registers)
+                    print(f"{op} {tokens} {c}: {type(err).__name__}: {str(err)[:120]}")
+                    continue
+                sweep.append(dict(op=op, tokens=tokens, **c, us=us, vs_default=ours / us, same_bits=same))
+    report("grouped decode sweep", sweep, None)
+    best = {}
+    for s in sweep:
+        key = (s["op"], s["tokens"])
+        if key not in best or s["us"] < best[key]["us"]:
+            best[key] = s
+    report("grouped decode (MoE decode step)", rows, args.out,
+           dict(tiles=gd.GROUPED_DECODE_TILES, calls_per_graph=CALLS, sweep=sweep,
+                best=[dict(op=o, tokens=t, **{k: v for k, v in b.items() if k not in ("op", "tokens")})
+                      for (o, t), b in best.items()]))
+
+
+if __name__ == "__main__":
+    main()

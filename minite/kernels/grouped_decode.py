@@ -1,0 +1,119 @@
+"""MoE grouped W4A4 GEMM in the decode regime: few rows per expert (a rollout's decode step), every
+expert's weight read packed in the decode layout and dequantized in registers, one launch.
+
+    out[t] = (a[t] @ w[e]^T) * (S_dec_x[t] * S_dec_w[e])    for rows t in [offsets[e], offsets[e + 1])
+
+The main loop is the decode GEMM's (`decode_gemm.decode_acc`: C^T = W A^T, the weight the MMA's
+register operand, rows padded to BM = 8 (mma.sync), 16, 32 or 64 (wgmma)) on a layout whose chunk is
+the K step (`grouped_chunk()`), with no split-K. So the columns come in plain order in k16 MMA steps,
+the aligned K order of `kernels.gemm`: rows get the bits `grouped_gemm`'s aligned config gives them
+from the bf16 weight copy (GPU test, heavy-tailed data), at 0.625 instead of 2 bytes per weight read.
+
+Programs run over (N tile, row tile); row tiles cut each expert's rows into BM-row pieces
+(`grouped_gemm.expert_tile`, no host sync), the grid sized by the upper bound cdiv(T, BM) + E, surplus
+programs exit at once. BM is picked from the average rows per expert (`grouped_decode_config`); it
+partitions the outputs only, never a row's sum.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from minite.kernels import interpreted
+from minite.kernels.decode_gemm import W_SHIFT, DecodeWeight, decode_acc
+from minite.kernels.epilogue import EPILOGUES, epilogue
+from minite.kernels.grouped_gemm import expert_tile
+
+CHUNK = 256  # the layout's chunk == the K step (the aligned K order); divides 768 and 2048
+# by BM; BM = the average rows per expert doubled, padded to 8 / 16 / 32 / 64
+GROUPED_DECODE_TILES = {
+    8: dict(BM=8, BN=64, num_warps=4, num_stages=3),
+    16: dict(BM=16, BN=64, num_warps=4, num_stages=3),
+    32: dict(BM=32, BN=64, num_warps=4, num_stages=3),
+    64: dict(BM=64, BN=64, num_warps=4, num_stages=2),
+}
+
+
+def grouped_chunk() -> int:
+    """The layout chunk (== K step) of this kernel: CHUNK on the GPU, 64 in the CPU interpreter."""
+    return 64 if interpreted() else CHUNK
+
+
+def grouped_decode_config(rows: int, experts: int) -> dict:
+    """The tile for `rows` sorted rows over `experts` experts (depends on the counts, never the data)."""
+    avg2 = 2 * -(-rows // max(experts, 1))
+    bm = 8 if avg2 <= 8 else (16 if avg2 <= 16 else (32 if avg2 <= 32 else 64))
+    cfg = dict(GROUPED_DECODE_TILES[bm], BK=grouped_chunk())
+    if interpreted():
+        cfg.update(BN=32, num_stages=1)
+    return cfg
+
+
+@triton.jit
+def _grouped_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, offsets_ptr, out_ptr, N, E,
+                           stride_am, stride_ce, stride_cn, stride_se, stride_sn, stride_om, stride_sa,
+                           K: tl.constexpr, EPILOGUE: tl.constexpr, BF16: tl.constexpr, HW: tl.constexpr,
+                           W_SHIFT: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                           BK: tl.constexpr, EVEN_N: tl.constexpr):
+    pid_n = tl.program_id(0)
+    e, row0, row_end = expert_tile(offsets_ptr, E, tl.program_id(1), BM, E_P2)
+    if e >= E:
+        return
+    offs_m = row0 + tl.arange(0, BM)
+    mask_m = offs_m < row_end
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_n = offs_n < N
+    rows = offs_n.to(tl.int64)
+    w_rows = codes_ptr + e.to(tl.int64) * stride_ce + rows * stride_cn
+    s_rows = ws_ptr + e.to(tl.int64) * stride_se + rows * stride_sn
+    # CHUNK == BK: the columns in plain order (the aligned K order), no split-K
+    a_rows = a_ptr + offs_m.to(tl.int64) * stride_am
+    acc_t = decode_acc(a_rows, mask_m, w_rows, s_rows, mask_n, 0, K, BF16, HW, BK, BM, BN, BK, EVEN_N)
+    acc = tl.trans(acc_t) * W_SHIFT  # [BM, BN]
+    sa = tl.load(sa_ptr + offs_m * stride_sa, mask=mask_m, other=1.0)
+    out = epilogue(acc, sa, tl.load(sw_ptr + e), EPILOGUE)
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, w_scale: torch.Tensor,
+                        offsets: torch.Tensor, epilogue: str = "sdec", out_dtype=torch.bfloat16,
+                        config: dict | None = None) -> torch.Tensor:
+    """a [T, K] e2m1 * s_b (the weight's operand dtype), rows sorted by expert; a_scale fp32 [T] (or
+    one number); w the experts [E, N, K] in the decode layout of chunk `grouped_chunk()`
+    (`decode_gemm.pack_weight`); w_scale fp32 [E]; offsets int [E + 1] from 0 to T, non-decreasing.
+    -> [T, N]. config defaults to `grouped_decode_config(T, E)`; its BK must equal the chunk."""
+    if w.codes.ndim != 3:
+        raise ValueError(f"w must hold experts [E, N, K] in the decode layout, got {tuple(w.shape)}")
+    e, n, k = w.shape
+    if a.ndim != 2 or a.shape[1] != k or a.dtype != w.scales.dtype or a.stride(1) != 1:
+        raise ValueError(f"a must be [T, K={k}] in {w.scales.dtype} with unit stride along K, "
+                         f"got {tuple(a.shape)} {a.dtype}")
+    if a.device.type != "cuda" and not interpreted():
+        raise ValueError(f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1); got {a.device}")
+    t = a.shape[0]
+    if a_scale.dtype != torch.float32 or a_scale.numel() not in (1, t):
+        raise ValueError(f"a_scale must be fp32 with 1 or T={t} elements, got {tuple(a_scale.shape)}")
+    if w_scale.dtype != torch.float32 or w_scale.numel() != e:
+        raise ValueError(f"w_scale must be fp32 [E={e}], got {w_scale.dtype} {tuple(w_scale.shape)}")
+    if offsets.dtype not in (torch.int32, torch.int64) or tuple(offsets.shape) != (e + 1,):
+        raise ValueError(f"offsets must be int32/int64 [E + 1] = [{e + 1}], got {offsets.dtype} "
+                         f"{tuple(offsets.shape)}")
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue={epilogue!r} is not supported; choose one of {list(EPILOGUES)}")
+    cfg = config or grouped_decode_config(t, e)
+    if cfg["BK"] != w.chunk:
+        raise ValueError(f"the weight was packed in chunks of {w.chunk}; the aligned K order needs "
+                         f"BK == chunk, got BK={cfg['BK']}")
+    out = torch.empty(t, n, dtype=out_dtype, device=a.device)
+    sa = a_scale.reshape(-1)
+    bm, bn = cfg["BM"], cfg["BN"]
+    grid = (triton.cdiv(n, bn), triton.cdiv(t, bm) + e)
+    _grouped_decode_kernel[grid](
+        a, w.codes, w.scales, sa, w_scale.reshape(-1), offsets, out, n, e,
+        a.stride(0), w.codes.stride(0), w.codes.stride(1), w.scales.stride(0), w.scales.stride(1),
+        out.stride(0), 0 if sa.numel() == 1 else 1,
+        K=k, EPILOGUE=EPILOGUES[epilogue], BF16=a.dtype == torch.bfloat16, HW=not interpreted(),
+        W_SHIFT=W_SHIFT[a.dtype], E_P2=max(16, triton.next_power_of_2(e)), BM=bm, BN=bn, BK=cfg["BK"],
+        EVEN_N=n % bn == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out

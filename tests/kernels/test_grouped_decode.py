@@ -1,0 +1,118 @@
+"""The MoE grouped decode GEMM (packed expert weights in the decode layout, few rows per expert): the
+per-expert reference, and the aligned path's bits (its K order is the aligned one)."""
+
+import pytest
+import torch
+
+from minite import nvfp4
+from minite.kernels import available, interpreted
+from minite.kernels import decode_gemm as kd
+from minite.kernels import gemm as kg
+from minite.kernels import grouped_decode as gd
+from tests.kernels.helpers import device
+from tests.kernels.test_gemm import heavy
+from tests.kernels.test_grouped_gemm import case, run
+
+pytestmark = pytest.mark.skipif(not available(), reason="Triton kernels unavailable")
+
+
+def tile(bm):
+    cfg = dict(gd.GROUPED_DECODE_TILES[bm], BK=gd.grouped_chunk())
+    if interpreted():
+        cfg.update(BN=32, num_stages=1)
+    return cfg
+
+
+def decode_run(x, wqs, offsets, dev, config=None):
+    xq = nvfp4.quantize(x, "row").to(dev)
+    a = xq.unscaled().to(kg.operand_dtype(dev))
+    codes = torch.stack([q.codes for q in wqs]).to(dev)
+    sb = torch.stack([q.block_scales for q in wqs]).to(dev)
+    w = kd.pack_weight(codes, sb, gd.grouped_chunk(), a.dtype)
+    sw = torch.stack([q.global_scale for q in wqs]).to(dev)
+    return gd.grouped_decode_gemm(a, xq.global_scale.reshape(-1), w, sw, offsets.to(dev),
+                                  out_dtype=torch.float32, config=config).cpu()
+
+
+@pytest.mark.parametrize("bm", [8, 16, 32, 64])
+def test_matches_per_expert_reference_and_aligned_with_empty_and_split_experts(bm):
+    """70 rows of one expert take several row tiles at every BM; empty experts take none."""
+    x, wqs, offsets, want = case([7, 0, 20, 1, 0, 12, 70], 96, 128)
+    got = decode_run(x, wqs, offsets, device(), tile(bm))
+    assert torch.equal(got, want)
+    assert torch.equal(got, run(x, wqs, offsets, False, device(), "aligned"))
+
+
+def test_config_follows_the_average_rows_per_expert():
+    bms = [gd.grouped_decode_config(t, 128)["BM"] for t in (128, 512, 2048, 4096, 8192)]
+    assert bms == [8, 8, 32, 64, 64]
+    assert gd.grouped_decode_config(4096, 128)["BK"] == gd.grouped_chunk()
+
+
+def test_bad_arguments_raise():
+    dev = device()
+    x, wqs, offsets, _ = case([3, 5], 32, 128)
+    xq = nvfp4.quantize(x, "row").to(dev)
+    a = xq.unscaled().to(kg.operand_dtype(dev))
+    codes = torch.stack([q.codes for q in wqs]).to(dev)
+    sb = torch.stack([q.block_scales for q in wqs]).to(dev)
+    sw = torch.ones(2, device=dev)
+    w = kd.pack_weight(codes, sb, gd.grouped_chunk(), a.dtype)
+    sa = xq.global_scale.reshape(-1)
+    with pytest.raises(ValueError, match="experts"):
+        gd.grouped_decode_gemm(a, sa, kd.pack_weight(codes[0], sb[0], gd.grouped_chunk(), a.dtype), sw,
+                               offsets.to(dev))
+    with pytest.raises(ValueError, match="BK == chunk"):
+        gd.grouped_decode_gemm(a, sa, w, sw, offsets.to(dev), config=dict(tile(8), BK=2 * gd.grouped_chunk()))
+    with pytest.raises(ValueError, match="offsets"):
+        gd.grouped_decode_gemm(a, sa, w, sw, offsets[:2].to(dev))
+    with pytest.raises(ValueError, match="w_scale"):
+        gd.grouped_decode_gemm(a, sa, w, sw[:1], offsets.to(dev))
+    with pytest.raises(ValueError, match="a must be"):
+        gd.grouped_decode_gemm(a[:, :64], sa, w, sw, offsets.to(dev))
+    with pytest.raises(ValueError, match="2D weight"):
+        kd.decode_gemm(a, sa, w, sw[:1])
+
+
+def heavy_experts(counts, n, k, seed):
+    """Heavy-tailed rows and expert weights, where the fp32 accumulation order shows in the bits."""
+    x = heavy(sum(counts), k, seed)
+    wqs = [nvfp4.quantize(heavy(n, k, seed + 1 + e), "tensor") for e in range(len(counts))]
+    offsets = torch.zeros(len(counts) + 1, dtype=torch.int32)
+    offsets[1:] = torch.tensor(counts).cumsum(0)
+    return x, wqs, offsets
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bm", [8, 16, 32, 64])
+def test_gpu_grouped_decode_gives_the_aligned_bits_on_heavy_tailed_data(bm):
+    """Every BM, rows spread over 16 experts (some empty, some over several row tiles), K = 768 (the
+    MoE down projection's): bitwise the grouped aligned kernel on the bf16 copy."""
+    torch.manual_seed(2)
+    counts = torch.multinomial(torch.ones(16), 400, replacement=True).bincount(minlength=16)
+    counts[5] = 0
+    x, wqs, offsets = heavy_experts(counts.tolist(), 192, 768, 10)
+    got = decode_run(x, wqs, offsets, "cuda", tile(bm))
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, run(x, wqs, offsets, False, "cuda", "aligned"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 16, 40, 64])
+def test_gpu_decode_loop_in_plain_column_order_is_the_aligned_order(m):
+    """The decode loop on a layout whose chunk is its K step, without split-K, gives the aligned
+    path's bits on heavy-tailed data (mma.sync at M <= 8, wgmma above, the weight as the register
+    operand of C^T = W A^T), while the chunk-interleaved order (chunk 512, K step 256) differs
+    somewhere on the same data: the data tells K orders apart."""
+    k, n = 4096, 512
+    xq = nvfp4.quantize(heavy(m, k, 4).cuda(), "row")
+    wq = nvfp4.quantize(heavy(n, k, 5).cuda(), "tensor")
+    a, sa = xq.unscaled().to(torch.bfloat16), xq.global_scale.reshape(-1)
+    aligned = kg.w4a4_gemm(a, sa, kg.unscaled_copy(wq), wq.global_scale, out_dtype=torch.float32)
+    cfg = dict(kd.decode_config(m, n, k), BK=256, SPLIT_K=1)
+    plain = kd.decode_gemm(a, sa, kd.pack_weight(wq.codes, wq.block_scales, 256), wq.global_scale,
+                           out_dtype=torch.float32, config=cfg)
+    assert torch.equal(plain, aligned)
+    mixed = kd.decode_gemm(a, sa, kd.pack_weight(wq.codes, wq.block_scales, 512), wq.global_scale,
+                           out_dtype=torch.float32, config=cfg)
+    assert not torch.equal(mixed, aligned)
