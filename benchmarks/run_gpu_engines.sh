@@ -2,7 +2,7 @@
 # The engines' GPU work in one device call. Usage (repo root): bash benchmarks/run_gpu_engines.sh PART...
 #   tests     the GPU tests
 #   profile   where a rollout decode step spends its time (benchmarks/profile_rollout.py): dense aligned,
-#             MoE (24 layers) bf16 and aligned
+#             MoE (24 layers) bf16 and aligned; profile_moe: the MoE ones only
 #   rollout   rollout benchmark: dense 1.7B against HF generate
 #   moe       MoE rollout, 24 layers of 48: bf16 vs aligned (experts on the grouped decode kernel), and
 #             aligned with the experts on the aligned tile over the bf16 copy
@@ -45,8 +45,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv | tee "$log"
 for part in "$@"; do
   case $part in
     tests) step 110 python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
-    profile)
-      step 70 python3 benchmarks/profile_rollout.py --kernels 6 --recipe aligned --out "$OUT/profile_rollout_aligned.json"
+    profile|profile_moe)
+      [ "$part" = profile ] && step 70 python3 benchmarks/profile_rollout.py --kernels 6 --recipe aligned \
+        --out "$OUT/profile_rollout_aligned.json"
       for recipe in bf16 aligned; do
         step 70 python3 benchmarks/profile_rollout.py --model moe --moe-layers 24 --kernels 4 --recipe $recipe \
           --out "$OUT/profile_rollout_moe24_$recipe.json"

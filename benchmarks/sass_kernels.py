@@ -137,12 +137,13 @@ def decode(k: int) -> None:
 
 
 def grouped(k: int) -> None:
-    for bm, tile in gd.GROUPED_DECODE_TILES.items():
+    for _, tile in gd.GROUPED_DECODE_TILES:
         t = dict(BM=tile["BM"], BN=tile["BN"], BK=gd.CHUNK)
         const = dict(K=k, EPILOGUE=0, BF16=True, HW=True, W_SHIFT=kd.W_SHIFT[torch.bfloat16], E_P2=128,
                      EVEN_N=True, **t)
-        _loop_report(f"grouped decode BM={bm}", gd._grouped_decode_kernel, GROUPED_SIGNATURE, const,
-                     dict(tile, **t), ("stride_am", "stride_ce", "stride_cn", "stride_se", "stride_sn", "stride_om"))
+        strides = ("stride_am", "stride_ce", "stride_cn", "stride_se", "stride_sn", "stride_om")
+        _loop_report("grouped decode", gd._grouped_decode_kernel, GROUPED_SIGNATURE, const, dict(tile, **t),
+                     strides)
 
 
 def main():

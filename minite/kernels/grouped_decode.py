@@ -11,8 +11,8 @@ from the bf16 weight copy (GPU test, heavy-tailed data), at 0.625 instead of 2 b
 
 Programs run over (N tile, row tile); row tiles cut each expert's rows into BM-row pieces
 (`grouped_gemm.expert_tile`, no host sync), the grid sized by the upper bound cdiv(T, BM) + E, surplus
-programs exit at once. BM is picked from the average rows per expert (`grouped_decode_config`); it
-partitions the outputs only, never a row's sum.
+programs exit at once. The tile is picked from the average rows per expert (`grouped_decode_config`);
+it partitions the outputs only, never a row's sum.
 """
 
 import torch
@@ -25,13 +25,14 @@ from minite.kernels.epilogue import EPILOGUES, epilogue
 from minite.kernels.grouped_gemm import expert_tile
 
 CHUNK = 256  # the layout's chunk == the K step (the aligned K order); divides 768 and 2048
-# by BM; BM = the average rows per expert doubled, padded to 8 / 16 / 32 / 64
-GROUPED_DECODE_TILES = {
-    8: dict(BM=8, BN=64, num_warps=4, num_stages=3),
-    16: dict(BM=16, BN=64, num_warps=4, num_stages=3),
-    32: dict(BM=32, BN=64, num_warps=4, num_stages=3),
-    64: dict(BM=64, BN=64, num_warps=4, num_stages=2),
-}
+# (most average rows per expert, tile): benchmarks/bench_grouped_decode.py's sweep on the H200 at
+# Qwen3-30B-A3B expert shapes, 4 / 16 / 32 / 64 rows per expert (s6 README); 8 not measured
+GROUPED_DECODE_TILES = (
+    (4, dict(BM=8, BN=128, num_warps=4, num_stages=3)),
+    (8, dict(BM=16, BN=64, num_warps=4, num_stages=3)),
+    (32, dict(BM=32, BN=64, num_warps=4, num_stages=2)),
+    (None, dict(BM=64, BN=64, num_warps=4, num_stages=2)),
+)
 
 
 def grouped_chunk() -> int:
@@ -41,9 +42,9 @@ def grouped_chunk() -> int:
 
 def grouped_decode_config(rows: int, experts: int) -> dict:
     """The tile for `rows` sorted rows over `experts` experts (depends on the counts, never the data)."""
-    avg2 = 2 * -(-rows // max(experts, 1))
-    bm = 8 if avg2 <= 8 else (16 if avg2 <= 16 else (32 if avg2 <= 32 else 64))
-    cfg = dict(GROUPED_DECODE_TILES[bm], BK=grouped_chunk())
+    avg = rows / max(experts, 1)
+    tile = next(t for most, t in GROUPED_DECODE_TILES if most is None or avg <= most)
+    cfg = dict(tile, BK=grouped_chunk())
     if interpreted():
         cfg.update(BN=32, num_stages=1)
     return cfg

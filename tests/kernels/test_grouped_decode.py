@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not available(), reason="Triton kernels unavaila
 
 
 def tile(bm):
-    cfg = dict(gd.GROUPED_DECODE_TILES[bm], BK=gd.grouped_chunk())
+    cfg = dict(next(t for _, t in gd.GROUPED_DECODE_TILES if t["BM"] == bm), BK=gd.grouped_chunk())
     if interpreted():
         cfg.update(BN=32, num_stages=1)
     return cfg
@@ -44,8 +44,8 @@ def test_matches_per_expert_reference_and_aligned_with_empty_and_split_experts(b
 
 
 def test_config_follows_the_average_rows_per_expert():
-    bms = [gd.grouped_decode_config(t, 128)["BM"] for t in (128, 512, 2048, 4096, 8192)]
-    assert bms == [8, 8, 32, 64, 64]
+    bms = [gd.grouped_decode_config(t, 128)["BM"] for t in (128, 512, 1024, 2048, 4096, 8192)]
+    assert bms == [8, 8, 16, 32, 32, 64]
     assert gd.grouped_decode_config(4096, 128)["BK"] == gd.grouped_chunk()
 
 
