@@ -12,6 +12,7 @@
 #   sweep     the quantize kernel's launch configurations (benchmarks/sweep_quantize.py)
 #   gemm      the W4A4 GEMM (compute-bound) and the MoE grouped GEMM against cuBLAS / torch._grouped_mm
 #   tiles     tiles for the aligned W4A4 GEMM, dense and grouped (benchmarks/sweep_aligned_gemm.py)
+#   tiles_step  aligned tiles at a rollout decode step (M = 512, CUDA graphs; sweep_aligned_gemm.py --decode-step)
 #   learner   learner train-step benchmark
 #   learner_ab  the dense learner again with the aligned GEMMs on the small tile at every M
 #   learner_dense  the dense learner alone, default tiles
@@ -70,6 +71,8 @@ for part in "$@"; do
       step 150 python3 benchmarks/sweep_quantize.py --out "$OUT/kernels_quantize_sweep.json" ;;
     tiles)
       step 400 python3 benchmarks/sweep_aligned_gemm.py --out "$OUT/aligned_gemm_sweep.json" ;;
+    tiles_step)
+      step 300 python3 benchmarks/sweep_aligned_gemm.py --decode-step --out "$OUT/aligned_tiles_decode_step.json" ;;
     learner)
       step 100 python3 benchmarks/bench_learner.py --kernels --out "$OUT/learner.json" ;;
     learner_ab)

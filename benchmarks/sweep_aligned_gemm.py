@@ -21,7 +21,12 @@ forward and the aligned rollout with it. BK = 128 changes the accumulation chunk
 the bits. Small row tiles (BM 16 / 32) run another MMA instruction; if they keep the bits anyway,
 decode and MoE (~32 rows per expert) could use them without leaving the aligned contract.
 
-    python benchmarks/sweep_aligned_gemm.py --out OUT.json [--workers 12]
+`--decode-step` times the same tiles instead at a rollout decode step (M = 512 rows, the rollout
+models' attention and MLP shapes: Qwen3-1.7B and the Qwen3-30B-A3B attention), each as a CUDA graph
+over rotating weight copies (no launch gaps, weights from HBM as in a model's layer sequence),
+checking the bits against the current tile.
+
+    python benchmarks/sweep_aligned_gemm.py --out OUT.json [--workers 12] [--decode-step]
     TRITON_INTERPRET=1 python benchmarks/sweep_aligned_gemm.py --smoke   # the script's logic, CPU
 """
 
@@ -38,6 +43,11 @@ DENSE_MS = (512, 4096, 16384)
 EXPERTS, TOP_K, HIDDEN, EXPERT_INTER = 128, 8, 2048, 768
 MOE_TOKENS = (512, 4096, 16384)
 INVARIANCE_MS = (1, 7, 64, 300, 4096)
+# (N, K) at a rollout decode step: Qwen3-1.7B (dense rollout) and the Qwen3-30B-A3B attention (MoE)
+DECODE_STEP = {"1.7B q|o": (2048, 2048), "1.7B k|v": (1024, 2048), "1.7B gate|up": (6144, 2048),
+               "1.7B down": (2048, 6144), "A3B q": (4096, 2048), "A3B k|v": (512, 2048),
+               "A3B o": (2048, 4096)}
+DECODE_STEP_M = 512
 GRID = dict(BM=(64, 128), BN=(64, 128, 256), BK=(64, 128), warps_stages=((4, 3), (4, 4), (8, 3), (8, 4)))
 
 
@@ -91,7 +101,7 @@ def moe_operands(tokens, n, k, dev, seed=0):
     return a, sa, vals.to(a.dtype), sdec, offsets
 
 
-def compile_worker(chunk):
+def compile_worker(chunk, shapes=None):
     from minite.kernels import gemm as kg
     from minite.kernels import grouped_gemm as gg
 
@@ -99,6 +109,11 @@ def compile_worker(chunk):
     errors = []
     for cfg in chunk:
         try:
+            if shapes is not None:
+                for n, k in sorted(set(shapes)):
+                    kg.w4a4_gemm(*dense_operands(64, n, k, dev), config=cfg)
+                torch.cuda.synchronize()
+                continue
             for n, k in sorted(set(DENSE.values())):
                 a, sa, w, sw = dense_operands(64, n, k, dev)
                 kg.w4a4_gemm(a, sa, w, sw, config=cfg)
@@ -132,12 +147,63 @@ def contract(cfg, current, dev, smoke) -> dict:
     return dict(batch_invariant=invariant, grouped_equals_dense=grouped_ok, same_bits_as_current=same)
 
 
+def decode_step_worker(chunk):
+    return compile_worker(chunk, list(DECODE_STEP.values()))
+
+
+def decode_step(args) -> None:
+    """Every candidate tile at M = 512 on the rollout shapes, CUDA-graph timed (module docstring)."""
+    import multiprocessing as mp
+
+    from bench_common import env_info, warm_up
+    from bench_decode_gemm import copies, graph_us
+
+    from minite.kernels import gemm as kg
+
+    dev = torch.device("cuda")
+    current = dict(kg.CONFIGS["aligned"])
+    cands = candidates()
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(args.workers) as pool:
+        chunks = [cands[i:: args.workers] for i in range(args.workers)]
+        failed = dict(e for errs in pool.map(decode_step_worker, chunks) for e in errs)
+    print(f"compiled {len(cands)} tiles in {time.time() - t0:.0f} s, {len(failed)} failed", flush=True)
+    warm_up()
+    timings = []
+    for layer, (n, k) in DECODE_STEP.items():
+        a, sa, w, sw = dense_operands(DECODE_STEP_M, n, k, dev)
+        ws = copies(w, w.numel() * 2)
+        base = graph_us([lambda w=w_: torch.matmul(a, w.t()) for w_ in ws])
+        want = kg.w4a4_gemm(a, sa, w, sw, config=current)
+        cur = graph_us([lambda w=w_: kg.w4a4_gemm(a, sa, w, sw, config=current) for w_ in ws])
+        for cfg in cands:
+            if json.dumps(cfg, sort_keys=True) in failed:
+                continue
+            same = bool(torch.equal(kg.w4a4_gemm(a, sa, w, sw, config=cfg), want))
+            t = graph_us([lambda w=w_: kg.w4a4_gemm(a, sa, w, sw, config=cfg) for w_ in ws])
+            timings.append(dict(shape=layer, M=DECODE_STEP_M, N=n, K=k, tile=name(cfg), **cfg, us=t,
+                                cublas_us=base, vs_cublas=base / t, vs_current=cur / t, same_bits=same))
+    totals = {}
+    for t in timings:
+        totals.setdefault(t["tile"], []).append(t["us"])
+    ranked = sorted((sum(v), tile) for tile, v in totals.items() if len(v) == len(DECODE_STEP))
+    print("tiles by total us over the decode-step shapes:", [(tile, round(us, 1)) for us, tile in ranked[:8]])
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(benchmark="aligned tile sweep at a rollout decode step", env=env_info(),
+                           current=current, failed=failed, timings=timings, ranked=ranked), f, indent=1)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
     p.add_argument("--workers", type=int, default=12)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, two tiles (CPU interpreter)")
+    p.add_argument("--decode-step", action="store_true", help="M = 512, rollout shapes, CUDA graphs")
     args = p.parse_args()
+    if args.decode_step:
+        decode_step(args)
+        return
     from bench_common import bench_ms, env_info
 
     from minite.kernels import gemm as kg
