@@ -32,7 +32,9 @@ from minite.kernels import decode_gemm
 from minite.kernels.epilogue import EPILOGUES, epilogue
 
 CONFIGS = {
-    "aligned": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
+    # 8 warps: 12 % less time than 4 over a rollout decode step's GEMMs at M = 512, the same bits
+    # (sweep_aligned_gemm.py --decode-step on the H200, s6 run3)
+    "aligned": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
     # M >= ALIGNED_LARGE_M: 0.73-0.87x cuBLAS instead of 0.49-0.58x at M = 4096-16384 (H200 tile sweep)
     "aligned_large": dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
     "prefill": dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4),

@@ -33,6 +33,7 @@ GROUPED_DECODE_TILES = (
     (32, dict(BM=32, BN=64, num_warps=4, num_stages=2)),
     (None, dict(BM=64, BN=64, num_warps=4, num_stages=2)),
 )
+SHORT_K = 1024  # K <= this: BN 128 (down, K = 768: 7-9 % faster at 16-64 rows per expert in the sweeps)
 
 
 def grouped_chunk() -> int:
@@ -40,11 +41,14 @@ def grouped_chunk() -> int:
     return 64 if interpreted() else CHUNK
 
 
-def grouped_decode_config(rows: int, experts: int) -> dict:
-    """The tile for `rows` sorted rows over `experts` experts (depends on the counts, never the data)."""
+def grouped_decode_config(rows: int, experts: int, k: int | None = None) -> dict:
+    """The tile for `rows` sorted rows over `experts` experts (depends on the counts, never the data);
+    a short K (<= SHORT_K, e.g. the MoE down projection's 768) takes BN 128."""
     avg = rows / max(experts, 1)
     tile = next(t for most, t in GROUPED_DECODE_TILES if most is None or avg <= most)
     cfg = dict(tile, BK=grouped_chunk())
+    if k is not None and k <= SHORT_K:
+        cfg["BN"] = 128
     if interpreted():
         cfg.update(BN=32, num_stages=1)
     return cfg
@@ -83,7 +87,7 @@ def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight,
     """a [T, K] e2m1 * s_b (the weight's operand dtype), rows sorted by expert; a_scale fp32 [T] (or
     one number); w the experts [E, N, K] in the decode layout of chunk `grouped_chunk()`
     (`decode_gemm.pack_weight`); w_scale fp32 [E]; offsets int [E + 1] from 0 to T, non-decreasing.
-    -> [T, N]. config defaults to `grouped_decode_config(T, E)`; its BK must equal the chunk."""
+    -> [T, N]. config defaults to `grouped_decode_config(T, E, K)`; its BK must equal the chunk."""
     if w.codes.ndim != 3:
         raise ValueError(f"w must hold experts [E, N, K] in the decode layout, got {tuple(w.shape)}")
     e, n, k = w.shape
@@ -102,7 +106,7 @@ def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight,
                          f"{tuple(offsets.shape)}")
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue={epilogue!r} is not supported; choose one of {list(EPILOGUES)}")
-    cfg = config or grouped_decode_config(t, e)
+    cfg = config or grouped_decode_config(t, e, k)
     if cfg["BK"] != w.chunk:
         raise ValueError(f"the weight was packed in chunks of {w.chunk}; the aligned K order needs "
                          f"BK == chunk, got BK={cfg['BK']}")

@@ -47,6 +47,8 @@ def test_config_follows_the_average_rows_per_expert():
     bms = [gd.grouped_decode_config(t, 128)["BM"] for t in (128, 512, 1024, 2048, 4096, 8192)]
     assert bms == [8, 8, 16, 32, 32, 64]
     assert gd.grouped_decode_config(4096, 128)["BK"] == gd.grouped_chunk()
+    if not interpreted():
+        assert gd.grouped_decode_config(4096, 128, 768)["BN"] == 128
 
 
 def test_bad_arguments_raise():
