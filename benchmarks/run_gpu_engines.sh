@@ -6,6 +6,7 @@
 #   rollout   rollout benchmark: dense 1.7B against HF generate
 #   moe       MoE rollout, 24 layers of 48: bf16 vs aligned (experts on the grouped decode kernel), and
 #             aligned with the experts on the aligned tile over the bf16 copy
+#   decode    the dense decode GEMM (M <= 64) vs cuBLAS bf16, fast and aligned K order (bench_decode_gemm.py)
 #   grouped_decode  MoE decode-step expert GEMMs: grouped decode kernel vs torch._grouped_mm and the aligned
 #             tile on the bf16 copy, plus a tile sweep (benchmarks/bench_grouped_decode.py)
 #   quantize  the quantize kernel against a device copy (benchmarks/bench_quantize.py)
@@ -60,6 +61,8 @@ for part in "$@"; do
         --no-hf --out "$OUT/rollout_moe24.json"
       step 60 python3 benchmarks/bench_rollout.py --models moe --moe-layers 24 --new-tokens 256 --backend triton \
         --no-hf --recipes aligned --moe-decode-rows 0 --out "$OUT/rollout_moe24_bf16_copy.json" ;;
+    decode)
+      step 260 python3 benchmarks/bench_decode_gemm.py --out "$OUT/kernels_decode_gemm.json" ;;
     grouped_decode)
       step 200 python3 benchmarks/bench_grouped_decode.py --out "$OUT/kernels_grouped_decode.json" ;;
     quantize)

@@ -25,6 +25,8 @@ Split-K where N alone does not fill the GPU: the last program of an N tile to ar
 partials in split order (deterministic). The K order depends on (N, K) and the tile, never on M, so
 rows keep their bits for every M of one padded size; it is not the aligned order, so bits equal the
 aligned path's wherever the fp32 accumulation is exact (nearly all outputs, FACTS.md 1.1).
+`aligned_decode_config` gives the aligned order instead: a layout whose chunk is the K step (columns
+in plain order, k16 MMA steps), no split-K: the aligned path's bits, at fewer programs for small N.
 """
 
 import dataclasses
@@ -47,6 +49,9 @@ DECODE_TILES = {
 }
 MAX_SPLIT_K = 16
 CHUNK = 512  # the decode layout's chunk (columns): every tile's BK divides it
+# the aligned K order: a layout whose chunk is the K step, no split-K (`aligned_decode_config`,
+# `grouped_decode`); 256 divides the MoE projections' K (768, 2048)
+ALIGNED_CHUNK = 256
 # the weight operand holds e2m1 * s_b / W_SHIFT; the epilogue multiplies it back
 W_SHIFT = {torch.float16: 2.0**14, torch.bfloat16: 2.0**64}
 SCALE_SHIFT = {torch.float16: 1.0, torch.bfloat16: 2.0**62}  # stored scales are s_b * SCALE_SHIFT
@@ -58,6 +63,11 @@ WORD_BITS = (((0, 1, 2), 9), ((3, 4, 5), 12), ((6, 7, 8), 15), ((10, 11, 13), 14
 def layout_chunk() -> int:
     """The decode layout's chunk: CHUNK on the GPU, 64 in the CPU interpreter (tiny test shapes)."""
     return 64 if interpreted() else CHUNK
+
+
+def aligned_chunk() -> int:
+    """The aligned decode layout's chunk (== its K step): ALIGNED_CHUNK on the GPU, 64 in the interpreter."""
+    return 64 if interpreted() else ALIGNED_CHUNK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,6 +241,15 @@ def decode_config(m: int, n: int, k: int) -> dict:
            and k % (2 * split * cfg["BK"]) == 0):
         split *= 2
     cfg["SPLIT_K"] = split
+    return cfg
+
+
+def aligned_decode_config(m: int) -> dict:
+    """The decode tile in the aligned K order (`kernels.gemm`'s): K steps of `aligned_chunk()` columns
+    on a layout of that chunk, no split-K, so rows get the aligned path's bits (GPU test) while the
+    weight is read packed. M <= 64 (padded to 8..64 as in `decode_config`)."""
+    cfg = decode_config(m, 1, aligned_chunk())
+    cfg.update(BK=aligned_chunk(), SPLIT_K=1)
     return cfg
 
 

@@ -20,11 +20,11 @@ import triton
 import triton.language as tl
 
 from minite.kernels import interpreted
-from minite.kernels.decode_gemm import W_SHIFT, DecodeWeight, decode_acc
+from minite.kernels.decode_gemm import ALIGNED_CHUNK, W_SHIFT, DecodeWeight, aligned_chunk, decode_acc
 from minite.kernels.epilogue import EPILOGUES, epilogue
 from minite.kernels.grouped_gemm import expert_tile
 
-CHUNK = 256  # the layout's chunk == the K step (the aligned K order); divides 768 and 2048
+CHUNK = ALIGNED_CHUNK  # the layout's chunk == the K step (the aligned K order)
 # (most average rows per expert, tile): benchmarks/bench_grouped_decode.py's sweep on the H200 at
 # Qwen3-30B-A3B expert shapes, 4 / 16 / 32 / 64 rows per expert (s6 README); 8 not measured
 GROUPED_DECODE_TILES = (
@@ -38,7 +38,7 @@ SHORT_K = 1024  # K <= this: BN 128 (down, K = 768: 7-9 % faster at 16-64 rows p
 
 def grouped_chunk() -> int:
     """The layout chunk (== K step) of this kernel: CHUNK on the GPU, 64 in the CPU interpreter."""
-    return 64 if interpreted() else CHUNK
+    return aligned_chunk()
 
 
 def grouped_decode_config(rows: int, experts: int, k: int | None = None) -> dict:

@@ -15,9 +15,10 @@ Execution (`recipe.backend`):
   blocks, RNE, no RHT: the `aligned` recipe, with any chain, weight block shape or epilogue), the
   forward runs `kernels.nvfp4.quantize_unscaled` (exact e2m1 * s_b values + fp32 row S_dec) and
   `kernels.gemm.w4a4_gemm` (dense) or `kernels.grouped_gemm.grouped_w4a4_gemm` (experts, one launch)
-  in the batch-invariant 'aligned' configuration on the weight's unscaled copy, whatever M is (MoE
-  at few rows per expert, `DECODE_MAX_ROWS_PER_EXPERT`, reads the packed weights instead through
-  `kernels.grouped_decode`: the same K order, the same bits).
+  in the batch-invariant 'aligned' configuration on the weight's unscaled copy, whatever M is. Few
+  rows read the packed weights in a decode layout instead, in the same K order (the same bits): M <=
+  `ALIGNED_DECODE_MAX_M` through `kernels.decode_gemm.aligned_decode_config`, MoE experts at <=
+  `DECODE_MAX_ROWS_PER_EXPERT` rows per expert on average through `kernels.grouped_decode`.
   Recipes outside that (`te`, `torchao`: per-tensor activation scale; `vllm`: static scale;
   stochastic rounding or RHT on activations) run the reference GEMM, with activations and weights
   quantized by the kernels on CUDA (bitwise the same codes and scales). `fast=True` gives up the
@@ -58,6 +59,9 @@ DGRAD_DY_SPEC = QuantSpec(scaling="tensor", block=(1, 16), rounding="stochastic"
 WGRAD_DY_SPEC = QuantSpec(scaling="tensor", block=(1, 16), rounding="stochastic", hadamard=True)
 WGRAD_X_SPEC = QuantSpec(scaling="tensor", block=(1, 16), rounding="rne", hadamard=True)
 FAST_DECODE_MAX_M = 64  # the kernels' 'decode' config serves M <= 64
+# at most this many rows, the aligned path reads the packed weight (decode layout, aligned K order:
+# `kernels.decode_gemm.aligned_decode_config`) instead of the bf16 copy: the same bits; 0 turns it off
+ALIGNED_DECODE_MAX_M = 64
 # MoE: at most this many rows per expert on average (a decode step), the experts run on the grouped
 # decode kernel (`kernels.grouped_decode`: the packed weights in the decode layout, 0.625 bytes per
 # weight, dequantized in registers) instead of the aligned tile on the bf16 copy: the same bits.
@@ -202,10 +206,11 @@ def _dense_kernel(x2: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe, fa
     n = qweight.unscaled.shape[-2]
     sw = _weight_scale(qweight, recipe)
     config = "prefill" if fast else "aligned"
-    chunk = kd.layout_chunk()
-    if fast and m <= FAST_DECODE_MAX_M and k % chunk == 0:
+    chunk = kd.layout_chunk() if fast else kd.aligned_chunk()
+    if m <= (FAST_DECODE_MAX_M if fast else ALIGNED_DECODE_MAX_M) and k % chunk == 0:
+        # few rows: the weight read packed (decode layout), in the aligned K order unless `fast`
         out = kd.decode_gemm(a, row_factor, qweight.decode_weight(chunk, a.dtype), sw, recipe.epilogue,
-                             x2.dtype)
+                             x2.dtype, None if fast else kd.aligned_decode_config(m))
     else:
         w = qweight.operand(a.dtype, kg.pick_config(config, m, n)["BK"])  # [N, Kp]
         out = kg.w4a4_gemm(_pad_k(a, w.shape[-1]), row_factor, w, sw, None, recipe.epilogue, x2.dtype, config)

@@ -280,6 +280,21 @@ def test_gpu_aligned_linear_triton_vs_ref(dtype):
     _assert_gemm_close(full, ref(x), _gemm_bound(x, tri), 512, BF16_RTOL if dtype == torch.bfloat16 else 0.0)
     for m in (1, 7, 64):  # the aligned config: rows do not depend on M
         assert torch.equal(tri(x[:m]), full[:m])
+    # M <= 64 read the packed weight in the aligned decode layout; 300 rows the bf16 copy
+    assert ("decode", 256, torch.bfloat16) in tri.quantized_weight()._operands
+
+
+def test_aligned_linear_few_rows_take_the_decode_layout_with_the_same_bits(monkeypatch):
+    """M <= ALIGNED_DECODE_MAX_M runs the decode kernel in the aligned K order: the same rows as the
+    aligned GEMM on the bf16 copy (interpreter, fp16; the GPU test checks bf16 on heavy-tailed data)."""
+    from minite.nn import nvfp4_matmul
+
+    _, tri = _pair(Linear, 128, 48)
+    x = torch.randn(9, 128, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    decoded = tri(x)
+    assert any(key[0] == "decode" for key in tri.quantized_weight()._operands)
+    monkeypatch.setattr(nvfp4_matmul, "ALIGNED_DECODE_MAX_M", 0)
+    assert torch.equal(tri(x), decoded)
 
 
 @pytest.mark.gpu
