@@ -280,7 +280,7 @@ def test_gpu_aligned_linear_triton_vs_ref(dtype):
     _assert_gemm_close(full, ref(x), _gemm_bound(x, tri), 512, BF16_RTOL if dtype == torch.bfloat16 else 0.0)
     for m in (1, 7, 64):  # the aligned config: rows do not depend on M
         assert torch.equal(tri(x[:m]), full[:m])
-    # M <= 64 read the packed weight in the aligned decode layout; 300 rows the bf16 copy
+    # M <= ALIGNED_DECODE_MAX_M read the packed weight in the aligned decode layout; 300 rows the bf16 copy
     assert ("decode", 256, torch.bfloat16) in tri.quantized_weight()._operands
 
 
