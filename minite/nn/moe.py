@@ -79,7 +79,10 @@ class Grouping(NamedTuple):
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> SortedGrouping:
     """topk_ids [T, k] -> SortedGrouping; no host synchronization (fixed shapes, device ops only)."""
     flat = topk_ids.reshape(-1)  # [R]
-    order = torch.argsort(flat, stable=True)
+    # narrow keys, the same stable order: an int64 sort of a decode step's 4096 ids took ~34 us on the
+    # H200 (radix passes over all 64 bits), 4 % of a MoE rollout step
+    keys = flat.to(torch.uint8 if num_experts <= 256 else torch.int32)
+    order = torch.argsort(keys, stable=True)
     positions = torch.arange(flat.numel(), device=flat.device)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
         0, flat, torch.ones_like(flat))  # [E]
