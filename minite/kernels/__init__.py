@@ -4,8 +4,10 @@
 - `nvfp4.quantize_unscaled`: the fused activation form for the compute-bound GEMM (row scaling).
 - `gemm.w4a4_gemm` / `gemm.nvfp4_gemm`: W4A4 GEMM (compute-bound and decode regimes, aligned config).
 - `decode_gemm.decode_gemm`: the decode regime (M <= 64) on a weight in its decode layout
-  (`decode_gemm.pack_weight`, made once per update).
+  (`decode_gemm.pack_weight`, made once per update); `aligned_decode_config` keeps the aligned K order.
 - `grouped_gemm.grouped_w4a4_gemm`: MoE grouped GEMM over experts in one launch.
+- `grouped_decode.grouped_decode_gemm`: MoE experts of a decode step on their decode layouts, aligned K
+  order, one launch.
 
 Nothing here imports Triton at package import time: `available()` says whether the kernels can run
 (Triton importable and CUDA present, or the CPU interpreter requested with TRITON_INTERPRET=1).
