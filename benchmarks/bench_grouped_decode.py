@@ -4,8 +4,8 @@ vs torch._grouped_mm bf16 and our grouped aligned tile on the bf16 copy.
 Qwen3-30B-A3B experts (128 experts, top-8, hidden 2048, expert intermediate 768) at 64-1024 tokens a
 step, i.e. 4-64 rows per expert on average. Every column is one CUDA graph of several calls (the
 expert weights, 0.8 GB bf16, never fit in L2, so no rotation is needed), in microseconds per call.
-A tile sweep (BM x BN x BK x warps x stages) at 512 tokens follows, bitwise checked against the
-default tile (BK 128 reads a layout of 128-column chunks). Writes JSON.
+A tile sweep (`SWEEP`) follows at every token count, bitwise checked against the default tile.
+Writes JSON.
 """
 
 # ruff: noqa: B023  (lambdas are timed at once, inside the loop that binds them)
@@ -25,12 +25,12 @@ E, TOPK, HIDDEN, INTER = 128, 8, 2048, 768
 OPS = {"gate|up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
 TOKENS = (64, 256, 512, 1024)
 CALLS = 4  # calls per graph
-SWEEP_TOKENS = 512  # the rollout benchmark's decode step (512 sequences): 32 rows per expert
-# run2's sweep (BM 32/64 x BN 64/128 x BK 128/256 x 4/8 warps x 2-4 stages) put the tiles within a
-# few % of each other; BN 256 cuts the activation tile's re-reads from L2 by N / BN
-SWEEP = [dict(BM=bm, BN=256, BK=bk, num_warps=8, num_stages=st) for bm in (32, 64) for bk in (128, 256)
-         for st in (2, 3)] + [dict(BM=bm, BN=128, BK=256, num_warps=w, num_stages=2) for bm in (32, 64)
-                              for w in (4, 8)]
+# run2's sweep (BM 32/64 x BN 64/128 x BK 128/256 x 4/8 warps x 2-4 stages, 512 tokens) put the
+# tiles within a few % of each other and run4's BN 256 ran slower. HALVES: a BM-row tile whose rows
+# fit in BM / 2 runs half-height MMAs, so the weight is dequantized once per BM rows without paying
+# BM-row MMAs for short experts. Timed at every token count.
+SWEEP = [dict(BM=bm, BN=bn, BK=256, num_warps=4, num_stages=2, HALVES=True) for bm in (32, 64, 128)
+         for bn in (64, 128)]
 
 
 def experts(n, k):
@@ -101,7 +101,7 @@ def main():
                        same_bits_as_aligned=bool(torch.equal(got, want)))
             rows.append(row)
             print({key: round(v, 3) if isinstance(v, float) else v for key, v in row.items()}, flush=True)
-            for c in SWEEP if tokens == SWEEP_TOKENS else ():
+            for c in SWEEP:
                 d = layouts[c["BK"]]
                 try:
                     same = bool(torch.equal(gd.grouped_decode_gemm(a, sa, d, sw, offsets, config=c), got))

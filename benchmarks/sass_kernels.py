@@ -137,13 +137,14 @@ def decode(k: int) -> None:
 
 
 def grouped(k: int) -> None:
-    for _, tile in gd.GROUPED_DECODE_TILES:
+    tiles = [tile for _, tile in gd.GROUPED_DECODE_TILES] + [dict(BM=64, BN=64, num_warps=4, HALVES=True)]
+    for tile in tiles:
         t = dict(BM=tile["BM"], BN=tile["BN"], BK=gd.CHUNK)
         const = dict(K=k, EPILOGUE=0, BF16=True, HW=True, W_SHIFT=kd.W_SHIFT[torch.bfloat16], E_P2=128,
-                     EVEN_N=True, **t)
+                     EVEN_N=True, HALVES=tile.get("HALVES", False), **t)
         strides = ("stride_am", "stride_ce", "stride_cn", "stride_se", "stride_sn", "stride_om")
-        _loop_report("grouped decode", gd._grouped_decode_kernel, GROUPED_SIGNATURE, const, dict(tile, **t),
-                     strides)
+        name = "grouped decode" + (" halves" if tile.get("HALVES") else "")
+        _loop_report(name, gd._grouped_decode_kernel, GROUPED_SIGNATURE, const, dict(tile, **t), strides)
 
 
 def main():

@@ -174,14 +174,28 @@ def decode_acc(a_rows, mask_m, w_rows, s_rows, mask_n, k_begin, KS: tl.constexpr
         kb = k_begin + k0
         q = _load_rows(w_cols + kb // 4, mask_n, EVEN_N)  # [BN, QK] int16 words
         for o in tl.static_range(4):
-            # dot o's first column: a multiple of BK / 4 (the hint keeps the activation loads async)
-            col = tl.multiple_of((kb // CHUNK) * CHUNK + o * (CHUNK // 4) + (kb % CHUNK) // 4, QK)
-            sb = _load_rows(s_cols + col // 16, mask_n, EVEN_N)  # [BN, BK // 64]
-            # each block scale onto its 16 columns (a broadcast in registers: no shuffle)
-            s = tl.reshape(tl.broadcast_to(sb[:, :, None], [BN, BK // 64, 16]), [BN, QK])
+            col = dot_column(kb, o, CHUNK, QK)
+            w = weight_operand(q, s_cols, col, o, mask_n, BF16, HW, BN, BK, EVEN_N)
             x = tl.load(a_cols + col, mask=mask_m[None, :], other=0.0)  # [QK, BM]
-            acc_t = tl.dot(_code(q, o, BF16, HW) * s, x, acc_t)
+            acc_t = tl.dot(w, x, acc_t)
     return acc_t
+
+
+@triton.jit
+def dot_column(kb, o: tl.constexpr, CHUNK: tl.constexpr, QK: tl.constexpr):
+    """The first activation column of dot o in the K step at kb: a multiple of QK = BK / 4 (the hint
+    keeps the activation loads async)."""
+    return tl.multiple_of((kb // CHUNK) * CHUNK + o * (CHUNK // 4) + (kb % CHUNK) // 4, QK)
+
+
+@triton.jit
+def weight_operand(q, s_cols, col, o: tl.constexpr, mask_n, BF16: tl.constexpr, HW: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr, EVEN_N: tl.constexpr):
+    """Dot o's weight operand [BN, BK / 4]: code o of the words q times its block scales (columns
+    col .. col + BK / 4; each scale broadcast onto its 16 columns in registers, no shuffle)."""
+    sb = _load_rows(s_cols + col // 16, mask_n, EVEN_N)  # [BN, BK // 64]
+    s = tl.reshape(tl.broadcast_to(sb[:, :, None], [BN, BK // 64, 16]), [BN, BK // 4])
+    return _code(q, o, BF16, HW) * s
 
 
 @triton.jit

@@ -55,30 +55,48 @@ def grouped_decode_config(rows: int, experts: int, k: int | None = None) -> dict
 
 
 @triton.jit
+def _store_rows(acc_t, offs_m, mask_m, offs_n, mask_n, sa_ptr, sw_ptr, e, out_ptr, stride_om, stride_sa,
+                EPILOGUE: tl.constexpr, W_SHIFT: tl.constexpr):
+    acc = tl.trans(acc_t) * W_SHIFT  # [rows, BN]
+    sa = tl.load(sa_ptr + offs_m * stride_sa, mask=mask_m, other=1.0)
+    out = epilogue(acc, sa, tl.load(sw_ptr + e), EPILOGUE)
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
 def _grouped_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, offsets_ptr, out_ptr, N, E,
                            stride_am, stride_ce, stride_cn, stride_se, stride_sn, stride_om, stride_sa,
                            K: tl.constexpr, EPILOGUE: tl.constexpr, BF16: tl.constexpr, HW: tl.constexpr,
                            W_SHIFT: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                           BK: tl.constexpr, EVEN_N: tl.constexpr):
+                           BK: tl.constexpr, EVEN_N: tl.constexpr, HALVES: tl.constexpr):
     pid_n = tl.program_id(0)
     e, row0, row_end = expert_tile(offsets_ptr, E, tl.program_id(1), BM, E_P2)
     if e >= E:
         return
-    offs_m = row0 + tl.arange(0, BM)
-    mask_m = offs_m < row_end
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     rows = offs_n.to(tl.int64)
     w_rows = codes_ptr + e.to(tl.int64) * stride_ce + rows * stride_cn
     s_rows = ws_ptr + e.to(tl.int64) * stride_se + rows * stride_sn
-    # CHUNK == BK: the columns in plain order (the aligned K order), no split-K
-    a_rows = a_ptr + offs_m.to(tl.int64) * stride_am
-    acc_t = decode_acc(a_rows, mask_m, w_rows, s_rows, mask_n, 0, K, BF16, HW, BK, BM, BN, BK, EVEN_N)
-    acc = tl.trans(acc_t) * W_SHIFT  # [BM, BN]
-    sa = tl.load(sa_ptr + offs_m * stride_sa, mask=mask_m, other=1.0)
-    out = epilogue(acc, sa, tl.load(sw_ptr + e), EPILOGUE)
-    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    # CHUNK == BK: the columns in plain order (the aligned K order), no split-K. HALVES: a tile whose
+    # rows fit in its first half runs the half-height MMAs (each expert's weight is still dequantized
+    # once per BM rows)
+    HM: tl.constexpr = BM // 2 if HALVES else BM
+    if HALVES and row_end - row0 <= HM:
+        offs_h = row0 + tl.arange(0, HM)
+        mask_h = offs_h < row_end
+        acc_h = decode_acc(a_ptr + offs_h.to(tl.int64) * stride_am, mask_h, w_rows, s_rows, mask_n, 0, K,
+                           BF16, HW, BK, HM, BN, BK, EVEN_N)
+        _store_rows(acc_h, offs_h, mask_h, offs_n, mask_n, sa_ptr, sw_ptr, e, out_ptr, stride_om,
+                    stride_sa, EPILOGUE, W_SHIFT)
+    else:
+        offs_m = row0 + tl.arange(0, BM)
+        mask_m = offs_m < row_end
+        acc_t = decode_acc(a_ptr + offs_m.to(tl.int64) * stride_am, mask_m, w_rows, s_rows, mask_n, 0, K,
+                           BF16, HW, BK, BM, BN, BK, EVEN_N)
+        _store_rows(acc_t, offs_m, mask_m, offs_n, mask_n, sa_ptr, sw_ptr, e, out_ptr, stride_om,
+                    stride_sa, EPILOGUE, W_SHIFT)
 
 
 def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, w_scale: torch.Tensor,
@@ -120,5 +138,6 @@ def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight,
         out.stride(0), 0 if sa.numel() == 1 else 1,
         K=k, EPILOGUE=EPILOGUES[epilogue], BF16=a.dtype == torch.bfloat16, HW=not interpreted(),
         W_SHIFT=W_SHIFT[a.dtype], E_P2=max(16, triton.next_power_of_2(e)), BM=bm, BN=bn, BK=cfg["BK"],
-        EVEN_N=n % bn == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        EVEN_N=n % bn == 0, HALVES=cfg.get("HALVES", False), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     return out

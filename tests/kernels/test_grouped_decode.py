@@ -16,8 +16,11 @@ from tests.kernels.test_grouped_gemm import case, run
 pytestmark = pytest.mark.skipif(not available(), reason="Triton kernels unavailable")
 
 
-def tile(bm):
+def tile(bm, halves=False):
+    """The tile of BM rows (HALVES: from a 2 BM-row tile, whose short row tiles run BM-row MMAs)."""
     cfg = dict(next(t for _, t in gd.GROUPED_DECODE_TILES if t["BM"] == bm), BK=gd.grouped_chunk())
+    if halves:
+        cfg.update(BM=2 * bm, HALVES=True)
     if interpreted():
         cfg.update(BN=32, num_stages=1)
     return cfg
@@ -34,11 +37,13 @@ def decode_run(x, wqs, offsets, dev, config=None):
                                   out_dtype=torch.float32, config=config).cpu()
 
 
+@pytest.mark.parametrize("halves", [False, True])
 @pytest.mark.parametrize("bm", [8, 16, 32, 64])
-def test_matches_per_expert_reference_and_aligned_with_empty_and_split_experts(bm):
-    """70 rows of one expert take several row tiles at every BM; empty experts take none."""
+def test_matches_per_expert_reference_and_aligned_with_empty_and_split_experts(bm, halves):
+    """70 rows of one expert take several row tiles at every BM; empty experts take none; with
+    halves, tiles of <= BM rows run the half-height MMAs and the others the full ones."""
     x, wqs, offsets, want = case([7, 0, 20, 1, 0, 12, 70], 96, 128)
-    got = decode_run(x, wqs, offsets, device(), tile(bm))
+    got = decode_run(x, wqs, offsets, device(), tile(bm, halves))
     assert torch.equal(got, want)
     assert torch.equal(got, run(x, wqs, offsets, False, device(), "aligned"))
 
@@ -86,15 +91,16 @@ def heavy_experts(counts, n, k, seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("halves", [False, True])
 @pytest.mark.parametrize("bm", [8, 16, 32, 64])
-def test_gpu_grouped_decode_gives_the_aligned_bits_on_heavy_tailed_data(bm):
+def test_gpu_grouped_decode_gives_the_aligned_bits_on_heavy_tailed_data(bm, halves):
     """Every BM, rows spread over 16 experts (some empty, some over several row tiles), K = 768 (the
     MoE down projection's): bitwise the grouped aligned kernel on the bf16 copy."""
     torch.manual_seed(2)
     counts = torch.multinomial(torch.ones(16), 400, replacement=True).bincount(minlength=16)
     counts[5] = 0
     x, wqs, offsets = heavy_experts(counts.tolist(), 192, 768, 10)
-    got = decode_run(x, wqs, offsets, "cuda", tile(bm))
+    got = decode_run(x, wqs, offsets, "cuda", tile(bm, halves))
     assert torch.isfinite(got).all()
     assert torch.equal(got, run(x, wqs, offsets, False, "cuda", "aligned"))
 
