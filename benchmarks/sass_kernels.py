@@ -137,8 +137,7 @@ def decode(k: int) -> None:
 
 
 def grouped(k: int) -> None:
-    tiles = [tile for _, tile in gd.GROUPED_DECODE_TILES] + [dict(BM=64, BN=64, num_warps=4, HALVES=True)]
-    for tile in tiles:
+    for _, tile in gd.GROUPED_DECODE_TILES:
         t = dict(BM=tile["BM"], BN=tile["BN"], BK=gd.CHUNK)
         const = dict(K=k, EPILOGUE=0, BF16=True, HW=True, W_SHIFT=kd.W_SHIFT[torch.bfloat16], E_P2=128,
                      EVEN_N=True, HALVES=tile.get("HALVES", False), **t)

@@ -11,8 +11,10 @@ from the bf16 weight copy (GPU test, heavy-tailed data), at 0.625 instead of 2 b
 
 Programs run over (N tile, row tile); row tiles cut each expert's rows into BM-row pieces
 (`grouped_gemm.expert_tile`, no host sync), the grid sized by the upper bound cdiv(T, BM) + E, surplus
-programs exit at once. The tile is picked from the average rows per expert (`grouped_decode_config`);
-it partitions the outputs only, never a row's sum.
+programs exit at once. With HALVES a row tile holding at most BM / 2 rows runs BM / 2-row MMAs: the
+weight is dequantized once per BM rows of an expert, and short experts do not pay BM-row MMAs. The
+tile is picked from the average rows per expert (`grouped_decode_config`); it partitions the
+outputs only, never a row's sum.
 """
 
 import torch
@@ -25,13 +27,15 @@ from minite.kernels.epilogue import EPILOGUES, epilogue
 from minite.kernels.grouped_gemm import expert_tile
 
 CHUNK = ALIGNED_CHUNK  # the layout's chunk == the K step (the aligned K order)
-# (most average rows per expert, tile): benchmarks/bench_grouped_decode.py's sweep on the H200 at
-# Qwen3-30B-A3B expert shapes, 4 / 16 / 32 / 64 rows per expert (s6 README); 8 not measured
+# (most average rows per expert, tile): benchmarks/bench_grouped_decode.py's sweeps on the H200 at
+# Qwen3-30B-A3B expert shapes, 4 / 16 / 32 / 64 rows per expert (s6 README; 8 not measured). HALVES
+# (a tile of BM rows whose rows fit in BM / 2 runs half-height MMAs) was 3-7 % faster than plain tiles
+# from 16 rows per expert on
 GROUPED_DECODE_TILES = (
     (4, dict(BM=8, BN=128, num_warps=4, num_stages=3)),
     (8, dict(BM=16, BN=64, num_warps=4, num_stages=3)),
-    (32, dict(BM=32, BN=64, num_warps=4, num_stages=2)),
-    (None, dict(BM=64, BN=64, num_warps=4, num_stages=2)),
+    (16, dict(BM=32, BN=64, num_warps=4, num_stages=2, HALVES=True)),
+    (None, dict(BM=64, BN=64, num_warps=4, num_stages=2, HALVES=True)),
 )
 SHORT_K = 1024  # K <= this: BN 128 (down, K = 768: 7-9 % faster at 16-64 rows per expert in the sweeps)
 

@@ -19,8 +19,9 @@ pytestmark = pytest.mark.skipif(not available(), reason="Triton kernels unavaila
 def tile(bm, halves=False):
     """The tile of BM rows (HALVES: from a 2 BM-row tile, whose short row tiles run BM-row MMAs)."""
     cfg = dict(next(t for _, t in gd.GROUPED_DECODE_TILES if t["BM"] == bm), BK=gd.grouped_chunk())
+    cfg.update(HALVES=halves)
     if halves:
-        cfg.update(BM=2 * bm, HALVES=True)
+        cfg.update(BM=2 * bm)
     if interpreted():
         cfg.update(BN=32, num_stages=1)
     return cfg
@@ -49,8 +50,9 @@ def test_matches_per_expert_reference_and_aligned_with_empty_and_split_experts(b
 
 
 def test_config_follows_the_average_rows_per_expert():
-    bms = [gd.grouped_decode_config(t, 128)["BM"] for t in (128, 512, 1024, 2048, 4096, 8192)]
-    assert bms == [8, 8, 16, 32, 32, 64]
+    cfgs = [gd.grouped_decode_config(t, 128) for t in (128, 512, 1024, 2048, 4096, 8192)]
+    assert [(c["BM"], c.get("HALVES", False)) for c in cfgs] == [
+        (8, False), (8, False), (16, False), (32, True), (64, True), (64, True)]
     assert gd.grouped_decode_config(4096, 128)["BK"] == gd.grouped_chunk()
     if not interpreted():
         assert gd.grouped_decode_config(4096, 128, 768)["BN"] == 128
