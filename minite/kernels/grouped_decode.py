@@ -59,9 +59,17 @@ def grouped_decode_config(rows: int, experts: int, k: int | None = None) -> dict
 
 
 @triton.jit
-def _store_rows(acc_t, offs_m, mask_m, offs_n, mask_n, sa_ptr, sw_ptr, e, out_ptr, stride_om, stride_sa,
-                EPILOGUE: tl.constexpr, W_SHIFT: tl.constexpr):
-    acc = tl.trans(acc_t) * W_SHIFT  # [rows, BN]
+def _row_tile(a_ptr, row0, row_end, w_rows, s_rows, offs_n, mask_n, sa_ptr, sw_ptr, e, out_ptr, stride_am,
+              stride_om, stride_sa, K: tl.constexpr, EPILOGUE: tl.constexpr, BF16: tl.constexpr,
+              HW: tl.constexpr, W_SHIFT: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              EVEN_N: tl.constexpr):
+    """Rows row0 .. row0 + ROWS (those before row_end) of expert e times its N tile, stored."""
+    offs_m = row0 + tl.arange(0, ROWS)
+    mask_m = offs_m < row_end
+    # CHUNK == BK: the columns in plain order (the aligned K order), no split-K
+    a_rows = a_ptr + offs_m.to(tl.int64) * stride_am
+    acc_t = decode_acc(a_rows, mask_m, w_rows, s_rows, mask_n, 0, K, BF16, HW, BK, ROWS, BN, BK, EVEN_N)
+    acc = tl.trans(acc_t) * W_SHIFT  # [ROWS, BN]
     sa = tl.load(sa_ptr + offs_m * stride_sa, mask=mask_m, other=1.0)
     out = epilogue(acc, sa, tl.load(sw_ptr + e), EPILOGUE)
     tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
@@ -83,24 +91,15 @@ def _grouped_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, offsets_ptr
     rows = offs_n.to(tl.int64)
     w_rows = codes_ptr + e.to(tl.int64) * stride_ce + rows * stride_cn
     s_rows = ws_ptr + e.to(tl.int64) * stride_se + rows * stride_sn
-    # CHUNK == BK: the columns in plain order (the aligned K order), no split-K. HALVES: a tile whose
-    # rows fit in its first half runs the half-height MMAs (each expert's weight is still dequantized
-    # once per BM rows)
-    HM: tl.constexpr = BM // 2 if HALVES else BM
+    # HALVES: a tile whose rows fit in its first half runs the half-height MMAs (each expert's weight
+    # is still dequantized once per BM rows)
+    HM: tl.constexpr = BM // 2
     if HALVES and row_end - row0 <= HM:
-        offs_h = row0 + tl.arange(0, HM)
-        mask_h = offs_h < row_end
-        acc_h = decode_acc(a_ptr + offs_h.to(tl.int64) * stride_am, mask_h, w_rows, s_rows, mask_n, 0, K,
-                           BF16, HW, BK, HM, BN, BK, EVEN_N)
-        _store_rows(acc_h, offs_h, mask_h, offs_n, mask_n, sa_ptr, sw_ptr, e, out_ptr, stride_om,
-                    stride_sa, EPILOGUE, W_SHIFT)
+        _row_tile(a_ptr, row0, row_end, w_rows, s_rows, offs_n, mask_n, sa_ptr, sw_ptr, e, out_ptr, stride_am,
+                  stride_om, stride_sa, K, EPILOGUE, BF16, HW, W_SHIFT, HM, BN, BK, EVEN_N)
     else:
-        offs_m = row0 + tl.arange(0, BM)
-        mask_m = offs_m < row_end
-        acc_t = decode_acc(a_ptr + offs_m.to(tl.int64) * stride_am, mask_m, w_rows, s_rows, mask_n, 0, K,
-                           BF16, HW, BK, BM, BN, BK, EVEN_N)
-        _store_rows(acc_t, offs_m, mask_m, offs_n, mask_n, sa_ptr, sw_ptr, e, out_ptr, stride_om,
-                    stride_sa, EPILOGUE, W_SHIFT)
+        _row_tile(a_ptr, row0, row_end, w_rows, s_rows, offs_n, mask_n, sa_ptr, sw_ptr, e, out_ptr, stride_am,
+                  stride_om, stride_sa, K, EPILOGUE, BF16, HW, W_SHIFT, BM, BN, BK, EVEN_N)
 
 
 def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, w_scale: torch.Tensor,
