@@ -37,7 +37,7 @@ GROUPED_DECODE_TILES = (
     (16, dict(BM=32, BN=64, num_warps=4, num_stages=2, HALVES=True)),
     (None, dict(BM=64, BN=64, num_warps=4, num_stages=2, HALVES=True)),
 )
-SHORT_K = 1024  # K <= this: BN 128 (down, K = 768: 7-9 % faster at 16-64 rows per expert in the sweeps)
+SHORT_K = 1024  # K <= this: BN 128 (down, K = 768: 3-9 % faster at 16-64 rows per expert in the sweeps)
 
 
 def grouped_chunk() -> int:
