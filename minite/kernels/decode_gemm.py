@@ -100,16 +100,29 @@ def pack_weight(codes: torch.Tensor, block_scales: torch.Tensor, chunk: int | No
     if tuple(block_scales.shape) != want or block_scales.dtype != torch.float8_e4m3fn:
         raise ValueError(f"block_scales must be float8_e4m3fn [..., N, K // 16] = {want}, got "
                          f"{block_scales.dtype} {tuple(block_scales.shape)}")
-    nib = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(-1, 2 * kh // bk, 4, bk // 4).to(torch.int32)
-    mag, sign = nib & 7, nib >> 3  # [rows, K // BK, o, c]
+    flat = codes.reshape(-1, kh)
+    words = torch.empty(flat.shape[0], kh // 2, dtype=torch.int16, device=codes.device)
+    step = max(1, PACK_CODES // kh)  # rows at a time: the int32 temporaries stay ~12 bytes per code
+    for r in range(0, flat.shape[0], step):
+        words[r:r + step] = _pack_rows(flat[r:r + step], bk)
+    scales = (block_scales.float() * SCALE_SHIFT[dtype]).to(dtype)  # exact
+    return DecodeWeight(words.reshape(*codes.shape[:-1], kh // 2), scales.contiguous(), bk)
+
+
+PACK_CODES = 1 << 24  # code bytes `pack_weight` converts at a time (an MoE weight holds ~10^8-10^9)
+
+
+def _pack_rows(codes: torch.Tensor, bk: int) -> torch.Tensor:
+    """Codes uint8 [R, K // 2] -> int16 words [R, K // 4] of the decode layout of chunk bk."""
+    r, kh = codes.shape
+    nib = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(r, 2 * kh // bk, 4, bk // 4).to(torch.int32)
+    mag, sign = nib & 7, nib >> 3  # [R, K // BK, o, c]
     word = torch.zeros_like(mag[:, :, 0])
     for o, (mag_at, sign_at) in enumerate(WORD_BITS):
         for bit, at in enumerate(mag_at):
             word |= ((mag[:, :, o] >> bit) & 1) << at
         word |= sign[:, :, o] << sign_at
-    scales = (block_scales.float() * SCALE_SHIFT[dtype]).to(dtype)  # exact
-    words = word.reshape(*codes.shape[:-1], kh // 2).to(torch.int16)  # wraps bit 15 onto the sign: same bits
-    return DecodeWeight(words.contiguous(), scales.contiguous(), bk)
+    return word.reshape(r, kh // 2).to(torch.int16)  # wraps bit 15 onto the sign: the same 16 bits
 
 
 # PTX, two int16 words (one 32-bit register, pack=2) -> code o of each as bf16 e2m1 * 2^-126 (magnitude

@@ -61,6 +61,19 @@ def test_dequant_is_exact_for_every_code_and_scale(dtype):
         assert torch.equal(out[o].cpu().double()[:, :127], want[:, :127]), o
 
 
+def test_pack_weight_of_experts_in_row_chunks_equals_each_expert_whole(monkeypatch):
+    """[E, N, K] packs as E separate [N, K] weights, also when rows go through in uneven chunks."""
+    g = torch.Generator().manual_seed(4)
+    codes = torch.randint(0, 256, (3, 40, 256), dtype=torch.uint8, generator=g)
+    scales = torch.rand(3, 40, 32, generator=g).to(torch.float8_e4m3fn)
+    whole = [kd.pack_weight(codes[e], scales[e], 128) for e in range(3)]
+    monkeypatch.setattr(kd, "PACK_CODES", 256 * 7)  # 7 rows at a time
+    dw = kd.pack_weight(codes, scales, 128)
+    assert dw.shape == (3, 40, 512) and dw.codes.is_contiguous()
+    for e in range(3):
+        assert torch.equal(dw.codes[e], whole[e].codes) and torch.equal(dw.scales[e], whole[e].scales)
+
+
 def test_pack_weight_puts_column_o_chunk4_plus_c_at_word_c_code_o():
     codes = _codes(3, 512, 1)
     scales = torch.rand(3, 32, generator=torch.Generator().manual_seed(2)).to(torch.float8_e4m3fn)
