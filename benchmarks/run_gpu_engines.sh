@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The engines' GPU work in one device call. Usage (repo root): bash benchmarks/run_gpu_engines.sh PART...
 #   tests     the GPU tests
+#   quant_tests  every test of the quantize and GEMM kernel files on CUDA (not only the gpu-marked ones)
 #   profile   where a rollout decode step spends its time (benchmarks/profile_rollout.py): dense aligned,
 #             MoE (24 layers) bf16 and aligned; profile_moe: the MoE ones only
 #   rollout   rollout benchmark: dense 1.7B against HF generate
@@ -12,6 +13,7 @@
 #   quantize  the quantize kernel against a device copy (benchmarks/bench_quantize.py)
 #   sweep     the quantize kernel's launch configurations (benchmarks/sweep_quantize.py)
 #   gemm      the W4A4 GEMM (compute-bound) and the MoE grouped GEMM against cuBLAS / torch._grouped_mm
+#   tma       the TMA variant of the W4A4 GEMM against the pointer kernel (benchmarks/sweep_tma_gemm.py)
 #   tiles     tiles for the aligned W4A4 GEMM, dense and grouped (benchmarks/sweep_aligned_gemm.py)
 #   tiles_step  aligned tiles at a rollout decode step (M = 512, CUDA graphs; sweep_aligned_gemm.py --decode-step)
 #   learner   learner train-step benchmark
@@ -47,6 +49,10 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv | tee "$log"
 for part in "$@"; do
   case $part in
     tests) step 110 python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
+    quant_tests)
+      step 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_nvfp4.py tests/kernels/test_gemm.py ;;
+    tma)
+      step 300 python3 benchmarks/sweep_tma_gemm.py --out "$OUT/kernels_tma_sweep.json" ;;
     profile|profile_moe)
       [ "$part" = profile ] && step 70 python3 benchmarks/profile_rollout.py --kernels 6 --recipe aligned \
         --out "$OUT/profile_rollout_aligned.json"

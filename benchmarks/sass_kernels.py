@@ -40,7 +40,7 @@ GROUPED_SIGNATURE = {"a_ptr": "*bf16", "codes_ptr": "*i16", "ws_ptr": "*bf16", "
                      "stride_sn": "i32", "stride_om": "i32", "stride_sa": "i32"}
 SIGNATURE = {"w_ptr": "*i32", "codes_ptr": "*u8", "scales_ptr": "*u8", "vals_ptr": "*i32",
              "sdec_out_ptr": "*fp32", "amax_out_ptr": "*fp32", "gs_ptr": "*fp32", "R": "i32",
-             "stride_wr": "i32", "rows_per_gs": "i32"}
+             "stride_wr": "i32", "rows_per_gs": "i32", "row_step": "i32"}
 
 
 def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, aligned=()) -> tuple[str, str]:

@@ -1,5 +1,5 @@
 """Sweep of the row-scaled 1x16 quantize kernel's launch configuration (one GPU call), 16384 x 4096
-bf16 (the issue's shape) and 4096 x 12288, for the pair kernel that 16-bit inputs take
+bf16 (the issue's shape; session 4 also ran 4096 x 12288), for the pair kernel that 16-bit inputs take
 (`minite/kernels/nvfp4_pairs.py`: words per program, warps) plus the general kernel as before. Every
 candidate's codes, block scales and S_dec are compared bit for bit with the current configuration's;
 throughput counts the input read once plus the outputs written once, as `bench_quantize.py` does,
@@ -9,6 +9,14 @@ Expectation written before the first run of the pair kernel (2026-11-30, session
 kernel runs ~25 instructions per element (SASS compiled on the CPU machine), the pair kernel ~17.5 at
 one 4096-wide row per program (14 per element plus ~110 per program): 0.40 -> ~0.6 of the copy if
 instruction issue is the bound; 0.85 would need ~12.7.
+
+Session 7 adds three switches (`kp.CONFIG`): RINT_FMA (E2M1 rounding with one min and two saturating
+fmas instead of three mins: SASS compiled here moves 128 of ~430 logic-pipe instructions per thread
+to the FMA pipe, ptxas moves ~40 integer ones back, 128 -> 166 registers), STREAM (evict-first loads,
+streaming stores) and PERSIST (programs per SM looping over rows). Expectation written before the run:
+session 4 read the pair kernel as bound by the logic pipe (FMNMX, LOP3, PRMT at half rate); if so,
+RINT_FMA takes ~9 % off the codes path (0.82 -> ~0.89 of the copy) unless the lower occupancy costs
+it back; STREAM and PERSIST a few % at most. `values` times the fused form (values + S_dec) as well.
 
     python benchmarks/sweep_quantize.py --out OUT.json
 """
@@ -24,15 +32,19 @@ from bench_common import bench_ms, env_info, warm_up
 from minite.kernels import nvfp4 as kq
 from minite.kernels import nvfp4_pairs as kp
 
-SHAPES = [(16384, 4096), (4096, 12288)]
-GRID = dict(WORDS=[1024, 2048, 4096, 8192], WORDS_PER_THREAD=[16, 32, 64])
+SHAPES = [(16384, 4096)]
+GRID = dict(WORDS_WPT=[(2048, 32), (2048, 16), (4096, 32)], RINT_FMA=[False, True],
+            STREAM=[False, True], PERSIST=[4, 8])
 
 
 def candidates():
     """(label, pair CONFIG or None for the general kernel)."""
     yield "general kernel", None
-    for words, wpt in itertools.product(GRID["WORDS"], GRID["WORDS_PER_THREAD"]):
-        yield "pairs", dict(kp.CONFIG, WORDS=words, WORDS_PER_THREAD=wpt)
+    for (words, wpt), fma, stream in itertools.product(GRID["WORDS_WPT"], GRID["RINT_FMA"], GRID["STREAM"]):
+        yield "pairs", dict(kp.CONFIG, WORDS=words, WORDS_PER_THREAD=wpt, RINT_FMA=fma, STREAM=stream)
+    for (words, wpt), persist in itertools.product(GRID["WORDS_WPT"][:2], GRID["PERSIST"]):
+        yield "pairs", dict(kp.CONFIG, WORDS=words, WORDS_PER_THREAD=wpt, RINT_FMA=True, STREAM=True,
+                            PERSIST=persist)
 
 
 def main():
@@ -49,6 +61,7 @@ def main():
         nbytes = 2 * n + n // 2 + n // 16 + 8 * r
         kp.CONFIG.update(default)
         want = kq.quantize_packed(x, "row")
+        want_vals = kq.quantize_unscaled(x)
         for label, cfg in [("pairs (current)", default), *candidates()]:
             kp.ENABLED = cfg is not None
             kp.CONFIG.update(cfg or default)
@@ -57,13 +70,18 @@ def main():
                 same = all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
                                        b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
                            for a, b in zip(got[:3], want[:3]))
+                vals = kq.quantize_unscaled(x)
+                same_vals = all(torch.equal(a, b) for a, b in zip(vals, want_vals))
                 ms = bench_ms(lambda: kq.quantize_packed(x, "row"))
+                ms_vals = bench_ms(lambda: kq.quantize_unscaled(x))
             except Exception as e:  # a configuration Triton cannot build (registers, shared memory)
                 rows.append(dict(shape=f"{r}x{k}", kernel=label, **(cfg or {}), error=str(e)[:200]))
                 continue
             tbps = nbytes / ms / 1e9
+            vals_tbps = (4 * n + n // 16 + 4 * r) / ms_vals / 1e9
             rows.append(dict(shape=f"{r}x{k}", kernel=label, **(cfg or {}), bitwise=same, ms=ms,
-                             tb_s=tbps, frac_copy=tbps / copy_tbps))
+                             tb_s=tbps, frac_copy=tbps / copy_tbps, values_bitwise=same_vals,
+                             values_ms=ms_vals, values_frac_copy=vals_tbps / copy_tbps))
             print(rows[-1], flush=True)
     kp.ENABLED = True
     kp.CONFIG.update(default)

@@ -102,18 +102,60 @@ def tile_acc(a_rows, w_ptr, ws_ptr, offs_n, mask_m, mask_n, stride_wn, stride_ws
 
 
 @triton.jit
+def _tile_mn(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Output tile number -> (row tile, column tile), GROUP_M row tiles at a time (L2 reuse of w)."""
+    grid_m = tl.cdiv(M, BM)
+    grid_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * grid_n
+    first_m = (tile // per_group) * GROUP_M
+    group_rows = tl.minimum(grid_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % group_rows, (tile % per_group) // group_rows
+
+
+@triton.jit
+def _tma_tile(a_desc, w_desc, sa_ptr, sw, out_ptr, tile, M, N, stride_om, stride_sa, K: tl.constexpr,
+              EPILOGUE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              GROUP_M: tl.constexpr):
+    pid_m, pid_n = _tile_mn(tile, M, N, BM, BN, GROUP_M)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        a = a_desc.load([pid_m * BM, k0])
+        w = w_desc.load([pid_n * BN, k0])
+        acc = tl.dot(a, w.T, acc)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_m = offs_m < M
+    sa = tl.load(sa_ptr + offs_m * stride_sa, mask=mask_m, other=1.0)
+    out = epilogue(acc, sa, sw, EPILOGUE)
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _w4a4_tma_kernel(a_desc, w_desc, sa_ptr, sw_ptr, out_ptr, M, N, stride_om, stride_sa, programs,
+                     K: tl.constexpr, EPILOGUE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr,
+                     FLATTEN: tl.constexpr):
+    """`_w4a4_kernel` on the bf16 weight copy with the operands brought in by TMA (tensor descriptors):
+    one output tile per program, or (PERSISTENT) tiles `programs` apart. The same K order: BK chunks
+    in sequence, each a chain of k16 MMAs."""
+    sw = tl.load(sw_ptr)
+    if PERSISTENT:  # GPU only: the interpreter cannot take a run-time range() bound
+        tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
+        for tile in tl.range(tl.program_id(0), tiles, programs, flatten=FLATTEN):
+            _tma_tile(a_desc, w_desc, sa_ptr, sw, out_ptr, tile, M, N, stride_om, stride_sa, K, EPILOGUE,
+                      BM, BN, BK, GROUP_M)
+    else:
+        _tma_tile(a_desc, w_desc, sa_ptr, sw, out_ptr, tl.program_id(0), M, N, stride_om, stride_sa, K,
+                  EPILOGUE, BM, BN, BK, GROUP_M)
+
+
+@triton.jit
 def _w4a4_kernel(a_ptr, w_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, M, N,
                  stride_am, stride_wn, stride_wsn, stride_om, stride_sa,
                  K: tl.constexpr, EPILOGUE: tl.constexpr, W_PACKED: tl.constexpr, DOT_F16: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BM)
-    grid_n = tl.cdiv(N, BN)
-    per_group = GROUP_M * grid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = _tile_mn(tl.program_id(0), M, N, BM, BN, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_m = offs_m < M
@@ -175,13 +217,35 @@ def w4a4_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: 
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     sa = a_scale.reshape(-1)
     ws = w_block_scales.view(torch.uint8) if packed else w
-    grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
-    _w4a4_kernel[grid](a, w, ws, sa, w_scale, out, m, n,
+    tiles = triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"])
+    if cfg.get("TMA") and not packed:
+        _launch_tma(a, sa, w, w_scale, out, epilogue, cfg, tiles)
+        return out
+    _w4a4_kernel[(tiles,)](a, w, ws, sa, w_scale, out, m, n,
                        a.stride(0), w.stride(0), ws.stride(0), out.stride(0), 0 if sa.numel() == 1 else 1,
                        K=k, EPILOGUE=EPILOGUES[epilogue], W_PACKED=packed,
                        DOT_F16=a.dtype == torch.float16, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
                        GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
+
+
+def _launch_tma(a, sa, w, w_scale, out, epilogue, cfg, tiles):
+    """The TMA kernel: PERSIST programs per SM (0: one program per tile)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = a.shape
+    programs = tiles
+    if cfg.get("PERSIST"):
+        sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
+        programs = min(tiles, cfg["PERSIST"] * sms)
+    a_desc = TensorDescriptor.from_tensor(a, [cfg["BM"], cfg["BK"]])
+    w_desc = TensorDescriptor.from_tensor(w, [cfg["BN"], cfg["BK"]])
+    _w4a4_tma_kernel[(programs,)](a_desc, w_desc, sa, w_scale, out, m, w.shape[0], out.stride(0),
+                                  0 if sa.numel() == 1 else 1, programs, K=k, EPILOGUE=EPILOGUES[epilogue],
+                                  BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
+                                  PERSISTENT=programs < tiles, FLATTEN=bool(cfg.get("FLATTEN")),
+                                  num_warps=cfg["num_warps"],
+                                  num_stages=cfg["num_stages"])
 
 
 def operand_dtype(device) -> torch.dtype:
