@@ -1,5 +1,8 @@
-"""Why the dense learner slowed with the large aligned tile (session 4): host time per W4A4 launch and
-GPU time per call, at the learner's shapes (Qwen3-1.7B, M = 8192), small vs large aligned tile.
+"""Host time per W4A4 launch and GPU time per call at the learner's shapes (Qwen3-1.7B, M = 8192) and
+the Qwen3-8B k|v shape at M = 4096, for the aligned tiles: small (pointer loads), large on pointer
+loads (session 4-6's `aligned_large`) and large by TMA, persistent (session 7's). Session 4 asked why
+the dense learner slowed with the large tile; session 7 whether TMA descriptors cost host time (the
+TMA sweep's k|v row at M = 4096, timed without graphs, read 0.39x cuBLAS).
 
     python benchmarks/probe_aligned_tile.py --out OUT.json
 """
@@ -10,11 +13,16 @@ import time
 
 import torch
 from bench_common import bench_ms, env_info, warm_up
+from bench_decode_gemm import graph_us
 
 from minite.kernels import gemm as kg
 from minite.kernels import nvfp4 as kq
 
-SHAPES = {"q": (2048, 2048), "kv": (1024, 2048), "gate|up": (12288, 2048), "down": (2048, 6144)}
+SHAPES = {"1.7B q": (8192, 2048, 2048), "1.7B kv": (8192, 1024, 2048), "1.7B gate|up": (8192, 12288, 2048),
+          "1.7B down": (8192, 2048, 6144), "8B k|v": (4096, 1024, 4096)}
+POINTER_LARGE = dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4)
+TILES = {"small": kg.CONFIGS["aligned"], "large pointer": POINTER_LARGE,
+         "large tma": kg.CONFIGS["aligned_large"]}
 
 
 def main():
@@ -23,28 +31,29 @@ def main():
     args = p.parse_args()
     warm_up()
     rows = []
-    for name, (n, k) in SHAPES.items():
-        x = torch.randn(8192, k, device="cuda", dtype=torch.bfloat16)
+    for name, (m, n, k) in SHAPES.items():
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         wq = kq.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16), "tensor")
         wc = kg.unscaled_copy(wq)
         a, sa = kq.quantize_unscaled(x)
         outs = {}
-        for label, large_m in (("small", 1 << 62), ("large", 2048)):
-            kg.ALIGNED_LARGE_M = large_m
-            outs[label] = kg.w4a4_gemm(a, sa, wc, wq.global_scale)
+        cublas = graph_us([lambda: torch.matmul(x, wc.t())] * 4)  # noqa: B023
+        for label, cfg in TILES.items():
+            outs[label] = kg.w4a4_gemm(a, sa, wc, wq.global_scale, config=cfg)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(200):
-                kg.w4a4_gemm(a, sa, wc, wq.global_scale)
+                kg.w4a4_gemm(a, sa, wc, wq.global_scale, config=cfg)
             t1 = time.perf_counter()
             torch.cuda.synchronize()
             t2 = time.perf_counter()
-            gpu = bench_ms(lambda: kg.w4a4_gemm(a, sa, wc, wq.global_scale))  # noqa: B023
-            rows.append(dict(shape=name, N=n, K=k, tile=label, host_us=(t1 - t0) / 200 * 1e6,
-                             loop_us=(t2 - t0) / 200 * 1e6, gpu_us=gpu * 1e3))
+            gpu = bench_ms(lambda: kg.w4a4_gemm(a, sa, wc, wq.global_scale, config=cfg))  # noqa: B023
+            graph = graph_us([lambda: kg.w4a4_gemm(a, sa, wc, wq.global_scale, config=cfg)] * 4)  # noqa: B023
+            rows.append(dict(shape=name, M=m, N=n, K=k, tile=label, host_us=(t1 - t0) / 200 * 1e6,
+                             loop_us=(t2 - t0) / 200 * 1e6, gpu_us=gpu * 1e3, graph_us=graph,
+                             cublas_graph_us=cublas, graph_vs_cublas=cublas / graph,
+                             same_bits=bool(torch.equal(outs[label], outs["small"]))))
             print(rows[-1], flush=True)
-        rows[-1]["same_bits"] = bool(torch.equal(outs["small"], outs["large"]))
-    kg.ALIGNED_LARGE_M = 2048
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(env=env_info(), rows=rows), f, indent=1)

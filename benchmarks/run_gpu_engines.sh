@@ -19,7 +19,7 @@
 #   learner   learner train-step benchmark
 #   learner_ab  the dense learner again with the aligned GEMMs on the small tile at every M
 #   learner_dense  the dense learner alone, default tiles
-#   probe     host and GPU time of the aligned W4A4 launch, small vs large tile (probe_aligned_tile.py)
+#   probe     host and GPU time of the aligned W4A4 launch: small, large pointer, large TMA (probe_aligned_tile.py)
 #   agreement agreement on the benchmark model for bf16/bf16, aligned/aligned, te/vllm
 #   diagnose  minite diagnose reports at the benchmark model's full depth, te/vllm and aligned
 #   train     the GPU training preset (configs/gpu_arith.toml), whatever time is left of BUDGET

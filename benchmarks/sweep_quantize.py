@@ -33,18 +33,16 @@ from minite.kernels import nvfp4 as kq
 from minite.kernels import nvfp4_pairs as kp
 
 SHAPES = [(16384, 4096)]
-GRID = dict(WORDS_WPT=[(2048, 32), (2048, 16), (4096, 32)], RINT_FMA=[False, True],
-            STREAM=[False, True], PERSIST=[4, 8])
+GRID = dict(WORDS_WPT=[(2048, 32), (2048, 16), (2048, 8)], RINT_FMA=[False, True], STREAM=[False, True])
+ROUNDS = 3  # interleaved rounds over all candidates, the best of each: single timings have slow spells
 
 
 def candidates():
-    """(label, pair CONFIG or None for the general kernel)."""
+    """(label, pair CONFIG or None for the general kernel). PERSIST (s7 run1: 0.56-0.63 of the copy
+    against 0.81) is left out."""
     yield "general kernel", None
     for (words, wpt), fma, stream in itertools.product(GRID["WORDS_WPT"], GRID["RINT_FMA"], GRID["STREAM"]):
         yield "pairs", dict(kp.CONFIG, WORDS=words, WORDS_PER_THREAD=wpt, RINT_FMA=fma, STREAM=stream)
-    for (words, wpt), persist in itertools.product(GRID["WORDS_WPT"][:2], GRID["PERSIST"]):
-        yield "pairs", dict(kp.CONFIG, WORDS=words, WORDS_PER_THREAD=wpt, RINT_FMA=True, STREAM=True,
-                            PERSIST=persist)
 
 
 def main():
@@ -54,44 +52,57 @@ def main():
     default = dict(kp.CONFIG)
     rows = []
     warm_up()
+
+    def use(cfg):
+        kp.ENABLED = cfg is not None
+        kp.CONFIG.update(cfg or default)
+
     for r, k in SHAPES:
         x = torch.randn(r, k, device="cuda", dtype=torch.bfloat16)
         n = x.numel()
-        copy_tbps = 4 * n / bench_ms(lambda: x.clone()) / 1e9
         nbytes = 2 * n + n // 2 + n // 16 + 8 * r
-        kp.CONFIG.update(default)
+        vals_bytes = 4 * n + n // 16 + 4 * r
+        use(default)
         want = kq.quantize_packed(x, "row")
         want_vals = kq.quantize_unscaled(x)
+        cands = []
         for label, cfg in [("pairs (current)", default), *candidates()]:
-            kp.ENABLED = cfg is not None
-            kp.CONFIG.update(cfg or default)
+            use(cfg)
             try:
                 got = kq.quantize_packed(x, "row")
-                same = all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                                       b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
-                           for a, b in zip(got[:3], want[:3]))
                 vals = kq.quantize_unscaled(x)
-                same_vals = all(torch.equal(a, b) for a, b in zip(vals, want_vals))
-                ms = bench_ms(lambda: kq.quantize_packed(x, "row"))
-                ms_vals = bench_ms(lambda: kq.quantize_unscaled(x))
             except Exception as e:  # a configuration Triton cannot build (registers, shared memory)
                 rows.append(dict(shape=f"{r}x{k}", kernel=label, **(cfg or {}), error=str(e)[:200]))
                 continue
-            tbps = nbytes / ms / 1e9
-            vals_tbps = (4 * n + n // 16 + 4 * r) / ms_vals / 1e9
-            rows.append(dict(shape=f"{r}x{k}", kernel=label, **(cfg or {}), bitwise=same, ms=ms,
-                             tb_s=tbps, frac_copy=tbps / copy_tbps, values_bitwise=same_vals,
-                             values_ms=ms_vals, values_frac_copy=vals_tbps / copy_tbps))
-            print(rows[-1], flush=True)
+            same = all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                                   b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+                       for a, b in zip(got[:3], want[:3]))
+            same_vals = all(torch.equal(a, b) for a, b in zip(vals, want_vals))
+            cands.append((dict(shape=f"{r}x{k}", kernel=label, **(cfg or {}), bitwise=same,
+                               values_bitwise=same_vals), cfg))
+        copy, codes, values = [], [[] for _ in cands], [[] for _ in cands]
+        for _ in range(ROUNDS):
+            copy.append(bench_ms(lambda: x.clone()))
+            for i, (_, cfg) in enumerate(cands):
+                use(cfg)
+                codes[i].append(bench_ms(lambda: kq.quantize_packed(x, "row")))
+                values[i].append(bench_ms(lambda: kq.quantize_unscaled(x)))
+        copy_tbps = 4 * n / min(copy) / 1e9
+        for (row, _), c, v in zip(cands, codes, values):
+            row.update(ms=min(c), ms_rounds=c, frac_copy=nbytes / min(c) / 1e9 / copy_tbps,
+                       values_ms=min(v), values_ms_rounds=v,
+                       values_frac_copy=vals_bytes / min(v) / 1e9 / copy_tbps, copy_tb_s=copy_tbps)
+            rows.append(row)
+            print(row, flush=True)
+    use(default)
     kp.ENABLED = True
-    kp.CONFIG.update(default)
     for shape in {r["shape"] for r in rows}:
-        ok = [r for r in rows if r["shape"] == shape and r.get("bitwise")]
-        best = max(ok, key=lambda r: r["tb_s"])
-        print(f"{shape}: best {best}")
+        ok = [r for r in rows if r["shape"] == shape and r.get("bitwise") and r.get("values_bitwise")]
+        print(f"{shape}: best codes {max(ok, key=lambda r: r['frac_copy'])}")
+        print(f"{shape}: best values {max(ok, key=lambda r: r['values_frac_copy'])}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(env=env_info(), grid=GRID, rows=rows), f, indent=1)
+            json.dump(dict(env=env_info(), grid=GRID, rounds=ROUNDS, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

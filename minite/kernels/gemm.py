@@ -14,8 +14,9 @@ Configurations (CONFIGS, fixed; no autotuning):
   on whether the weight was packed: the batch-invariant path. The tile's M x N shape only partitions
   the outputs, so it is picked by M (`aligned` below ALIGNED_LARGE_M rows, `aligned_large` from
   there); the GPU tests and the tile sweep (benchmarks/sweep_aligned_gemm.py: 44 tiles, one set of
-  bits) check that rows keep their bits across it.
-- `prefill`: the fastest tile for large M (dequantized weight copy).
+  bits) check that rows keep their bits across it. `aligned_large` brings the operands in by TMA in a
+  persistent kernel (`_w4a4_tma_kernel`), the same K order (the TMA sweep checks the bits).
+- `prefill`: the fastest tile for large M (dequantized weight copy); today the same as `aligned_large`.
 - `decode`: small M (<= 64), packed weights, its own kernel (`kernels.decode_gemm`): the weight,
   repacked into a decode layout (once per update by the nn layers; on every call here), is
   dequantized by inline PTX into the MMA's register operand (C^T = W A^T, M padded to 8..64), with a
@@ -35,9 +36,13 @@ CONFIGS = {
     # 8 warps: 12 % less time than 4 over a rollout decode step's GEMMs at M = 512, the same bits
     # (sweep_aligned_gemm.py --decode-step on the H200, s6 run3)
     "aligned": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
-    # M >= ALIGNED_LARGE_M: 0.73-0.87x cuBLAS instead of 0.49-0.58x at M = 4096-16384 (H200 tile sweep)
-    "aligned_large": dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
-    "prefill": dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
+    # M >= ALIGNED_LARGE_M: operands by TMA, one persistent program per SM (`_w4a4_tma_kernel`):
+    # 0.92-1.02x cuBLAS at Qwen3-8B shapes, M 4096-16384, where the same tile on pointer loads ran
+    # 0.78-0.89x (benchmarks/sweep_tma_gemm.py, H200 s7 run1; the same bits at every shape)
+    "aligned_large": dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=True, PERSIST=1,
+                          FLATTEN=True),
+    "prefill": dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=True, PERSIST=1,
+                    FLATTEN=True),
     # packed weights, M <= 64: `decode_config(m, n, k)` picks the tile; this entry serves the
     # dequantized weight copy with config="decode" (BM: M padded to 16, 32 or 64)
     "decode": dict(BN=32, BK=256, GROUP_M=1, num_warps=4, num_stages=4),
@@ -218,7 +223,7 @@ def w4a4_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: 
     sa = a_scale.reshape(-1)
     ws = w_block_scales.view(torch.uint8) if packed else w
     tiles = triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"])
-    if cfg.get("TMA") and not packed:
+    if cfg.get("TMA") and not packed and _tma_ok(a, w):
         _launch_tma(a, sa, w, w_scale, out, epilogue, cfg, tiles)
         return out
     _w4a4_kernel[(tiles,)](a, w, ws, sa, w_scale, out, m, n,
@@ -227,6 +232,11 @@ def w4a4_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: 
                        DOT_F16=a.dtype == torch.float16, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
                        GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
+
+
+def _tma_ok(a, w) -> bool:
+    """TMA descriptors need 16-byte aligned bases and row strides (else the pointer kernel runs)."""
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (a, w))
 
 
 def _launch_tma(a, sa, w, w_scale, out, epilogue, cfg, tiles):

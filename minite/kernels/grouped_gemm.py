@@ -22,7 +22,8 @@ CONFIGS = {
     # the dense aligned tiles (same K order): an expert's rows get the bits of a dense aligned GEMM;
     # the large tile from ALIGNED_LARGE_ROWS_PER_EXPERT rows per expert on average
     "aligned": {k: v for k, v in gemm.CONFIGS["aligned"].items() if k != "GROUP_M"},
-    "aligned_large": {k: v for k, v in gemm.CONFIGS["aligned_large"].items() if k != "GROUP_M"},
+    # the dense large tile's shape on pointer loads (the dense GEMM reads it by TMA: same K order)
+    "aligned_large": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4),
     "prefill": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4),
     "interpret": dict(BM=16, BN=32, BK=32, num_warps=4, num_stages=1),
 }

@@ -53,6 +53,28 @@ def test_both_weight_representations_and_every_m_give_the_same_rows():
         assert torch.equal(kg.w4a4_gemm(a[-m:], sa[-m:], copy, sw, out_dtype=torch.float32), full[-m:])
 
 
+def test_tma_kernel_gives_the_pointer_kernels_bits():
+    """The TMA kernel (operands by tensor descriptors; persistent on the GPU) keeps the pointer kernel's
+    K order: the same bits on heavy-tailed data, ragged M and N; unaligned operands fall back."""
+    x, w = heavy(300 if device() == "cuda" else 40, 256, 4), heavy(96, 256, 5)
+    xq, wq = nvfp4.quantize(x, "row"), nvfp4.quantize(w, "tensor")
+    a, sa, wqd, sw = operands(xq, wq, device())
+    copy = kg.unscaled_copy(wqd)
+    tile = dict(kg.CONFIGS["interpret"]) if device() == "cpu" else dict(BM=64, BN=64, BK=64, GROUP_M=4,
+                                                                        num_warps=4, num_stages=3)
+    want = kg.w4a4_gemm(a, sa, copy, sw, out_dtype=torch.float32, config=tile)
+    variants = [dict(PERSIST=0)] + ([dict(PERSIST=1), dict(PERSIST=1, FLATTEN=True)] if device() == "cuda"
+                                    else [])
+    for v in variants:
+        got = kg.w4a4_gemm(a, sa, copy, sw, out_dtype=torch.float32, config=dict(tile, TMA=True, **v))
+        assert torch.equal(got, want), v
+    shifted = torch.empty(a.shape[0], a.shape[1] + 1, dtype=a.dtype, device=a.device)[:, 1:]
+    shifted.copy_(a)  # 2-byte offset rows: not TMA-able
+    assert not kg._tma_ok(shifted, copy) and kg._tma_ok(a, copy)
+    got = kg.w4a4_gemm(shifted, sa, copy, sw, out_dtype=torch.float32, config=dict(tile, TMA=True, PERSIST=0))
+    assert torch.equal(got, want)
+
+
 def test_output_is_fully_written():
     a = torch.zeros(7, 64, dtype=kg.operand_dtype(device()), device=device())
     w = torch.zeros(24, 64, dtype=a.dtype, device=device())
