@@ -2,11 +2,14 @@
 the pair kernel (`nvfp4_pairs.py`); the rows marked "general kernel" time the path they took before.
 
 Bytes counted: the input read once plus every output written once (codes, scales, values, scales).
+Timed two ways: do_bench in three interleaved rounds (best of each), and as CUDA graphs over 8 input
+copies (`graph_frac_copy`, against a copy graphed the same way; s7 run2's do_bench rounds swung 2x).
 """
 
 # ruff: noqa: B023  (lambdas are timed at once, inside the loop that binds them)
 import torch
 from bench_common import HBM_COPY_TBPS, bench_ms, parse_args, report, warm_up
+from bench_decode_gemm import graph_us
 
 from minite.kernels import nvfp4 as kq
 from minite.kernels import nvfp4_pairs as kp
@@ -33,10 +36,14 @@ def main():
         x = torch.randn(r, k, device="cuda", dtype=torch.bfloat16)
         n = x.numel()
         copy_ms = bench_ms(lambda: x.clone())
+        xs = [x.clone() for _ in range(8)]
+        copy_graph_ms = graph_us([lambda xi=xi: xi.clone() for xi in xs]) / 1e3
         copy_tbps = 2 * 2 * n / copy_ms / 1e9
         rows.append(dict(shape=f"{r}x{k}", op="copy (baseline)", ms=copy_ms, tb_s=copy_tbps,
                          frac_copy=1.0, frac_facts=copy_tbps / HBM_COPY_TBPS))
         codes_bytes = n // 2 + n // 16 + 8 * r
+        graphed = {"row 1x16 te (codes)": lambda xi: kq.quantize_packed(xi, "row"),
+                   "row fused values+sdec": lambda xi: kq.quantize_unscaled(xi)}
         variants = [
             ("row 1x16 te (codes)", lambda: kq.quantize_packed(x, "row"), 2 * n + codes_bytes),
             ("row 1x16 te (codes), general kernel", general_kernel(lambda: kq.quantize_packed(x, "row")),
@@ -58,8 +65,12 @@ def main():
         for i, (name, _, nbytes) in enumerate(variants):
             ms = min(t[i] for t in times)
             tbps = nbytes / ms / 1e9
-            rows.append(dict(shape=f"{r}x{k}", op=name, ms=ms, ms_rounds=[t[i] for t in times], tb_s=tbps,
-                             frac_copy=tbps / copy_tbps, frac_facts=tbps / HBM_COPY_TBPS))
+            row = dict(shape=f"{r}x{k}", op=name, ms=ms, ms_rounds=[t[i] for t in times], tb_s=tbps,
+                       frac_copy=tbps / copy_tbps, frac_facts=tbps / HBM_COPY_TBPS)
+            if name in graphed:
+                g_ms = graph_us([lambda xi=xi: graphed[name](xi) for xi in xs]) / 1e3
+                row.update(graph_ms=g_ms, graph_frac_copy=(nbytes / g_ms) / (4 * n / copy_graph_ms))
+            rows.append(row)
     report("quantize", rows, args.out,
            dict(target="codes+scales >= 0.85 of HBM copy bandwidth, 16384x4096 bf16"))
 

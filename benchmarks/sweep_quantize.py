@@ -3,7 +3,8 @@ bf16 (the issue's shape; session 4 also ran 4096 x 12288), for the pair kernel t
 (`minite/kernels/nvfp4_pairs.py`: words per program, warps) plus the general kernel as before. Every
 candidate's codes, block scales and S_dec are compared bit for bit with the current configuration's;
 throughput counts the input read once plus the outputs written once, as `bench_quantize.py` does,
-against a device copy in the same process.
+against a device copy in the same process, all timed as CUDA graphs over 8 input copies (s7 run2's
+do_bench rounds swung 2x from round to round).
 
 Expectation written before the first run of the pair kernel (2026-11-30, session 4): the general
 kernel runs ~25 instructions per element (SASS compiled on the CPU machine), the pair kernel ~17.5 at
@@ -27,7 +28,8 @@ import itertools
 import json
 
 import torch
-from bench_common import bench_ms, env_info, warm_up
+from bench_common import env_info, warm_up
+from bench_decode_gemm import graph_us
 
 from minite.kernels import nvfp4 as kq
 from minite.kernels import nvfp4_pairs as kp
@@ -35,6 +37,7 @@ from minite.kernels import nvfp4_pairs as kp
 SHAPES = [(16384, 4096)]
 GRID = dict(WORDS_WPT=[(2048, 32), (2048, 16), (2048, 8)], RINT_FMA=[False, True], STREAM=[False, True])
 ROUNDS = 3  # interleaved rounds over all candidates, the best of each: single timings have slow spells
+INPUTS = 8  # timed as CUDA graphs over this many input copies (128 MiB each: never L2-resident)
 
 
 def candidates():
@@ -80,13 +83,14 @@ def main():
             same_vals = all(torch.equal(a, b) for a, b in zip(vals, want_vals))
             cands.append((dict(shape=f"{r}x{k}", kernel=label, **(cfg or {}), bitwise=same,
                                values_bitwise=same_vals), cfg))
+        xs = [x.clone() for _ in range(INPUTS)]
         copy, codes, values = [], [[] for _ in cands], [[] for _ in cands]
         for _ in range(ROUNDS):
-            copy.append(bench_ms(lambda: x.clone()))
+            copy.append(graph_us([lambda xi=xi: xi.clone() for xi in xs]) / 1e3)
             for i, (_, cfg) in enumerate(cands):
-                use(cfg)
-                codes[i].append(bench_ms(lambda: kq.quantize_packed(x, "row")))
-                values[i].append(bench_ms(lambda: kq.quantize_unscaled(x)))
+                use(cfg)  # read while the graph is captured
+                codes[i].append(graph_us([lambda xi=xi: kq.quantize_packed(xi, "row") for xi in xs]) / 1e3)
+                values[i].append(graph_us([lambda xi=xi: kq.quantize_unscaled(xi) for xi in xs]) / 1e3)
         copy_tbps = 4 * n / min(copy) / 1e9
         for (row, _), c, v in zip(cands, codes, values):
             row.update(ms=min(c), ms_rounds=c, frac_copy=nbytes / min(c) / 1e9 / copy_tbps,
