@@ -40,7 +40,7 @@ GROUPED_SIGNATURE = {"a_ptr": "*bf16", "codes_ptr": "*i16", "ws_ptr": "*bf16", "
                      "stride_sn": "i32", "stride_om": "i32", "stride_sa": "i32"}
 SIGNATURE = {"w_ptr": "*i32", "codes_ptr": "*u8", "scales_ptr": "*u8", "vals_ptr": "*i32",
              "sdec_out_ptr": "*fp32", "amax_out_ptr": "*fp32", "gs_ptr": "*fp32", "R": "i32",
-             "stride_wr": "i32", "rows_per_gs": "i32", "row_step": "i32"}
+             "stride_wr": "i32", "rows_per_gs": "i32"}
 
 
 def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, aligned=()) -> tuple[str, str]:
@@ -103,9 +103,10 @@ def quantize(k: int) -> None:
     kw = k // 2
     block_w = triton.next_power_of_2(kw)
     block_r = max(1, kp.CONFIG["WORDS"] // block_w)
-    warps = max(1, block_r * block_w // (32 * kp.CONFIG["WORDS_PER_THREAD"]))
-    per_thread = 2 * block_r * block_w // (32 * warps)
     for mode in ("codes", "values"):
+        words = kp.CONFIG["VALUES_WORDS_PER_THREAD" if mode == "values" else "WORDS_PER_THREAD"]
+        warps = max(1, block_r * block_w // (32 * words))
+        per_thread = 2 * block_r * block_w // (32 * warps)
         const = dict(KW=kw, GS=0, CHAIN=0, IN_BF16=True, WRITE_CODES=mode == "codes",
                      WRITE_VALUES=mode == "values", OUT_BF16=True, HW=True, EVEN=True,
                      BLOCK_R=block_r, BLOCK_W=block_w)

@@ -11,20 +11,18 @@ kernel runs ~25 instructions per element (SASS compiled on the CPU machine), the
 one 4096-wide row per program (14 per element plus ~110 per program): 0.40 -> ~0.6 of the copy if
 instruction issue is the bound; 0.85 would need ~12.7.
 
-Session 7 adds three switches (`kp.CONFIG`): RINT_FMA (E2M1 rounding with one min and two saturating
-fmas instead of three mins: SASS compiled here moves 128 of ~430 logic-pipe instructions per thread
-to the FMA pipe, ptxas moves ~40 integer ones back, 128 -> 166 registers), STREAM (evict-first loads,
-streaming stores) and PERSIST (programs per SM looping over rows). Expectation written before the run:
-session 4 read the pair kernel as bound by the logic pipe (FMNMX, LOP3, PRMT at half rate); if so,
-RINT_FMA takes ~9 % off the codes path (0.82 -> ~0.89 of the copy) unless the lower occupancy costs
-it back; STREAM and PERSIST a few % at most. `values` times the fused form (values + S_dec) as well.
+Session 7 (run1-run3) also tried, and dropped: E2M1 rounding with one min and two saturating fmas
+instead of three mins (moves 128 of ~430 logic-pipe instructions a thread to the FMA pipe; exact for
+every non-negative fp32, but codes 0.765 against 0.856 of the copy: 128 -> 166 registers), streaming
+cache hints (0.834) and persistent programs looping over rows (0.56-0.63). Timing each candidate once
+with do_bench swung 2x between rounds; CUDA graphs over 8 input copies agree to 0.2 % across rounds.
+Codes and fused values now take their own words per thread (`VALUES_WORDS_PER_THREAD`).
 
     python benchmarks/sweep_quantize.py --out OUT.json
 """
 
 # ruff: noqa: B023  (lambdas are timed at once, inside the loop that binds them)
 import argparse
-import itertools
 import json
 
 import torch
@@ -35,17 +33,17 @@ from minite.kernels import nvfp4 as kq
 from minite.kernels import nvfp4_pairs as kp
 
 SHAPES = [(16384, 4096)]
-GRID = dict(WORDS_WPT=[(2048, 32), (2048, 16), (2048, 8)], RINT_FMA=[False, True], STREAM=[False, True])
+GRID = dict(WORDS_WPT=[(2048, 32), (2048, 16), (2048, 8), (4096, 32), (4096, 16)])
 ROUNDS = 3  # interleaved rounds over all candidates, the best of each: single timings have slow spells
 INPUTS = 8  # timed as CUDA graphs over this many input copies (128 MiB each: never L2-resident)
 
 
 def candidates():
-    """(label, pair CONFIG or None for the general kernel). PERSIST (s7 run1: 0.56-0.63 of the copy
-    against 0.81) is left out."""
+    """(label, pair CONFIG or None for the general kernel): codes and values with the same words a
+    thread."""
     yield "general kernel", None
-    for (words, wpt), fma, stream in itertools.product(GRID["WORDS_WPT"], GRID["RINT_FMA"], GRID["STREAM"]):
-        yield "pairs", dict(kp.CONFIG, WORDS=words, WORDS_PER_THREAD=wpt, RINT_FMA=fma, STREAM=stream)
+    for words, wpt in GRID["WORDS_WPT"]:
+        yield "pairs", dict(kp.CONFIG, WORDS=words, WORDS_PER_THREAD=wpt, VALUES_WORDS_PER_THREAD=wpt)
 
 
 def main():

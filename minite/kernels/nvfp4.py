@@ -133,31 +133,6 @@ def _e2m1_rint(a, HW: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_rint_fma(a, HW: tl.constexpr):
-    """`_e2m1_rint` with one min instead of three (the min runs on the ALU pipe, the busy one in the
-    pair kernel; fmas run on the FMA pipe). The code is k = p1 + p2 + p3 with p1 = rint(min(2a, 4)),
-    p2 = 2 - rint(2 t2), p3 = 1 - rint(t3), t2 = sat(2 - a/2), t3 = sat(3 - a/2) (both exact where
-    they are inside (0, 1)). Three fmas accumulate them from 2^23 + 3, each rounding an even integer
-    plus the piece's exact value, so each rounding is the piece's RNE. NaN: min(NaN, 2) = 2 on the GPU,
-    fma.sat flushes NaN to 0: code 7. Checked for every non-negative fp32 (tests/kernels/test_nvfp4.py
-    runs the tie neighbourhoods)."""
-    if HW:
-        m1 = tl.minimum(a, 2.0)
-        t2 = tl.inline_asm_elementwise("fma.rn.sat.f32 $0, $1, 0fBF000000, 0f40000000;", "=f,f", [a],
-                                       dtype=tl.float32, is_pure=True, pack=1)
-        t3 = tl.inline_asm_elementwise("fma.rn.sat.f32 $0, $1, 0fBF000000, 0f40400000;", "=f,f", [a],
-                                       dtype=tl.float32, is_pure=True, pack=1)
-    else:  # the interpreter: no inline PTX, and its min propagates NaN
-        a = tl.where(a == a, a, 6.0)
-        m1 = tl.minimum(a, 2.0)
-        t2 = tl.clamp(tl.fma(a, -0.5, 2.0), 0.0, 1.0)
-        t3 = tl.clamp(tl.fma(a, -0.5, 3.0), 0.0, 1.0)
-    r = tl.fma(t3, -1.0, 8388611.0)
-    r = tl.fma(t2, -2.0, r)
-    return tl.fma(m1, 2.0, r)
-
-
-@triton.jit
 def _e2m1_rne(v, x, HW: tl.constexpr):
     """v = x * e (fp32) -> E2M1 code 0..15 (int32, bit 3 the sign of x), RNE, saturating at 6."""
     code = _e2m1_rint(tl.abs(v), HW).to(tl.int32, bitcast=True) & 7

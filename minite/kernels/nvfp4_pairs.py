@@ -6,7 +6,7 @@ Same helpers as `nvfp4._quantize_kernel`, so the same bits as `minite.ref.nvfp4`
 
 Why (SASS counted with benchmarks/sass_kernels.py): the general kernel runs ~25 instructions per
 element, 0.40-0.49 of the H200's copy bandwidth; this one 15.5 for packed codes (0.82) and 23 for
-the fused values (0.87, where the traffic is the copy's).
+the fused values (0.87, where the traffic is the copy's; 0.91 at 16 words a thread, session 7).
 """
 
 import torch
@@ -17,7 +17,6 @@ from minite.kernels import interpreted
 from minite.kernels.nvfp4 import (
     _block_scales,
     _e2m1_rint,
-    _e2m1_rint_fma,
     _given_scales,
     _max_nan,
     _row_scales,
@@ -25,10 +24,11 @@ from minite.kernels.nvfp4 import (
 
 # WORDS: int32 words (2 elements) per program (at least one row); whole rows when K / 2 <= MAX_WORDS
 # (longer rows: row scaling goes to the general kernel, tensor/static scaling loops over CHUNK_WORDS);
-# warps so that each thread holds WORDS_PER_THREAD words. H200 sweep
-# (benchmarks/results/h200_2026-11-30_s4): 32 words a thread is the best of 16-64 at both shapes.
-CONFIG = dict(WORDS=2048, MAX_WORDS=8192, CHUNK_WORDS=1024, WORDS_PER_THREAD=32, RINT_FMA=False, STREAM=False,
-              PERSIST=0)
+# warps so that each thread holds WORDS_PER_THREAD words (packed codes) or VALUES_WORDS_PER_THREAD
+# (fused values). H200 sweeps, CUDA-graph timed (benchmarks/results/h200_2026-11-30_s7, run3):
+# 16384 x 4096, codes 0.856 of the copy at 32 words a thread (16: 0.835, 8: 0.735), fused values 0.908
+# at 16 (32: 0.862, 8: 0.830).
+CONFIG = dict(WORDS=2048, MAX_WORDS=8192, CHUNK_WORDS=1024, WORDS_PER_THREAD=32, VALUES_WORDS_PER_THREAD=16)
 ENABLED = True  # False: every input takes the general kernel (the benchmarks time both)
 
 
@@ -52,17 +52,15 @@ def _fp16_bits(v):
 
 @triton.jit
 def _load_blocks(w_rows, row_ok, w0, KW: tl.constexpr, IN_BF16: tl.constexpr, EVEN: tl.constexpr,
-                 BLOCK_R: tl.constexpr, NB: tl.constexpr, STREAM: tl.constexpr):
+                 BLOCK_R: tl.constexpr, NB: tl.constexpr):
     """Words [w0, w0 + 8 NB) of BLOCK_R rows as [BLOCK_R, NB, 8] (one 16-element block per row of 8
     words) -> (even elements, odd elements, their sign bits (w & 0x80008000), word offsets in the row,
     block amax [BLOCK_R, NB])."""
     cols = w0 + tl.arange(0, NB)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-    evict: tl.constexpr = "evict_first" if STREAM else ""
     if EVEN:  # no row or column past the end: unmasked
-        w = tl.load(w_rows[:, :, None] + cols, eviction_policy=evict)
+        w = tl.load(w_rows[:, :, None] + cols)
     else:
-        w = tl.load(w_rows[:, :, None] + cols, mask=row_ok[:, None, None] & (cols < KW), other=0,
-                    eviction_policy=evict)
+        w = tl.load(w_rows[:, :, None] + cols, mask=row_ok[:, None, None] & (cols < KW), other=0)
     lo, hi = _halves(w, IN_BF16)
     # NaN-propagating, so that a row's amax can be taken over its blocks (the layout stays the blocks')
     bamax = tl.reduce(_max_nan(tl.abs(lo), tl.abs(hi)), 2, _max_nan)
@@ -73,21 +71,16 @@ def _load_blocks(w_rows, row_ok, w0, KW: tl.constexpr, IN_BF16: tl.constexpr, EV
 def _emit_blocks(lo, hi, signs, cols, bamax, s_enc, s_dec, rows, row_ok, w0, codes_ptr, scales_ptr, vals_ptr,
                  KW: tl.constexpr, CHAIN: tl.constexpr, WRITE_CODES: tl.constexpr,
                  WRITE_VALUES: tl.constexpr, OUT_BF16: tl.constexpr, HW: tl.constexpr, EVEN: tl.constexpr,
-                 BLOCK_R: tl.constexpr, NB: tl.constexpr, RINT_FMA: tl.constexpr, STREAM: tl.constexpr):
+                 BLOCK_R: tl.constexpr, NB: tl.constexpr):
     """Quantize the blocks from `_load_blocks` with S_enc/S_dec [BLOCK_R, 1] and store them."""
     sb_byte, sb, e = _block_scales(bamax, s_enc, s_dec, CHAIN, HW)
     v_lo = lo * e[:, :, None]
     v_hi = hi * e[:, :, None]
-    if RINT_FMA:
-        c_lo = _e2m1_rint_fma(tl.abs(v_lo), HW)
-        c_hi = _e2m1_rint_fma(tl.abs(v_hi), HW)
-    else:
-        c_lo = _e2m1_rint(tl.abs(v_lo), HW)
-        c_hi = _e2m1_rint(tl.abs(v_hi), HW)
+    c_lo = _e2m1_rint(tl.abs(v_lo), HW)
+    c_hi = _e2m1_rint(tl.abs(v_hi), HW)
     bcols = w0 // 8 + tl.arange(0, NB)
-    cache: tl.constexpr = ".cs" if STREAM else ""
     tl.store(scales_ptr + rows.to(tl.int64)[:, None] * (KW // 8) + bcols[None, :], sb_byte.to(tl.uint8),
-             mask=row_ok[:, None] & (bcols < KW // 8)[None, :], cache_modifier=cache)
+             mask=row_ok[:, None] & (bcols < KW // 8)[None, :])
     m = None if EVEN else row_ok[:, None, None] & (cols < KW)
     offs = rows.to(tl.int64)[:, None, None] * KW + cols
     # the sign bits are x's (the reference's contract): straight from the input words
@@ -96,7 +89,7 @@ def _emit_blocks(lo, hi, signs, cols, bamax, s_enc, s_dec, rows, row_ok, w0, cod
         # above 7 are dropped by the uint8 store). Multiply-adds: the logic pipe is the busier one
         byte = (c_lo.to(tl.int32, bitcast=True) + c_hi.to(tl.int32, bitcast=True) * 16
                 + tl.umulhi(signs.to(tl.uint32, bitcast=True), 0x100100).to(tl.int32, bitcast=True))
-        tl.store(codes_ptr + offs, byte.to(tl.uint8), mask=m, cache_modifier=cache)
+        tl.store(codes_ptr + offs, byte.to(tl.uint8), mask=m)
     if WRITE_VALUES:
         # |value| * s_b = max(k s_b / 2, (k - 2) s_b, (2k - 8) s_b) for the magnitude code k (the E2M1 grid
         # 0, .5, 1, 1.5, 2, 3, 4, 6 is convex in k), per-block constants; exact in the 16-bit output
@@ -110,59 +103,34 @@ def _emit_blocks(lo, hi, signs, cols, bamax, s_enc, s_dec, rows, row_ok, w0, cod
             word = (q_lo.to(tl.int32, bitcast=True) >> 16) | q_hi.to(tl.int32, bitcast=True)
         else:
             word = _fp16_bits(q_lo) | (_fp16_bits(q_hi) << 16)
-        tl.store(vals_ptr + offs, word | signs, mask=m, cache_modifier=cache)
-
-
-@triton.jit
-def _row_scaled(w_ptr, codes_ptr, scales_ptr, vals_ptr, sdec_out_ptr, amax_out_ptr, r0, R, stride_wr,
-                KW: tl.constexpr, CHAIN: tl.constexpr, IN_BF16: tl.constexpr, WRITE_CODES: tl.constexpr,
-                WRITE_VALUES: tl.constexpr, OUT_BF16: tl.constexpr, HW: tl.constexpr, EVEN: tl.constexpr,
-                BLOCK_R: tl.constexpr, NB: tl.constexpr, RINT_FMA: tl.constexpr, STREAM: tl.constexpr):
-    """Rows r0 .. r0 + BLOCK_R, whole, row scaling."""
-    rows = r0 + tl.arange(0, BLOCK_R)
-    row_ok = rows < R
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wr
-    lo, hi, signs, cols, bamax = _load_blocks(w_rows, row_ok, 0, KW, IN_BF16, EVEN, BLOCK_R, NB, STREAM)
-    amax = tl.reduce(bamax, 1, _max_nan)
-    s_enc, s_dec = _row_scales(amax, rows, row_ok, sdec_out_ptr, amax_out_ptr, CHAIN)
-    _emit_blocks(lo, hi, signs, cols, bamax, s_enc, s_dec, rows, row_ok, 0, codes_ptr, scales_ptr,
-                 vals_ptr, KW, CHAIN, WRITE_CODES, WRITE_VALUES, OUT_BF16, HW, EVEN, BLOCK_R, NB, RINT_FMA,
-                 STREAM)
+        tl.store(vals_ptr + offs, word | signs, mask=m)
 
 
 @triton.jit
 def _pairs_kernel(w_ptr, codes_ptr, scales_ptr, vals_ptr, sdec_out_ptr, amax_out_ptr, gs_ptr,
-                  R, stride_wr, rows_per_gs, row_step, KW: tl.constexpr, GS: tl.constexpr,
-                  CHAIN: tl.constexpr, IN_BF16: tl.constexpr, WRITE_CODES: tl.constexpr,
-                  WRITE_VALUES: tl.constexpr, OUT_BF16: tl.constexpr, HW: tl.constexpr, EVEN: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, RINT_FMA: tl.constexpr, STREAM: tl.constexpr,
-                  PERSIST: tl.constexpr):
+                  R, stride_wr, rows_per_gs, KW: tl.constexpr, GS: tl.constexpr, CHAIN: tl.constexpr,
+                  IN_BF16: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr,
+                  OUT_BF16: tl.constexpr, HW: tl.constexpr, EVEN: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_W: tl.constexpr):
     """w: x as int32 words [R, KW]. GS as in `nvfp4._quantize_kernel`; row scaling (GS 0) needs
-    BLOCK_W >= KW (the row is read once and kept); PERSIST: row scaling loops over row blocks with a
-    stride of row_step rows."""
+    BLOCK_W >= KW (the row is read once and kept)."""
     NB: tl.constexpr = BLOCK_W // 8
     pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wr
     if GS == 0:
-        if PERSIST:
-            for r0 in tl.range(pid * BLOCK_R, R, row_step, num_stages=2):
-                _row_scaled(w_ptr, codes_ptr, scales_ptr, vals_ptr, sdec_out_ptr, amax_out_ptr, r0, R,
-                            stride_wr, KW, CHAIN, IN_BF16, WRITE_CODES, WRITE_VALUES, OUT_BF16, HW, EVEN,
-                            BLOCK_R, NB, RINT_FMA, STREAM)
-        else:
-            _row_scaled(w_ptr, codes_ptr, scales_ptr, vals_ptr, sdec_out_ptr, amax_out_ptr, pid * BLOCK_R,
-                        R, stride_wr, KW, CHAIN, IN_BF16, WRITE_CODES, WRITE_VALUES, OUT_BF16, HW, EVEN,
-                        BLOCK_R, NB, RINT_FMA, STREAM)
+        lo, hi, signs, cols, bamax = _load_blocks(w_rows, row_ok, 0, KW, IN_BF16, EVEN, BLOCK_R, NB)
+        amax = tl.reduce(bamax, 1, _max_nan)
+        s_enc, s_dec = _row_scales(amax, rows, row_ok, sdec_out_ptr, amax_out_ptr, CHAIN)
+        _emit_blocks(lo, hi, signs, cols, bamax, s_enc, s_dec, rows, row_ok, 0, codes_ptr, scales_ptr,
+                     vals_ptr, KW, CHAIN, WRITE_CODES, WRITE_VALUES, OUT_BF16, HW, EVEN, BLOCK_R, NB)
     else:
-        rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-        row_ok = rows < R
-        w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wr
         s_enc, s_dec = _given_scales(gs_ptr, rows, row_ok, sdec_out_ptr, rows_per_gs, GS, CHAIN, BLOCK_R)
         for w0 in range(0, KW, BLOCK_W):
-            lo, hi, signs, cols, bamax = _load_blocks(w_rows, row_ok, w0, KW, IN_BF16, EVEN, BLOCK_R, NB,
-                                                      STREAM)
+            lo, hi, signs, cols, bamax = _load_blocks(w_rows, row_ok, w0, KW, IN_BF16, EVEN, BLOCK_R, NB)
             _emit_blocks(lo, hi, signs, cols, bamax, s_enc, s_dec, rows, row_ok, w0, codes_ptr, scales_ptr,
-                         vals_ptr, KW, CHAIN, WRITE_CODES, WRITE_VALUES, OUT_BF16, HW, EVEN, BLOCK_R, NB,
-                         RINT_FMA, STREAM)
+                         vals_ptr, KW, CHAIN, WRITE_CODES, WRITE_VALUES, OUT_BF16, HW, EVEN, BLOCK_R, NB)
 
 
 def launch(x2, codes, scales, vals, sdec, amx, gs, gs_mode, chain_id, write_codes, rows_per_gs) -> bool:
@@ -182,24 +150,14 @@ def launch(x2, codes, scales, vals, sdec, amx, gs, gs_mode, chain_id, write_code
     else:
         block_w = CONFIG["CHUNK_WORDS"]
     block_r = max(1, CONFIG["WORDS"] // block_w)
-    warps = min(16, max(1, block_r * block_w // (32 * CONFIG["WORDS_PER_THREAD"])))
+    per_thread = CONFIG["VALUES_WORDS_PER_THREAD" if vals is not None else "WORDS_PER_THREAD"]
+    warps = min(16, max(1, block_r * block_w // (32 * per_thread)))
     words = x2.view(torch.int32)
-    programs = triton.cdiv(r, block_r)
-    persist = bool(CONFIG["PERSIST"]) and gs_mode == 0 and not interpreted()
-    if persist:
-        programs = min(programs, CONFIG["PERSIST"] * _sm_count(x2.device))
-    _pairs_kernel[(programs,)](
+    _pairs_kernel[(triton.cdiv(r, block_r),)](
         words, codes, scales, vals.view(torch.int32) if vals is not None else codes, sdec, amx, gs,
-        r, x2.stride(0) // 2, rows_per_gs, programs * block_r, KW=kw, GS=gs_mode, CHAIN=chain_id,
+        r, x2.stride(0) // 2, rows_per_gs, KW=kw, GS=gs_mode, CHAIN=chain_id,
         IN_BF16=x2.dtype == torch.bfloat16, WRITE_CODES=write_codes, WRITE_VALUES=vals is not None,
         OUT_BF16=vals is not None and vals.dtype == torch.bfloat16, HW=not interpreted(),
         EVEN=r % block_r == 0 and kw % block_w == 0,
-        BLOCK_R=block_r, BLOCK_W=block_w, RINT_FMA=CONFIG["RINT_FMA"], STREAM=CONFIG["STREAM"],
-        PERSIST=persist, num_warps=warps)
+        BLOCK_R=block_r, BLOCK_W=block_w, num_warps=warps)
     return True
-
-
-def _sm_count(device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
