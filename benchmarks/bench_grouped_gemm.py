@@ -13,10 +13,10 @@ from minite.kernels import grouped_gemm as gg
 from minite.kernels import nvfp4 as kq
 
 E, TOPK, HIDDEN, INTER = 128, 8, 2048, 768
-SWEEP = [dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4),
-         dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4),
-         dict(BM=128, BN=128, BK=64, num_warps=4, num_stages=4),
-         dict(BM=64, BN=256, BK=64, num_warps=4, num_stages=4)]
+SWEEP = [dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4),  # pointer loads (s4-s6 `prefill`)
+         dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, TMA=True),  # s7 `prefill`, `aligned_large`
+         dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, TMA=True),
+         dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4, TMA=True)]
 OPS = {"gate|up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
 
 

@@ -1,5 +1,6 @@
 """The W4A4 GEMM epilogue shared by the dense, decode and grouped kernels: the fp32 accumulator times
-the global scales, exactly as `minite.ref.gemm` applies them."""
+the global scales, exactly as `minite.ref.gemm` applies them; `store_tile` applies it to an output tile
+and stores the rows and columns inside the masks."""
 
 import triton
 import triton.language as tl
@@ -23,3 +24,13 @@ def epilogue(acc, sa, sw, EPILOGUE: tl.constexpr):
     else:
         out = acc * scale[:, None]
     return out
+
+
+@triton.jit
+def store_tile(acc, sa_ptr, sw, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, stride_sa,
+               EPILOGUE: tl.constexpr):
+    """acc [BM, BN] for rows offs_m, columns offs_n: scaled by the rows' sa and the scalar sw, stored."""
+    sa = tl.load(sa_ptr + offs_m * stride_sa, mask=mask_m, other=1.0)
+    out = epilogue(acc, sa, sw, EPILOGUE)
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])

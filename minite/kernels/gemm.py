@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from minite.kernels import decode_gemm
-from minite.kernels.epilogue import EPILOGUES, epilogue
+from minite.kernels.epilogue import EPILOGUES, store_tile
 
 CONFIGS = {
     # 8 warps: 12 % less time than 4 over a rollout decode step's GEMMs at M = 512, the same bits
@@ -129,11 +129,8 @@ def _tma_tile(a_desc, w_desc, sa_ptr, sw, out_ptr, tile, M, N, stride_om, stride
         acc = tl.dot(a, w.T, acc)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
-    mask_m = offs_m < M
-    sa = tl.load(sa_ptr + offs_m * stride_sa, mask=mask_m, other=1.0)
-    out = epilogue(acc, sa, sw, EPILOGUE)
-    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n < N)[None, :])
+    store_tile(acc, sa_ptr, sw, out_ptr, offs_m, offs_n, offs_m < M, offs_n < N, stride_om, stride_sa,
+               EPILOGUE)
 
 
 @triton.jit
@@ -171,10 +168,8 @@ def _w4a4_kernel(a_ptr, w_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, M, N,
     a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
     acc = tile_acc(a_rows, w_ptr, ws_ptr, offs_n, mask_m, mask_n, stride_wn, stride_wsn, K, W_PACKED, DOT_F16,
                    BM, BN, BK)
-    sa = tl.load(sa_ptr + offs_m * stride_sa, mask=mask_m, other=1.0)
-    out = epilogue(acc, sa, tl.load(sw_ptr), EPILOGUE)
-    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    store_tile(acc, sa_ptr, tl.load(sw_ptr), out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, stride_sa,
+               EPILOGUE)
 
 
 def pick_config(config, m: int, n: int, k: int | None = None, packed: bool = False) -> dict:

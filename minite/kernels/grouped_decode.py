@@ -23,7 +23,7 @@ import triton.language as tl
 
 from minite.kernels import interpreted
 from minite.kernels.decode_gemm import ALIGNED_CHUNK, W_SHIFT, DecodeWeight, aligned_chunk, decode_acc
-from minite.kernels.epilogue import EPILOGUES, epilogue
+from minite.kernels.epilogue import EPILOGUES, store_tile
 from minite.kernels.grouped_gemm import expert_tile
 
 CHUNK = ALIGNED_CHUNK  # the layout's chunk == the K step (the aligned K order)
@@ -70,10 +70,8 @@ def _row_tile(a_ptr, row0, row_end, w_rows, s_rows, offs_n, mask_n, sa_ptr, sw_p
     a_rows = a_ptr + offs_m.to(tl.int64) * stride_am
     acc_t = decode_acc(a_rows, mask_m, w_rows, s_rows, mask_n, 0, K, BF16, HW, BK, ROWS, BN, BK, EVEN_N)
     acc = tl.trans(acc_t) * W_SHIFT  # [ROWS, BN]
-    sa = tl.load(sa_ptr + offs_m * stride_sa, mask=mask_m, other=1.0)
-    out = epilogue(acc, sa, tl.load(sw_ptr + e), EPILOGUE)
-    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    store_tile(acc, sa_ptr, tl.load(sw_ptr + e), out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om,
+               stride_sa, EPILOGUE)
 
 
 @triton.jit

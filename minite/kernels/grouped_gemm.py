@@ -16,15 +16,16 @@ import triton
 import triton.language as tl
 
 from minite.kernels import gemm
-from minite.kernels.gemm import EPILOGUES, epilogue, tile_acc
+from minite.kernels.epilogue import EPILOGUES, store_tile
+from minite.kernels.gemm import tile_acc
 
 CONFIGS = {
     # the dense aligned tiles (same K order): an expert's rows get the bits of a dense aligned GEMM;
     # the large tile from ALIGNED_LARGE_ROWS_PER_EXPERT rows per expert on average
     "aligned": {k: v for k, v in gemm.CONFIGS["aligned"].items() if k != "GROUP_M"},
-    # the dense large tile's shape on pointer loads (the dense GEMM reads it by TMA: same K order)
-    "aligned_large": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4),
-    "prefill": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4),
+    # the dense large tile, operands by TMA (`_grouped_tma_kernel`: the same K order)
+    "aligned_large": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, TMA=True),
+    "prefill": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, TMA=True),
     "interpret": dict(BM=16, BN=32, BK=32, num_warps=4, num_stages=1),
 }
 ALIGNED_LARGE_ROWS_PER_EXPERT = 64  # H200 sweep: 32 rows/expert favour `aligned`, 256 `aligned_large`
@@ -68,10 +69,35 @@ def _grouped_kernel(a_ptr, w_ptr, ws_ptr, sa_ptr, sw_ptr, offsets_ptr, out_ptr, 
     ws_e = ws_ptr + e.to(tl.int64) * stride_wse
     acc = tile_acc(a_rows, w_e, ws_e, offs_n, mask_m, mask_n, stride_wn, stride_wsn, K, W_PACKED, DOT_F16,
                    BM, BN, BK)
-    sa = tl.load(sa_ptr + offs_m * stride_sa, mask=mask_m, other=1.0)
-    out = epilogue(acc, sa, tl.load(sw_ptr + e), EPILOGUE)
-    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    store_tile(acc, sa_ptr, tl.load(sw_ptr + e), out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om,
+               stride_sa, EPILOGUE)
+
+
+@triton.jit
+def _grouped_tma_kernel(a_ptr, w_ptr, sa_ptr, sw_ptr, offsets_ptr, out_ptr, T, N, E, stride_am, stride_wn,
+                        stride_om, stride_sa, K: tl.constexpr, EPILOGUE: tl.constexpr, E_P2: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """`_grouped_kernel` on the bf16 weight copies [E * N, K] (rows of expert e at e * N) with the
+    operands brought in by TMA. A row tile may read rows of the next expert and an N tile rows of the
+    next expert's weight (N % BN != 0): those outputs are masked, never stored; the K order is the
+    dense one."""
+    pid = tl.program_id(0)
+    grid_n = tl.cdiv(N, BN)
+    pid_n = pid % grid_n
+    e, row0, row_end = expert_tile(offsets_ptr, E, pid // grid_n, BM, E_P2)
+    if e >= E:
+        return
+    a_desc = tl.make_tensor_descriptor(a_ptr, [T, K], [stride_am, 1], [BM, BK])
+    w_desc = tl.make_tensor_descriptor(w_ptr, [E * N, K], [stride_wn, 1], [BN, BK])
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        a = a_desc.load([row0, k0])
+        w = w_desc.load([e * N + pid_n * BN, k0])
+        acc = tl.dot(a, w.T, acc)
+    offs_m = row0 + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    store_tile(acc, sa_ptr, tl.load(sw_ptr + e), out_ptr, offs_m, offs_n, offs_m < row_end, offs_n < N,
+               stride_om, stride_sa, EPILOGUE)
 
 
 def grouped_w4a4_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -101,6 +127,14 @@ def grouped_w4a4_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w
     sa = a_scale.reshape(-1)
     ws = w_block_scales.view(torch.uint8) if packed else w
     grid = ((triton.cdiv(t, cfg["BM"]) + e) * triton.cdiv(n, cfg["BN"]),)
+    if cfg.get("TMA") and not packed and w.stride(0) == n * w.stride(1) and gemm._tma_ok(a, w[0]):
+        gemm._set_tma_allocator()
+        _grouped_tma_kernel[grid](a, w, sa, w_scale, offsets, out, t, n, e, a.stride(0), w.stride(1),
+                                  out.stride(0), 0 if sa.numel() == 1 else 1, K=k,
+                                  EPILOGUE=EPILOGUES[epilogue], E_P2=max(16, triton.next_power_of_2(e)),
+                                  BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"],
+                                  num_stages=cfg["num_stages"])
+        return out
     _grouped_kernel[grid](a, w, ws, sa, w_scale, offsets, out, n, e,
                           a.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), out.stride(0),
                           0 if sa.numel() == 1 else 1,

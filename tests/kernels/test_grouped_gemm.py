@@ -44,6 +44,18 @@ def test_matches_per_expert_reference_with_empty_experts(packed):
     assert torch.equal(run(x, wqs, offsets, packed, device()), want)
 
 
+def test_tma_kernel_gives_the_pointer_kernels_bits():
+    """Operands by TMA: row tiles that run into the next expert's rows and an N (40) that is not a
+    multiple of BN (reads into the next expert's weight rows) are masked; the same bits as pointer
+    loads, empty experts included."""
+    x, wqs, offsets, want = case([7, 0, 20, 1, 0, 12], 40, 64, seed=3)
+    tile = (dict(gg.CONFIGS["interpret"]) if device() == "cpu"
+            else dict(BM=64, BN=32, BK=64, num_warps=4, num_stages=3))
+    pointer = run(x, wqs, offsets, False, device(), tile)
+    assert torch.equal(run(x, wqs, offsets, False, device(), dict(tile, TMA=True)), pointer)
+    assert (pointer - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 def test_bad_offsets_raise():
     a = torch.zeros(4, 64, dtype=kg.operand_dtype(device()), device=device())
     w = torch.zeros(2, 8, 64, dtype=a.dtype, device=device())
