@@ -19,6 +19,7 @@
 #   learner   learner train-step benchmark
 #   learner_ab  the dense learner again with the aligned GEMMs on the small tile at every M
 #   learner_dense  the dense learner alone, default tiles
+#   host      where the dense learner step's host time goes, bf16 vs aligned (profile_learner_host.py)
 #   probe     host and GPU time of the aligned W4A4 launch: small, large pointer, large TMA (probe_aligned_tile.py)
 #   agreement agreement on the benchmark model for bf16/bf16, aligned/aligned, te/vllm
 #   diagnose  minite diagnose reports at the benchmark model's full depth, te/vllm and aligned
@@ -89,6 +90,8 @@ for part in "$@"; do
         --out "$OUT/learner_aligned_small_tile.json" ;;
     learner_dense)
       step 70 python3 benchmarks/bench_learner.py --models dense --out "$OUT/learner_dense.json" ;;
+    host)
+      step 120 python3 benchmarks/profile_learner_host.py --out "$OUT/learner_host_profile.json" ;;
     probe)
       step 60 python3 benchmarks/probe_aligned_tile.py --out "$OUT/probe_aligned_tile.json" ;;
     agreement)

@@ -25,6 +25,8 @@ Configurations (CONFIGS, fixed; no autotuning):
   aligned path's wherever the fp32 accumulation is exact (nearly all outputs, FACTS.md 1.1).
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -243,14 +245,18 @@ def _launch_tma(a, sa, w, w_scale, out, epilogue, cfg, tiles):
     m, k = a.shape
     programs = tiles
     if cfg.get("PERSIST"):
-        sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
-        programs = min(tiles, cfg["PERSIST"] * sms)
+        programs = min(tiles, cfg["PERSIST"] * _sm_count(a.device.index if a.is_cuda else None))
     _w4a4_tma_kernel[(programs,)](a, w, sa, w_scale, out, m, w.shape[0], a.stride(0), w.stride(0),
                                   out.stride(0), 0 if sa.numel() == 1 else 1, programs, K=k,
                                   EPILOGUE=EPILOGUES[epilogue],
                                   BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
                                   PERSISTENT=programs < tiles, FLATTEN=bool(cfg.get("FLATTEN")),
                                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+@functools.cache
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count if index is not None else 4
 
 
 _ALLOCATOR_SET = False
