@@ -14,8 +14,8 @@ from minite.kernels import nvfp4 as kq
 
 E, TOPK, HIDDEN, INTER = 128, 8, 2048, 768
 SWEEP = [dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4),  # pointer loads (s4-s6 `prefill`)
-         dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, TMA=True),  # s7 `prefill`, `aligned_large`
-         dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, TMA=True),
+         dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, TMA=True),
+         dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, TMA=True),  # s7 `prefill`, `aligned_large`
          dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4, TMA=True)]
 OPS = {"gate|up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
 

@@ -23,9 +23,10 @@ CONFIGS = {
     # the dense aligned tiles (same K order): an expert's rows get the bits of a dense aligned GEMM;
     # the large tile from ALIGNED_LARGE_ROWS_PER_EXPERT rows per expert on average
     "aligned": {k: v for k, v in gemm.CONFIGS["aligned"].items() if k != "GROUP_M"},
-    # the dense large tile, operands by TMA (`_grouped_tma_kernel`: the same K order)
-    "aligned_large": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, TMA=True),
-    "prefill": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, TMA=True),
+    # the dense large tile, operands by TMA (`_grouped_tma_kernel`: the same K order); 4 stages: 3-10 %
+    # faster than 3 at 4096 and 16384 tokens (bench_grouped_gemm.py sweep, H200 s7 run5)
+    "aligned_large": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, TMA=True),
+    "prefill": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, TMA=True),
     "interpret": dict(BM=16, BN=32, BK=32, num_warps=4, num_stages=1),
 }
 ALIGNED_LARGE_ROWS_PER_EXPERT = 64  # H200 sweep: 32 rows/expert favour `aligned`, 256 `aligned_large`
