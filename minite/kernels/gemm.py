@@ -35,9 +35,10 @@ from minite.kernels import decode_gemm
 from minite.kernels.epilogue import EPILOGUES, store_tile
 
 CONFIGS = {
-    # 8 warps: 12 % less time than 4 over a rollout decode step's GEMMs at M = 512, the same bits
-    # (sweep_aligned_gemm.py --decode-step on the H200, s6 run3)
-    "aligned": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
+    # M < ALIGNED_LARGE_M (the rollout's decode steps): operands by TMA, one program per tile; at
+    # M = 512 on the rollout shapes 5-35 % less time than on pointer loads (8 warps), the same bits
+    # (benchmarks/sweep_tma_gemm.py, CUDA graphs, H200 s7 run1)
+    "aligned": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4, TMA=True, PERSIST=0),
     # M >= ALIGNED_LARGE_M: operands by TMA, one persistent program per SM (`_w4a4_tma_kernel`):
     # 0.92-1.02x cuBLAS at Qwen3-8B shapes, M 4096-16384, where the same tile on pointer loads ran
     # 0.78-0.89x (benchmarks/sweep_tma_gemm.py, H200 s7 run1; the same bits at every shape)

@@ -20,9 +20,10 @@ from minite.kernels.epilogue import EPILOGUES, store_tile
 from minite.kernels.gemm import tile_acc
 
 CONFIGS = {
-    # the dense aligned tiles (same K order): an expert's rows get the bits of a dense aligned GEMM;
-    # the large tile from ALIGNED_LARGE_ROWS_PER_EXPERT rows per expert on average
-    "aligned": {k: v for k, v in gemm.CONFIGS["aligned"].items() if k != "GROUP_M"},
+    # the dense aligned tiles' shapes and K order: an expert's rows get the bits of a dense aligned GEMM;
+    # the large tile from ALIGNED_LARGE_ROWS_PER_EXPERT rows per expert on average (below that, nn
+    # runs `grouped_decode` on the packed weights: this small tile serves K not a multiple of its chunk)
+    "aligned": dict(BM=64, BN=128, BK=64, num_warps=8, num_stages=4),
     # the dense large tile, operands by TMA (`_grouped_tma_kernel`: the same K order); 4 stages: 3-10 %
     # faster than 3 at 4096 and 16384 tokens (bench_grouped_gemm.py sweep, H200 s7 run5)
     "aligned_large": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, TMA=True),
