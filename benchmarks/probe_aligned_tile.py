@@ -1,6 +1,6 @@
 """Host time per W4A4 launch and GPU time per call at the learner's shapes (Qwen3-1.7B, M = 8192) and
-the Qwen3-8B k|v shape at M = 4096, for the aligned tiles: small (pointer loads), large on pointer
-loads (session 4-6's `aligned_large`) and large by TMA, persistent (session 7's). Session 4 asked why
+the Qwen3-8B k|v shape at M = 4096, for the aligned tiles: small and large on pointer loads (sessions
+4-6) and both by TMA (session 7: the large one persistent). Session 4 asked why
 the dense learner slowed with the large tile; session 7 whether TMA descriptors cost host time (the
 TMA sweep's k|v row at M = 4096, timed without graphs, read 0.39x cuBLAS).
 
@@ -20,8 +20,9 @@ from minite.kernels import nvfp4 as kq
 
 SHAPES = {"1.7B q": (8192, 2048, 2048), "1.7B kv": (8192, 1024, 2048), "1.7B gate|up": (8192, 12288, 2048),
           "1.7B down": (8192, 2048, 6144), "8B k|v": (4096, 1024, 4096)}
+POINTER_SMALL = dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4)
 POINTER_LARGE = dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4)
-TILES = {"small": kg.CONFIGS["aligned"], "large pointer": POINTER_LARGE,
+TILES = {"small": POINTER_SMALL, "small tma": kg.CONFIGS["aligned"], "large pointer": POINTER_LARGE,
          "large tma": kg.CONFIGS["aligned_large"]}
 
 

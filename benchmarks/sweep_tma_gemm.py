@@ -1,11 +1,12 @@
 """Sweep of the TMA variant of the W4A4 GEMM (`gemm._w4a4_tma_kernel`: operands by tensor descriptors,
 optionally persistent) against the pointer kernel the `aligned`/`prefill` configs run now (one GPU call).
 
-Every candidate keeps the aligned K order (BK = 64 chunks of k16 MMAs), so it must give the current
-aligned bits: checked on heavy-tailed data at every timed shape (`same_bits`) and across M in
+Every candidate keeps the aligned K order (BK = 64 chunks of k16 MMAs), so it must give the pointer
+tile's bits: checked on heavy-tailed data at every timed shape (`same_bits`) and across M in
 {1, 7, 64, 300, 4096} (`batch_invariant`). Timed: Qwen3-8B layers at M 4096 / 16384 (do_bench, as
 bench_gemm.py) and the rollout decode-step shapes at M = 512 (CUDA graphs over rotating weight
-copies, as `sweep_aligned_gemm.py --decode-step`), against cuBLAS bf16 and the current tile.
+copies, as `sweep_aligned_gemm.py --decode-step`), against cuBLAS bf16, the current configuration
+(`vs_current`; TMA since this sweep) and the session-6 pointer tiles.
 
 Expectation written before the first run (2026-11-30, session 7): the pointer kernel reaches 0.79-0.93x
 cuBLAS at M >= 4096 (s4 run3). TMA takes the address arithmetic and the global->shared copies off
@@ -26,6 +27,9 @@ import torch
 from sweep_aligned_gemm import DECODE_STEP, DECODE_STEP_M, DENSE, DENSE_MS, INVARIANCE_MS, dense_operands
 
 BASE = dict(BK=64, GROUP_M=8, TMA=True)
+# the tiles on pointer loads that `aligned` (M < 2048) and `aligned_large` / `prefill` ran in session 6
+POINTER_SMALL = dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4)
+POINTER_LARGE = dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4)
 CANDIDATES = [dict(BASE, BM=bm, BN=bn, num_warps=w, num_stages=s, PERSIST=p, FLATTEN=f)
               for (bm, bn, w, s), (p, f) in itertools.product(
                   [(128, 256, 8, 3), (128, 256, 8, 4), (128, 128, 8, 4), (128, 128, 4, 4), (64, 128, 4, 4),
@@ -93,8 +97,8 @@ def main():
     for m, n, k in shapes():
         a, sa, w, sw = dense_operands(m, n, k, dev)
         current = kg.pick_config("aligned", m, n)
-        pointer = [dict(current), dict(kg.CONFIGS["prefill"])] if m >= kg.ALIGNED_LARGE_M else [dict(current)]
-        want = kg.w4a4_gemm(a, sa, w, sw, config="aligned")
+        pointer = [POINTER_LARGE if m >= kg.ALIGNED_LARGE_M else POINTER_SMALL]
+        want = kg.w4a4_gemm(a, sa, w, sw, config=pointer[0])
         if m == DECODE_STEP_M:  # graph-timed over rotating weight copies (weights from HBM)
             ws = copies(w, w.numel() * 2)
             timer = lambda f: graph_us([lambda w_=w_: f(w_) for w_ in ws]) / 1e3

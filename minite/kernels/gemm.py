@@ -124,6 +124,7 @@ def _tile_mn(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constex
 def _tma_tile(a_desc, w_desc, sa_ptr, sw, out_ptr, tile, M, N, stride_om, stride_sa, K: tl.constexpr,
               EPILOGUE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
               GROUP_M: tl.constexpr):
+    """One output tile of the TMA kernel, stored."""
     pid_m, pid_n = _tile_mn(tile, M, N, BM, BN, GROUP_M)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
@@ -143,8 +144,8 @@ def _w4a4_tma_kernel(a_ptr, w_ptr, sa_ptr, sw_ptr, out_ptr, M, N, stride_am, str
                      FLATTEN: tl.constexpr):
     """`_w4a4_kernel` on the bf16 weight copy with the operands brought in by TMA: one output tile per
     program, or (PERSISTENT) tiles `programs` apart. The same K order: BK chunks in sequence, each a
-    chain of k16 MMAs. The tensor descriptors are made here on the device (host-made ones cost ~35 us
-    of host time a launch, s7 run2)."""
+    chain of k16 MMAs. The tensor descriptors are made here on the device (host-made ones cost 30-50 us
+    more host time a launch than pointer loads, s7 run2)."""
     a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BM, BK])
     w_desc = tl.make_tensor_descriptor(w_ptr, [N, K], [stride_wn, 1], [BN, BK])
     sw = tl.load(sw_ptr)

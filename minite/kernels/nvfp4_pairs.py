@@ -5,8 +5,9 @@ widens bf16 to fp32 with a shift and a mask. Whole rows stay in registers (row s
 Same helpers as `nvfp4._quantize_kernel`, so the same bits as `minite.ref.nvfp4`.
 
 Why (SASS counted with benchmarks/sass_kernels.py): the general kernel runs ~25 instructions per
-element, 0.40-0.49 of the H200's copy bandwidth; this one 15.5 for packed codes (0.82) and 23 for
-the fused values (0.87, where the traffic is the copy's; 0.91 at 16 words a thread, session 7).
+element, 0.40-0.49 of the H200's copy bandwidth; this one 15.5 for packed codes (0.82; 0.86 timed as
+CUDA graphs, session 7) and 23 for the fused values (0.87, where the traffic is the copy's; 0.91 at
+16 words a thread, session 7).
 """
 
 import torch
