@@ -261,17 +261,20 @@ def _sm_count(index: int | None) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count if index is not None else 4
 
 
-_ALLOCATOR_SET = False
+def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _set_tma_allocator() -> None:
     """Device-made tensor descriptors live in a per-launch scratch buffer that Triton asks for through
-    `triton.set_allocator` (once; a torch allocation, so CUDA-graph capture works)."""
-    global _ALLOCATOR_SET
-    if not _ALLOCATOR_SET:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device))
-        _ALLOCATOR_SET = True
+    its allocator (a torch allocation here, so CUDA-graph capture works). Triton keeps the allocator in
+    a ContextVar (per thread): ours is set where none is, a caller's own is left alone."""
+    from triton.runtime import _allocation
+
+    null = getattr(_allocation, "NullAllocator", None)
+    current = getattr(_allocation, "_allocator", None)
+    if null is None or current is None or isinstance(current.get(), null):
+        triton.set_allocator(_torch_scratch)
 
 
 def operand_dtype(device) -> torch.dtype:

@@ -137,3 +137,41 @@ def test_gpu_batch_invariance_aligned():
             assert torch.equal(kg.w4a4_gemm(a_m, sa_m, copy, wq.global_scale), full[rows]), m
             packed = kg.w4a4_gemm(a_m, sa_m, wq.codes, wq.global_scale, wq.block_scales)
             assert torch.equal(packed, full[rows]), m
+
+
+def test_tma_allocator_is_set_per_thread_and_never_overrides_a_callers():
+    """Triton's allocator is a ContextVar: a thread without one gets ours at its first TMA launch; an
+    allocator the caller set stays."""
+    import threading
+
+    import triton
+    from triton.runtime import _allocation
+
+    a = torch.ones(16, 64, dtype=kg.operand_dtype(device()), device=device())
+    w = torch.ones(32, 64, dtype=a.dtype, device=device())
+    one = torch.ones((), device=device())
+    tile = dict(kg.CONFIGS["interpret"], TMA=True, PERSIST=0)
+    seen = {}
+
+    def fresh_thread():
+        seen["before"] = _allocation._allocator.get()
+        kg.w4a4_gemm(a, one.reshape(1), w, one, config=tile)
+        seen["after"] = _allocation._allocator.get()
+
+    t = threading.Thread(target=fresh_thread)
+    t.start()
+    t.join()
+    assert isinstance(seen["before"], _allocation.NullAllocator) and seen["after"] is kg._torch_scratch
+
+    def mine(size, alignment, stream):
+        return torch.empty(size, dtype=torch.int8, device=device())
+
+    def callers_thread():
+        triton.set_allocator(mine)
+        kg.w4a4_gemm(a, one.reshape(1), w, one, config=tile)
+        seen["kept"] = _allocation._allocator.get()
+
+    t = threading.Thread(target=callers_thread)
+    t.start()
+    t.join()
+    assert seen["kept"] is mine
