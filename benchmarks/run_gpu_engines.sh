@@ -8,6 +8,8 @@
 #   moe       MoE rollout, 24 layers of 48: bf16 vs aligned (experts on the grouped decode kernel), and
 #             aligned with the experts on the aligned tile over the bf16 copy
 #   decode    the dense decode GEMM (M <= 64) vs cuBLAS bf16, fast and aligned K order (bench_decode_gemm.py)
+#   ncu_decode  Nsight Compute counters of the decode GEMM (benchmarks/ncu_decode.py): HBM, L2, stalls
+#   decode_wide  the decode GEMM's wide N tiles at M = 32 / 64 (sweep_decode_gemm.py --wide)
 #   grouped_decode  MoE decode-step expert GEMMs: grouped decode kernel vs torch._grouped_mm and the aligned
 #             tile on the bf16 copy, plus a tile sweep (benchmarks/bench_grouped_decode.py)
 #   quantize  the quantize kernel against a device copy (benchmarks/bench_quantize.py)
@@ -30,6 +32,12 @@
 # Triton's kernel cache lives in .triton_cache (carry it to skip recompiling on a fresh machine); it
 # comes back as triton_cache.tgz when small enough.
 set -o pipefail
+NCU_SPECS=${NCU_SPECS:-"--layer gate+up --m 8 --cublas
+--layer gate+up --m 32
+--layer gate+up --m 64 --cublas
+--layer down --m 64
+--layer gate+up --m 64 --bn 128 --warps 8 --split 1
+--layer gate+up --m 64 --bn 256 --warps 8 --split 1"}
 OUT=${OUT:-benchmarks/results/gpu}
 BUDGET=${BUDGET:-570}
 mkdir -p "$OUT/extra"
@@ -70,6 +78,20 @@ for part in "$@"; do
         --no-hf --recipes aligned --moe-decode-rows 0 --out "$OUT/rollout_moe24_bf16_copy.json" ;;
     decode)
       step 260 python3 benchmarks/bench_decode_gemm.py --out "$OUT/kernels_decode_gemm.json" ;;
+    ncu_decode)
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -n 1)
+      while read -r spec; do
+        name=$(echo "$spec" | tr ' +-' '_pm' | tr -s '_')
+        step 60 "$NCU" --clock-control none --profile-from-start off --csv --page details \
+          --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+          --section WarpStateStats --section ComputeWorkloadAnalysis \
+          --metrics lts__t_bytes.sum,dram__bytes_read.sum,gpu__time_duration.sum \
+          python3 benchmarks/ncu_decode.py $spec
+        cp "$OUT/extra/step.txt" "$OUT/extra/ncu_$name.csv"
+      done <<< "$NCU_SPECS" ;;
+    decode_wide)
+      step 300 python3 benchmarks/sweep_decode_gemm.py --wide --ms 32,64 --layers gate+up,down,q\|o \
+        --out "$OUT/kernels_decode_wide_sweep.json" ;;
     grouped_decode)
       step 200 python3 benchmarks/bench_grouped_decode.py --out "$OUT/kernels_grouped_decode.json" ;;
     quantize)

@@ -53,6 +53,18 @@ TILES = {
 }
 
 
+# wide N tiles for M = 32 / 64: the activation tile (M * BK * 2 bytes) is read from L2 by every N tile,
+# 3.2x the weight bytes at BM = BN = 64, so BN 128 / 256 (two warpgroups at 8 warps) cut that traffic;
+# a sixth entry forces SPLIT_K (split-K partials cost SPLIT * BM * N * 8 bytes of traffic)
+TILES_WIDE = {
+    32: [(64, 256, 4, 3, 264), (128, 256, 8, 2, 0, 1), (128, 256, 8, 3, 0, 1), (128, 256, 4, 2, 0, 1),
+         (256, 256, 8, 2, 0, 1), (128, 256, 8, 2, 0, 2), (256, 256, 8, 2, 0, 2), (128, 128, 8, 3, 0, 1)],
+    64: [(64, 256, 4, 2, 264), (128, 256, 8, 2, 0, 1), (128, 256, 8, 1, 0, 1), (128, 256, 4, 2, 0, 1),
+         (256, 256, 8, 2, 0, 1), (256, 128, 8, 2, 0, 1), (128, 256, 8, 2, 0, 2), (256, 256, 8, 2, 0, 2),
+         (128, 128, 8, 3, 0, 1), (64, 256, 4, 2, 0, 1)],
+}
+
+
 def split_for(n, k, bn, bk, min_programs):
     split = 1
     while -(-n // bn) * split < min_programs and split < 16 and k % (2 * split * bk) == 0:
@@ -60,11 +72,11 @@ def split_for(n, k, bn, bk, min_programs):
     return split
 
 
-def candidates(m, n, k):
+def candidates(m, n, k, wide=False):
     bm = 8 if m <= 8 else (16 if m <= 16 else (32 if m <= 32 else 64))
     out = []
-    for bn, bk, wp, st, mp_ in TILES[bm]:
-        sp = split_for(n, k, bn, bk, mp_)
+    for bn, bk, wp, st, mp_, *forced in (TILES_WIDE if wide else TILES)[bm]:
+        sp = forced[0] if forced else split_for(n, k, bn, bk, mp_)
         cfg = dict(kernel="decode", BM=bm, BN=bn, BK=bk, SPLIT_K=sp, num_warps=wp, num_stages=st)
         if k % (sp * bk) == 0 and cfg not in out:
             out.append(cfg)
@@ -82,8 +94,8 @@ def operands(n, k, m, seed=0):
     return w, x, wq, a, sa
 
 
-def jobs(ms=MS):
-    return [(layer, m, cfg) for layer, (n, k) in SHAPES.items() for m in ms for cfg in candidates(m, n, k)]
+def jobs(ms=MS, layers=tuple(SHAPES), wide=False):
+    return [(layer, m, cfg) for layer in layers for m in ms for cfg in candidates(m, *SHAPES[layer], wide)]
 
 
 def run(a, sa, wq, cfg, packed, out_dtype=torch.bfloat16):
@@ -121,8 +133,11 @@ def main():
     p.add_argument("--out", default="decode_gemm_sweep.json")
     p.add_argument("--workers", type=int, default=12)
     p.add_argument("--ms", default=",".join(map(str, MS)), help="the M values to sweep, comma-separated")
+    p.add_argument("--layers", default=",".join(SHAPES), help="the shapes to sweep, comma-separated")
+    p.add_argument("--wide", action="store_true", help="the wide N tiles (TILES_WIDE) at M = 32 / 64")
     args = p.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
+    layers = args.layers.split(",")
     from bench_common import bench_ms, env_info, warm_up
     from bench_decode_gemm import copies, graph_us
 
@@ -130,7 +145,7 @@ def main():
     from minite.kernels import gemm as kg
 
     t0 = time.time()
-    todo = jobs(ms)
+    todo = jobs(ms, layers, args.wide)
     chunks = [todo[i:: args.workers] for i in range(args.workers)]
     with mp.get_context("spawn").Pool(args.workers) as pool:
         errors = [e for errs in pool.map(compile_worker, chunks) for e in errs]
@@ -141,7 +156,8 @@ def main():
 
     warm_up()
     rows, best = [], []
-    for layer, (n, k) in SHAPES.items():
+    for layer in layers:
+        n, k = SHAPES[layer]
         for m in ms:
             w, x, wq, a, sa = operands(n, k, m)
             ref = kg.w4a4_gemm(a, sa, kg.unscaled_copy(wq), wq.global_scale, out_dtype=torch.float32)
@@ -150,7 +166,7 @@ def main():
             aligned = bench_ms(lambda: kg.w4a4_gemm(a, sa, wq.codes, wq.global_scale, wq.block_scales),
                                warmup=5, rep=30)
             pick = kd.decode_config(m, n, k)
-            cands = candidates(m, n, k)
+            cands = candidates(m, n, k, args.wide)
             if pick not in cands:
                 cands.append(pick)
             top, packed = None, {}
