@@ -4,8 +4,8 @@ Ceiling: bf16 weights are 2 B, NVFP4 0.5 + 1/16 B per weight, so at most 3.56x f
 decode layout (`decode_gemm.pack_weight`) stores 16-bit block scales, 0.625 B per weight: 3.2x.
 Ours: the `decode` config (`decode_gemm.decode_config`'s tile; GEMM alone, and with the activation
 quantizer) and the batch-invariant `aligned` config on the packed weights. In the aligned K order
-(the aligned path's bits): the decode kernel on the aligned layout (`aligned_decode_config`, what the
-nn layers run at M <= 64) against the aligned tile on the bf16 copy. Tile sweeps: sweep_decode_gemm.py.
+(the aligned path's bits): the decode kernel without split-K (`aligned_decode_config`, what the nn
+layers run at M <= 32) against the aligned tile on the bf16 copy. Tile sweeps: sweep_decode_gemm.py.
 
 Two timings of each: `do_bench` (one call, L2 flushed before it) and, as a decode step runs them, a
 CUDA graph of back-to-back calls over rotating weight copies (more bytes than the 50 MB L2, so every
@@ -64,9 +64,9 @@ def _warm(job):
     n, k, m = job
     _, x, wq, _, _ = operands(n, k, m)
     a, sa = kq.quantize_unscaled(x)
-    kd.decode_gemm(a, sa, kd.pack_weight(wq.codes, wq.block_scales), wq.global_scale)
-    kd.decode_gemm(a, sa, kd.pack_weight(wq.codes, wq.block_scales, kd.ALIGNED_CHUNK), wq.global_scale,
-                   config=kd.aligned_decode_config(m))
+    dw = kd.pack_weight(wq.codes, wq.block_scales)
+    kd.decode_gemm(a, sa, dw, wq.global_scale)
+    kd.decode_gemm(a, sa, dw, wq.global_scale, config=kd.aligned_decode_config(m, k))
     kg.w4a4_gemm(a, sa, wq.codes, wq.global_scale, wq.block_scales)
     kg.w4a4_gemm(a, sa, kg.unscaled_copy(wq), wq.global_scale)
     torch.cuda.synchronize()
@@ -88,7 +88,7 @@ def main():
                        tile=f"BM{cfg['BM']} BN{cfg['BN']} BK{cfg['BK']} S{cfg['SPLIT_K']}")
             ws = copies(w, w.numel() * 2)
             dw = kd.pack_weight(wq.codes, wq.block_scales)  # once per weight update
-            dws = [kd.DecodeWeight(c, dw.scales.clone(), dw.chunk) for c in copies(dw.codes, int(wbytes))]
+            dws = [kd.DecodeWeight(c, dw.scales.clone()) for c in copies(dw.codes, int(wbytes))]
             base = graph_us([lambda w=w_: torch.matmul(x, w.t()) for w_ in ws])
             ours = graph_us([lambda d=d: kd.decode_gemm(a, sa, d, wq.global_scale, config=cfg) for d in dws])
             ours_q = graph_us([lambda d=d: kd.decode_gemm(*kq.quantize_unscaled(x), d, wq.global_scale,
@@ -96,16 +96,14 @@ def main():
             row.update(cublas_us=base, decode_us=ours, decode_x=base / ours, decode_quant_x=base / ours_q,
                        decode_frac_ceiling=base / ours / DECODE_CEILING,
                        decode_weight_tb_s=wbytes / ours / 1e6)
-            # the aligned K order: decode kernel on the aligned layout vs the aligned tile on the bf16 copy
-            adw = kd.pack_weight(wq.codes, wq.block_scales, kd.ALIGNED_CHUNK)
-            adws = [kd.DecodeWeight(c, adw.scales.clone(), adw.chunk) for c in copies(adw.codes, int(wbytes))]
-            acfg = kd.aligned_decode_config(m)
+            # the aligned K order: decode kernel without split-K vs the aligned tile on the bf16 copy
+            acfg = kd.aligned_decode_config(m, k)
             al_dec = graph_us([lambda d=d: kd.decode_gemm(a, sa, d, wq.global_scale, config=acfg)
-                               for d in adws])
+                               for d in dws])
             wc = kg.unscaled_copy(wq)
             al_copy = graph_us([lambda w=w_: kg.w4a4_gemm(a, sa, w, wq.global_scale)
                                 for w_ in copies(wc, wc.numel() * 2)])
-            same = torch.equal(kd.decode_gemm(a, sa, adw, wq.global_scale, config=acfg),
+            same = torch.equal(kd.decode_gemm(a, sa, dw, wq.global_scale, config=acfg),
                                kg.w4a4_gemm(a, sa, wc, wq.global_scale))
             row.update(aligned_decode_x=base / al_dec, aligned_copy_x=base / al_copy,
                        aligned_decode_vs_copy=al_copy / al_dec, aligned_decode_same_bits=same)

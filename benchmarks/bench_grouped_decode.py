@@ -25,12 +25,14 @@ E, TOPK, HIDDEN, INTER = 128, 8, 2048, 768
 OPS = {"gate|up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
 TOKENS = (64, 256, 512, 1024)
 CALLS = 4  # calls per graph
-# run2's sweep (BM 32/64 x BN 64/128 x BK 128/256 x 4/8 warps x 2-4 stages, 512 tokens) put the
-# tiles within a few % of each other and run4's BN 256 ran slower. HALVES: a BM-row tile whose rows
-# fit in BM / 2 runs half-height MMAs, so the weight is dequantized once per BM rows without paying
-# BM-row MMAs for short experts. Timed at every token count.
-SWEEP = [dict(BM=bm, BN=bn, BK=256, num_warps=4, num_stages=2, HALVES=True) for bm in (32, 64, 128)
-         for bn in (64, 128)]
+# s6 (the layout before the MMA-order one): BM 32/64 x BN 64/128 x BK 128/256 x 4/8 warps x 2-4
+# stages within a few % at 512 tokens, BN 256 slower; HALVES (a BM-row tile whose rows fit in BM / 2
+# runs half-height MMAs: the weight dequantized once per BM rows, no BM-row MMAs for short experts)
+# 3-7 % faster from 16 rows per expert on. The MMA-order layout (one dot per K step) moved the
+# trade-offs, so the sweep covers BM 16-64, BN 64/128, BK 128/256 again, at every token count.
+SWEEP = ([dict(BM=16, BN=bn, BK=256, num_warps=4, num_stages=3) for bn in (64, 128)]
+         + [dict(BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=st, HALVES=True) for bm in (32, 64)
+            for bn in (64, 128) for bk, st in ((256, 2), (128, 3))])
 
 
 def experts(n, k):
@@ -41,7 +43,7 @@ def experts(n, k):
     sb = torch.stack([q.block_scales for q in qs])
     sw = torch.stack([q.global_scale for q in qs]).reshape(E)
     copy = torch.stack([kg.unscaled_copy(q) for q in qs])
-    return w, sw, copy, {bk: kd.pack_weight(codes, sb, bk) for bk in (128, gd.CHUNK)}
+    return w, sw, copy, kd.pack_weight(codes, sb)
 
 
 def _warm(job):
@@ -49,7 +51,7 @@ def _warm(job):
     the real shapes and argument values."""
     (n, k), cfg = job
     dw = kd.DecodeWeight(torch.randint(-2**15, 2**15, (E, n, k // 4), dtype=torch.int16, device="cuda"),
-                         torch.rand(E, n, k // 16, device="cuda").to(torch.bfloat16), cfg["BK"])
+                         torch.rand(E, n, k // 16, device="cuda").to(torch.bfloat16))
     a = torch.randn(E * 4, k, device="cuda", dtype=torch.bfloat16)
     offsets = torch.arange(0, E * 4 + 1, 4, dtype=torch.int32, device="cuda")
     try:
@@ -68,8 +70,7 @@ def main():
     warm_up()
     rows, sweep = [], []
     for op, (n, k) in OPS.items():
-        w, sw, copy, layouts = experts(n, k)
-        dw = layouts[gd.CHUNK]
+        w, sw, copy, dw = experts(n, k)
         w_t = w.transpose(-2, -1)
         for tokens in TOKENS:
             g = torch.Generator(device="cuda").manual_seed(tokens)
@@ -92,7 +93,7 @@ def main():
             got = gd.grouped_decode_gemm(a, sa, dw, sw, offsets)
             wbytes = active * n * k * (0.5 + 2 / 16)
             row = dict(op=op, tokens=tokens, rows_per_expert=t / E, max_rows=int(counts.max()), N=n, K=k,
-                       tile=f"BM{cfg['BM']} BN{cfg['BN']} S{cfg['num_stages']}",
+                       tile=f"BM{cfg['BM']} BN{cfg['BN']} BK{cfg['BK']} S{cfg['num_stages']}",
                        grouped_mm_us=base, aligned_copy_us=aligned, decode_us=ours, decode_quant_us=ours_q,
                        decode_vs_grouped_mm=base / ours, decode_vs_aligned_copy=aligned / ours,
                        decode_quant_vs_grouped_mm=base / ours_q,
@@ -102,10 +103,9 @@ def main():
             rows.append(row)
             print({key: round(v, 3) if isinstance(v, float) else v for key, v in row.items()}, flush=True)
             for c in SWEEP:
-                d = layouts[c["BK"]]
                 try:
-                    same = bool(torch.equal(gd.grouped_decode_gemm(a, sa, d, sw, offsets, config=c), got))
-                    us = graph_us([lambda: gd.grouped_decode_gemm(a, sa, d, sw, offsets, config=c)] * CALLS)
+                    same = bool(torch.equal(gd.grouped_decode_gemm(a, sa, dw, sw, offsets, config=c), got))
+                    us = graph_us([lambda: gd.grouped_decode_gemm(a, sa, dw, sw, offsets, config=c)] * CALLS)
                 except Exception as err:  # a tile that does not build (shared memory, registers)
                     print(f"{op} {tokens} {c}: {type(err).__name__}: {str(err)[:120]}")
                     continue

@@ -35,9 +35,7 @@ set -o pipefail
 NCU_SPECS=${NCU_SPECS:-"--layer gate+up --m 8 --cublas
 --layer gate+up --m 32
 --layer gate+up --m 64 --cublas
---layer down --m 64
---layer gate+up --m 64 --bn 128 --warps 8 --split 1
---layer gate+up --m 64 --bn 256 --warps 8 --split 1"}
+--layer down --m 64"}
 OUT=${OUT:-benchmarks/results/gpu}
 BUDGET=${BUDGET:-570}
 mkdir -p "$OUT/extra"
@@ -81,11 +79,11 @@ for part in "$@"; do
     ncu_decode)
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -n 1)
       while read -r spec; do
-        name=$(echo "$spec" | tr ' +-' '_pm' | tr -s '_')
+        name=$(echo "$spec" | sed 's/--//g; s/+/p/g; s/|/_/g; s/ /_/g')
         step 60 "$NCU" --clock-control none --profile-from-start off --csv --page details \
           --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
           --section WarpStateStats --section ComputeWorkloadAnalysis \
-          --metrics lts__t_bytes.sum,dram__bytes_read.sum,gpu__time_duration.sum \
+          --metrics lts__t_bytes.sum,dram__bytes_read.sum,gpu__time_duration.sum,regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
           python3 benchmarks/ncu_decode.py $spec
         cp "$OUT/extra/step.txt" "$OUT/extra/ncu_$name.csv"
       done <<< "$NCU_SPECS" ;;

@@ -130,16 +130,16 @@ def _loop_report(name, fn, signature, const, tile, aligned) -> None:
 
 def decode(k: int) -> None:
     for bm, tile in kd.DECODE_TILES.items():
-        t = {key: v for key, v in tile.items() if key not in ("MIN_PROGRAMS", "num_warps", "num_stages")}
-        const = dict(K=k, EPILOGUE=0, BF16=True, HW=True, W_SHIFT=kd.W_SHIFT[torch.bfloat16], CHUNK=kd.CHUNK,
-                     SPLIT_K=1, EVEN_N=True, **t)
+        t = {key: v for key, v in tile.items() if key in ("BM", "BN", "BK")}
+        const = dict(K=k, EPILOGUE=0, BF16=True, HW=True, W_SHIFT=kd.W_SHIFT[torch.bfloat16], SPLIT_K=1,
+                     EVEN_N=True, **t)
         _loop_report(f"decode M<={bm}", kd._w4a4_decode_kernel, DECODE_SIGNATURE, const, tile,
                      ("stride_am", "stride_cn", "stride_sn", "stride_om"))
 
 
 def grouped(k: int) -> None:
     for _, tile in gd.GROUPED_DECODE_TILES:
-        t = dict(BM=tile["BM"], BN=tile["BN"], BK=gd.CHUNK)
+        t = dict(BM=tile["BM"], BN=tile["BN"], BK=tile["BK"])
         const = dict(K=k, EPILOGUE=0, BF16=True, HW=True, W_SHIFT=kd.W_SHIFT[torch.bfloat16], E_P2=128,
                      EVEN_N=True, HALVES=tile.get("HALVES", False), **t)
         strides = ("stride_am", "stride_ce", "stride_cn", "stride_se", "stride_sn", "stride_om")

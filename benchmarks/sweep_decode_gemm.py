@@ -25,6 +25,18 @@ Session 5, in order (graph timings in bench_decode_gemm.py; sass_kernels.py deco
   before): occupancy is not what holds M = 64 back; the serialized wgmma waits and the activation
   re-read by every N tile are the suspects.
 
+Session 8 (ncu_decode.py, run_gpu_engines.sh ncu_decode; s8 run1):
+- Nsight Compute at M = 64 (gate+up): L2 47 %, DRAM 34 %, tensor pipe 33 % of peak, issue 31 %:
+  latency-bound, not bandwidth-bound, so the activation re-reads are not the limit; the SASS waits
+  for each of the four dots' wgmma before dequantizing the next operand.
+- Wide N tiles (TILES_WIDE: BN 128 / 256 on 8 warps, less activation traffic): slower everywhere
+  (e.g. gate+up M = 64: 53.9 vs 40.3 us), fewer programs and no more overlap.
+- A layout in MMA register order, one dot per K step (now `decode_gemm`'s; probe
+  exp_decode_pairs.py at 736de97, s8 run2): the wgmma waits allow 7 in flight. Expected: M = 32 / 64
+  gain most. Measured: M = 32 1.1-1.3x faster (q|o 12.4 -> 9.8, down 24.0 -> 18.3 us), M = 64
+  1.03-1.2x, M <= 8 within +-4 % on the large shapes and 1.1-1.2x on k|v; still far from the 13 us
+  tensor-pipe floor at M = 64 (gate+up 36.8 us).
+
     python benchmarks/sweep_decode_gemm.py --out OUT.json [--workers 12]
 """
 
@@ -42,17 +54,13 @@ MS = (1, 8, 32, 64)
 # (BN, BK, num_warps, num_stages, MIN_PROGRAMS) per M padded; SPLIT_K from decode_config's rule. BN a
 # multiple of 64 with 4 warps runs wgmma; 1-2 warps (or BN 32) run mma.sync (no warpgroup waits)
 TILES = {
-    8: [(64, 512, 4, 3, 200), (64, 512, 4, 2, 200), (64, 512, 4, 4, 200), (64, 512, 4, 3, 132),
-        (64, 512, 4, 3, 264), (128, 512, 4, 3, 200), (64, 256, 4, 3, 200), (64, 512, 8, 3, 200)],
-    16: [(64, 256, 4, 3, 200), (64, 256, 4, 4, 200), (64, 256, 4, 2, 200), (128, 256, 4, 3, 200),
-         (64, 128, 4, 3, 200)],
-    32: [(64, 256, 4, 3, 264), (64, 128, 4, 3, 264), (64, 128, 4, 4, 264), (64, 128, 4, 2, 264),
-         (64, 256, 4, 2, 264), (64, 128, 4, 3, 528)],
-    64: [(64, 256, 4, 2, 264), (64, 128, 4, 2, 264), (64, 128, 4, 3, 264), (64, 128, 4, 4, 264),
-         (64, 128, 4, 3, 528), (128, 128, 4, 2, 264)],
+    16: [(64, 256, 4, 3, 264), (64, 256, 4, 4, 264), (64, 512, 4, 3, 264), (64, 256, 4, 3, 200),
+         (64, 128, 4, 3, 264)],
+    32: [(64, 256, 4, 3, 264), (64, 128, 4, 3, 264), (64, 512, 4, 2, 264), (64, 256, 4, 2, 264),
+         (64, 128, 4, 4, 264)],
+    64: [(64, 256, 4, 2, 132), (64, 128, 4, 3, 132), (64, 128, 4, 4, 132), (64, 256, 4, 2, 264),
+         (64, 128, 4, 3, 264)],
 }
-
-
 # wide N tiles for M = 32 / 64: the activation tile (M * BK * 2 bytes) is read from L2 by every N tile,
 # 3.2x the weight bytes at BM = BN = 64, so BN 128 / 256 (two warpgroups at 8 warps) cut that traffic;
 # a sixth entry forces SPLIT_K (split-K partials cost SPLIT * BM * N * 8 bytes of traffic)
@@ -73,7 +81,7 @@ def split_for(n, k, bn, bk, min_programs):
 
 
 def candidates(m, n, k, wide=False):
-    bm = 8 if m <= 8 else (16 if m <= 16 else (32 if m <= 32 else 64))
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     out = []
     for bn, bk, wp, st, mp_, *forced in (TILES_WIDE if wide else TILES)[bm]:
         sp = forced[0] if forced else split_for(n, k, bn, bk, mp_)
@@ -103,7 +111,7 @@ def run(a, sa, wq, cfg, packed, out_dtype=torch.bfloat16):
     from minite.kernels import decode_gemm as kd
 
     if "w" not in packed:
-        packed["w"] = kd.pack_weight(wq.codes, wq.block_scales, kd.CHUNK, a.dtype)
+        packed["w"] = kd.pack_weight(wq.codes, wq.block_scales, a.dtype)
     return kd.decode_gemm(a, sa, packed["w"], wq.global_scale, out_dtype=out_dtype, config=cfg)
 
 
@@ -181,7 +189,7 @@ def main():
                 try:
                     got = run(a, sa, wq, cfg, packed, torch.float32)
                     dw = packed["w"]
-                    dws = [kd.DecodeWeight(c, dw.scales.clone(), dw.chunk)
+                    dws = [kd.DecodeWeight(c, dw.scales.clone())
                            for c in copies(dw.codes, n * k * 5 // 8)]
                     t = graph_us([lambda d=d: kd.decode_gemm(a, sa, d, wq.global_scale, config=cfg)
                                   for d in dws]) / 1e3

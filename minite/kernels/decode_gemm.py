@@ -1,32 +1,32 @@
 """Decode-regime W4A4 GEMM (small M, packed weights), the `decode` config of `kernels.gemm.w4a4_gemm`.
 
 The weight is read packed (4-bit codes + block scales) and dequantized in registers, where it is the
-MMA's register operand: C^T = W A^T, so N fills the MMA rows and M pads to 8 (mma.sync), 16, 32 or
-64 (wgmma).
+MMA's register operand: C^T = W A^T, so N fills the MMA rows and M pads to 16, 32 or 64 (wgmma).
 
-Decode layout (`pack_weight`, made once per weight update): within each CHUNK-wide chunk of a row,
-int16 word c holds code o of column o * CHUNK / 4 + c (o = 0..3, bits placed as WORD_BITS says). A K
-step of BK columns (BK divides CHUNK) reads BK / 4 consecutive words; their code o is the weight
-operand of dot o, whose activation operand is a contiguous run of BK / 4 columns in quarter o of the
-chunk: the activation goes from global to shared memory by async copy, untouched (no
-register pass, no fence before each MMA), and a word's codes never move between lanes. The block
-scales keep their order, stored in the operand dtype (0.125 instead of 0.0625 bytes per weight:
-converting E4M3 in the loop cost ~1.5 of 5.6 instructions per weight, each scale serving four lanes).
+Decode layout (`pack_weight`, made once per weight update), in MMA register order: column
+32 g + 16 b + 8 h + 2 t + e of a row is code 2 b + h of int16 word 8 g + 2 t + e (bits placed as
+WORD_BITS says). So a thread's 32-bit pair of words (t, e = 0 / 1) holds the eight columns it owns in
+the MMA's register operand for two k16 blocks ({2t, 2t+1, 2t+8, 2t+9} of each); the four code
+tensors join into one [BN, BK] operand in plain column order with no data movement (SASS: no
+shared-memory round trip), and the loop has one dot per K step, which Triton pipelines (the wgmma of
+step i runs while step i+1 is dequantized). The activation tile is a plain [BK, BM] slice, async-copied
+to shared memory untouched. The block scales keep their order, stored in the operand dtype (0.125
+instead of 0.0625 bytes per weight; no conversion in the loop).
 
 Dequantization (bf16 activations, the GPU's case): inline PTX turns a pair of words into one bf16x2
-register per code position, e2m1 * 2^-126 (the code's magnitude bits on the exponent's low bits and
-the mantissa's top bit, its sign on the sign; WORD_BITS makes that one AND for code 2, a shift and
-an AND for codes 0 and 1); a bf16x2 multiply by s_b * 2^62 (SCALE_SHIFT) follows. Both are exact:
-the products have at most 6 significant bits, on the grid, subnormal ones included (+-0.5 codes).
-fp16 activations (the CPU interpreter) take e2m1 * 2^-14 times s_b through plain integer ops. The
-epilogue multiplies the fp32 accumulator back (W_SHIFT).
+register per code slot, e2m1 * 2^-126 (the code's magnitude bits on the exponent's low bits and the
+mantissa's top bit, its sign on the sign; WORD_BITS makes that one AND for slot 2, a shift and an AND
+for slots 0 and 1); a bf16x2 multiply by s_b * 2^62 (SCALE_SHIFT) follows. Both are exact: the
+products have at most 6 significant bits, on the grid, subnormal ones included (+-0.5 codes). fp16
+activations (the CPU interpreter) take e2m1 * 2^-14 times s_b through plain integer ops. The epilogue
+multiplies the fp32 accumulator back (W_SHIFT).
 
-Split-K where N alone does not fill the GPU: the last program of an N tile to arrive sums the fp32
-partials in split order (deterministic). The K order depends on (N, K) and the tile, never on M, so
-rows keep their bits for every M of one padded size; it is not the aligned order, so bits equal the
-aligned path's wherever the fp32 accumulation is exact (nearly all outputs, FACTS.md 1.1).
-`aligned_decode_config` gives the aligned order instead: a layout whose chunk is the K step (columns
-in plain order, k16 MMA steps), no split-K: the aligned path's bits, at fewer programs for small N.
+K order: the columns in plain order, k16 MMA steps into one accumulator, which is the aligned path's
+order (`kernels.gemm`): with SPLIT_K = 1 (`aligned_decode_config`) rows get the aligned bits whatever
+BK is. Split-K where N alone does not fill the GPU: the last program of an N tile to arrive sums the
+fp32 partials in split order (deterministic); the split depends on (M padded, N, K), never on the
+data, so rows keep their bits for every M of one padded size, and equal the aligned path's wherever
+the fp32 accumulation is exact (nearly all outputs, FACTS.md 1.1).
 """
 
 import dataclasses
@@ -38,62 +38,46 @@ import triton.language as tl
 from minite.kernels import interpreted
 from minite.kernels.epilogue import EPILOGUES, epilogue
 
-# by M padded to 8 / 16 / 32 / 64; SPLIT_K doubles (`decode_config`) until the grid has MIN_PROGRAMS
-# (benchmarks/sweep_decode_gemm.py on the H200, CUDA graphs over rotating weights, 2026-11-30: fewer
-# stages, i.e. more CTAs per SM, won over a deeper pipeline; mma.sync tiles lost to wgmma)
+# by M padded to 16 / 32 / 64; SPLIT_K doubles (`decode_config`) until the grid has MIN_PROGRAMS;
+# BK_SPLIT (if given) is the K step of split tiles. H200, Qwen3-8B shapes, CUDA graphs over rotating
+# weights (benchmarks/exp_decode_pairs.py, s8 run2): more CTAs per SM (few stages) beat deeper
+# pipelines; at M = 64 fewer splits (the partials cost SPLIT * BM * N * 8 bytes) won; at M = 32 split
+# tiles ran faster on BK 128 (q|o 9.8 vs 12.8 us, down 18.3 vs 22.1), unsplit ones on BK 256
 DECODE_TILES = {
-    8: dict(BM=8, BN=64, BK=512, MIN_PROGRAMS=200, num_warps=4, num_stages=3),
-    16: dict(BM=16, BN=64, BK=256, MIN_PROGRAMS=200, num_warps=4, num_stages=3),
-    32: dict(BM=32, BN=64, BK=256, MIN_PROGRAMS=264, num_warps=4, num_stages=3),
-    64: dict(BM=64, BN=64, BK=256, MIN_PROGRAMS=264, num_warps=4, num_stages=2),
+    16: dict(BM=16, BN=64, BK=256, MIN_PROGRAMS=264, num_warps=4, num_stages=3),
+    32: dict(BM=32, BN=64, BK=256, BK_SPLIT=128, MIN_PROGRAMS=264, num_warps=4, num_stages=3),
+    64: dict(BM=64, BN=64, BK=256, MIN_PROGRAMS=132, num_warps=4, num_stages=2),
 }
 MAX_SPLIT_K = 16
-CHUNK = 512  # the decode layout's chunk (columns): every tile's BK divides it
-# the aligned K order: a layout whose chunk is the K step, no split-K (`aligned_decode_config`,
-# `grouped_decode`); 256 divides the MoE projections' K (768, 2048)
-ALIGNED_CHUNK = 256
+KGROUP = 32  # the layout's column group (two k16 MMA blocks): K must be a multiple of it
 # the weight operand holds e2m1 * s_b / W_SHIFT; the epilogue multiplies it back
 W_SHIFT = {torch.float16: 2.0**14, torch.bfloat16: 2.0**64}
 SCALE_SHIFT = {torch.float16: 1.0, torch.bfloat16: 2.0**62}  # stored scales are s_b * SCALE_SHIFT
-# where code o's magnitude bits (low to high) and sign bit sit in a decode-layout word: codes 0-2 have
+# where slot o's magnitude bits (low to high) and sign bit sit in a decode-layout word: slots 0-2 have
 # their sign 9 above the magnitude, as bf16 has (magnitude on bits 6..8, sign on 15)
 WORD_BITS = (((0, 1, 2), 9), ((3, 4, 5), 12), ((6, 7, 8), 15), ((10, 11, 13), 14))
 
 
-def layout_chunk() -> int:
-    """The decode layout's chunk: CHUNK on the GPU, 64 in the CPU interpreter (tiny test shapes)."""
-    return 64 if interpreted() else CHUNK
-
-
-def aligned_chunk() -> int:
-    """The aligned decode layout's chunk (== its K step): ALIGNED_CHUNK on the GPU, 64 in the interpreter."""
-    return 64 if interpreted() else ALIGNED_CHUNK
-
-
 @dataclasses.dataclass(frozen=True)
 class DecodeWeight:
-    """A packed weight in the decode layout of `chunk`-column chunks: codes as int16 words [..., N, K // 4]
-    (4 codes each, WORD_BITS) and block scales [..., N, K // 16] in the operand dtype (s_b * SCALE_SHIFT);
-    the leading dimension, if any, runs over MoE experts."""
+    """A packed weight in the decode layout: codes as int16 words [..., N, K // 4] (4 codes each, in MMA
+    register order, WORD_BITS) and block scales [..., N, K // 16] in the operand dtype
+    (s_b * SCALE_SHIFT); the leading dimension, if any, runs over MoE experts."""
 
     codes: torch.Tensor
     scales: torch.Tensor
-    chunk: int
 
     @property
     def shape(self) -> tuple[int, ...]:
         return (*self.codes.shape[:-1], 4 * self.codes.shape[-1])
 
 
-def pack_weight(codes: torch.Tensor, block_scales: torch.Tensor, chunk: int | None = None,
-                dtype=torch.bfloat16) -> DecodeWeight:
+def pack_weight(codes: torch.Tensor, block_scales: torch.Tensor, dtype=torch.bfloat16) -> DecodeWeight:
     """Codes uint8 [..., N, K // 2] (the even column in the low nibble) and E4M3 block scales
-    [..., N, K // 16] -> the decode layout (chunks of `chunk` columns, default `layout_chunk()`) for
-    `dtype` activations (bf16 or fp16)."""
-    bk = chunk or layout_chunk()
+    [..., N, K // 16] -> the decode layout for `dtype` activations (bf16 or fp16); K % KGROUP == 0."""
     kh = codes.shape[-1]
-    if (2 * kh) % bk or bk % 64:
-        raise ValueError(f"K={2 * kh} must be a multiple of the decode chunk {bk}, itself of 64")
+    if (2 * kh) % KGROUP:
+        raise ValueError(f"K={2 * kh} must be a multiple of the decode layout's column group {KGROUP}")
     if dtype not in SCALE_SHIFT:
         raise TypeError(f"the decode operand dtype is bf16 or fp16, not {dtype}")
     want = (*codes.shape[:-1], kh // 8)
@@ -104,24 +88,26 @@ def pack_weight(codes: torch.Tensor, block_scales: torch.Tensor, chunk: int | No
     words = torch.empty(flat.shape[0], kh // 2, dtype=torch.int16, device=codes.device)
     step = max(1, PACK_CODES // kh)  # rows at a time: the int32 temporaries stay ~12 bytes per code
     for r in range(0, flat.shape[0], step):
-        words[r:r + step] = _pack_rows(flat[r:r + step], bk)
+        words[r:r + step] = _pack_rows(flat[r:r + step])
     scales = (block_scales.float() * SCALE_SHIFT[dtype]).to(dtype)  # exact
-    return DecodeWeight(words.reshape(*codes.shape[:-1], kh // 2), scales.contiguous(), bk)
+    return DecodeWeight(words.reshape(*codes.shape[:-1], kh // 2), scales.contiguous())
 
 
 PACK_CODES = 1 << 24  # code bytes `pack_weight` converts at a time (an MoE weight holds ~10^8-10^9)
 
 
-def _pack_rows(codes: torch.Tensor, bk: int) -> torch.Tensor:
-    """Codes uint8 [R, K // 2] -> int16 words [R, K // 4] of the decode layout of chunk bk."""
+def _pack_rows(codes: torch.Tensor) -> torch.Tensor:
+    """Codes uint8 [R, K // 2] -> int16 words [R, K // 4]: column 32 g + 16 b + 8 h + 2 t + e is slot
+    2 b + h of word 8 g + 2 t + e."""
     r, kh = codes.shape
-    nib = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(r, 2 * kh // bk, 4, bk // 4).to(torch.int32)
-    mag, sign = nib & 7, nib >> 3  # [R, K // BK, o, c]
-    word = torch.zeros_like(mag[:, :, 0])
+    nib = torch.stack([codes & 15, codes >> 4], -1).reshape(r, kh // 16, 2, 2, 4, 2).to(torch.int32)
+    nib = nib.permute(0, 1, 4, 5, 2, 3).reshape(r, kh // 16, 4, 2, 4)  # [R, g, t, e, slot 2b + h]
+    mag, sign = nib & 7, nib >> 3
+    word = torch.zeros_like(mag[..., 0])
     for o, (mag_at, sign_at) in enumerate(WORD_BITS):
         for bit, at in enumerate(mag_at):
-            word |= ((mag[:, :, o] >> bit) & 1) << at
-        word |= sign[:, :, o] << sign_at
+            word |= ((mag[..., o] >> bit) & 1) << at
+        word |= sign[..., o] << sign_at
     return word.reshape(r, kh // 2).to(torch.int16)  # wraps bit 15 onto the sign: the same 16 bits
 
 
@@ -171,52 +157,34 @@ def _load_rows(ptrs, mask_n, EVEN_N: tl.constexpr):
 
 @triton.jit
 def decode_acc(a_rows, mask_m, w_rows, s_rows, mask_n, k_begin, KS: tl.constexpr, BF16: tl.constexpr,
-               HW: tl.constexpr, CHUNK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-               BK: tl.constexpr, EVEN_N: tl.constexpr):
-    """acc^T [BN, BM] fp32 over columns k_begin .. k_begin + KS: the sum over K steps kb and o of
-    W_o A_o, A_o the activation columns of quarter o of kb's chunk ((kb % CHUNK) / 4 + c in it).
-    a_rows [BM] points at the activation rows, w_rows / s_rows [BN] at the weight's word / scale
-    rows. With CHUNK == BK the columns come in plain order (the aligned K order)."""
-    QK: tl.constexpr = BK // 4  # each dot's K
-    offs_c = tl.arange(0, QK)
-    a_cols = a_rows[None, :] + offs_c[:, None]  # [QK, BM]
-    w_cols = w_rows[:, None] + offs_c[None, :]  # [BN, QK]
-    s_cols = s_rows[:, None] + tl.arange(0, BK // 64)[None, :]  # [BN, BK // 64]
+               HW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_N: tl.constexpr):
+    """acc^T [BN, BM] fp32 over columns k_begin .. k_begin + KS in plain order, one dot per K step.
+    a_rows [BM] points at the activation rows, w_rows / s_rows [BN] at the weight's word / scale rows."""
+    G: tl.constexpr = BK // 32  # column groups per K step
+    w_cols = w_rows[:, None] + tl.arange(0, BK // 4)[None, :]  # [BN, BK / 4] words
+    s_cols = s_rows[:, None] + tl.arange(0, BK // 16)[None, :]  # [BN, BK / 16] block scales
+    a_cols = a_rows[None, :] + tl.arange(0, BK)[:, None]  # [BK, BM]
     acc_t = tl.zeros([BN, BM], dtype=tl.float32)
     for k0 in range(0, KS, BK):
         kb = k_begin + k0
-        q = _load_rows(w_cols + kb // 4, mask_n, EVEN_N)  # [BN, QK] int16 words
-        for o in tl.static_range(4):
-            col = dot_column(kb, o, CHUNK, QK)
-            w = weight_operand(q, s_cols, col, o, mask_n, BF16, HW, BN, BK, EVEN_N)
-            x = tl.load(a_cols + col, mask=mask_m[None, :], other=0.0)  # [QK, BM]
-            acc_t = tl.dot(w, x, acc_t)
+        q = tl.reshape(_load_rows(w_cols + kb // 4, mask_n, EVEN_N), [BN, G, 4, 2])  # [n, g, t, e]
+        s0, s1 = tl.split(tl.reshape(_load_rows(s_cols + kb // 16, mask_n, EVEN_N), [BN, G, 2]))
+        s0 = s0[:, :, None, None]  # block b = 0 of each group
+        s1 = s1[:, :, None, None]
+        w = tl.join(tl.join(_code(q, 0, BF16, HW) * s0, _code(q, 1, BF16, HW) * s0),
+                    tl.join(_code(q, 2, BF16, HW) * s1, _code(q, 3, BF16, HW) * s1))  # [n, g, t, e, h, b]
+        w = tl.reshape(tl.permute(w, (0, 1, 5, 4, 2, 3)), [BN, BK])  # column 32 g + 16 b + 8 h + 2 t + e
+        x = tl.load(a_cols + kb, mask=mask_m[None, :], other=0.0)  # [BK, BM]
+        acc_t = tl.dot(w, x, acc_t)
     return acc_t
-
-
-@triton.jit
-def dot_column(kb, o: tl.constexpr, CHUNK: tl.constexpr, QK: tl.constexpr):
-    """The first activation column of dot o in the K step at kb: a multiple of QK = BK / 4 (the hint
-    keeps the activation loads async)."""
-    return tl.multiple_of((kb // CHUNK) * CHUNK + o * (CHUNK // 4) + (kb % CHUNK) // 4, QK)
-
-
-@triton.jit
-def weight_operand(q, s_cols, col, o: tl.constexpr, mask_n, BF16: tl.constexpr, HW: tl.constexpr,
-                   BN: tl.constexpr, BK: tl.constexpr, EVEN_N: tl.constexpr):
-    """Dot o's weight operand [BN, BK / 4]: code o of the words q times its block scales (columns
-    col .. col + BK / 4; each scale broadcast onto its 16 columns in registers, no shuffle)."""
-    sb = _load_rows(s_cols + col // 16, mask_n, EVEN_N)  # [BN, BK // 64]
-    s = tl.reshape(tl.broadcast_to(sb[:, :, None], [BN, BK // 64, 16]), [BN, BK // 4])
-    return _code(q, o, BF16, HW) * s
 
 
 @triton.jit
 def _w4a4_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, part_ptr, count_ptr, M, N,
                         stride_am, stride_cn, stride_sn, stride_om, stride_sa,
                         K: tl.constexpr, EPILOGUE: tl.constexpr, BF16: tl.constexpr, HW: tl.constexpr,
-                        W_SHIFT: tl.constexpr, CHUNK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        BK: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr):
+                        W_SHIFT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr):
     """out[:M, tile] for decode-layout codes (int16 words [N, K // 4]); `decode_acc` is the loop."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -227,7 +195,7 @@ def _w4a4_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, part_
     mask_m = offs_m < M
     KS: tl.constexpr = K // SPLIT_K
     acc_t = decode_acc(a_ptr + offs_m.to(tl.int64) * stride_am, mask_m, codes_ptr + rows * stride_cn,
-                       ws_ptr + rows * stride_sn, mask_n, pid_k * KS, KS, BF16, HW, CHUNK, BM, BN, BK, EVEN_N)
+                       ws_ptr + rows * stride_sn, mask_n, pid_k * KS, KS, BF16, HW, BM, BN, BK, EVEN_N)
     acc = tl.trans(acc_t) * W_SHIFT  # [BM, BN]
     out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     out_mask = mask_m[:, None] & mask_n[None, :]
@@ -252,31 +220,53 @@ def _w4a4_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, part_
                      mask=out_mask)
 
 
-def decode_config(m: int, n: int, k: int) -> dict:
-    """The tile for this (M, N, K): by M padded (8, 16, 32, 64), then SPLIT_K (a power of 2 dividing
-    K // BK) until the grid reaches the tile's MIN_PROGRAMS. Depends on M only through the padding:
-    rows of one padded size share the tile and the K order."""
+def _tile(m: int, k: int) -> dict:
+    """DECODE_TILES' entry for M padded (16, 32, 64), K steps fitted to K (BK halves until it divides K)."""
     if m > 64:
         raise ValueError(f"the decode config serves M <= 64, got M={m}; use 'aligned' or 'prefill'")
-    bm = 8 if m <= 8 else (16 if m <= 16 else (32 if m <= 32 else 64))
-    cfg = dict(DECODE_TILES[bm], kernel="decode")
-    min_programs = cfg.pop("MIN_PROGRAMS")
+    if k % KGROUP:
+        raise ValueError(f"K={k} must be a multiple of the decode layout's column group {KGROUP}")
+    cfg = dict(DECODE_TILES[16 if m <= 16 else (32 if m <= 32 else 64)], kernel="decode")
     if interpreted():
-        cfg.update(BN=32, BK=min(cfg["BK"], 64), num_stages=1)
+        cfg.update(BN=32, BK=64, num_stages=1)
+        cfg.pop("BK_SPLIT", None)
+    for key in ("BK", "BK_SPLIT"):
+        while key in cfg and k % cfg[key]:
+            cfg[key] //= 2
+    return cfg
+
+
+def _split(n: int, k: int, cfg: dict, min_programs: int) -> int:
+    """SPLIT_K: doubles while the grid is below min_programs and K still splits into whole K steps."""
     split = 1
     while (triton.cdiv(n, cfg["BN"]) * split < min_programs and split < MAX_SPLIT_K
            and k % (2 * split * cfg["BK"]) == 0):
         split *= 2
+    return split
+
+
+def decode_config(m: int, n: int, k: int) -> dict:
+    """The tile for this (M, N, K): by M padded (16, 32, 64), then SPLIT_K (a power of 2 dividing
+    K // BK) until the grid reaches the tile's MIN_PROGRAMS, split tiles on BK_SPLIT if the entry has
+    one. Depends on M only through the padding: rows of one padded size share the tile and the sums."""
+    cfg = _tile(m, k)
+    min_programs = cfg.pop("MIN_PROGRAMS")
+    bk_split = cfg.pop("BK_SPLIT", None)
+    split = _split(n, k, cfg, min_programs)
+    if split > 1 and bk_split:
+        cfg["BK"] = bk_split
+        split = _split(n, k, cfg, min_programs)
     cfg["SPLIT_K"] = split
     return cfg
 
 
-def aligned_decode_config(m: int) -> dict:
-    """The decode tile in the aligned K order (`kernels.gemm`'s): K steps of `aligned_chunk()` columns
-    on a layout of that chunk, no split-K, so rows get the aligned path's bits (GPU test) while the
-    weight is read packed. M <= 64 (padded to 8..64 as in `decode_config`)."""
-    cfg = decode_config(m, 1, aligned_chunk())
-    cfg.update(BK=aligned_chunk(), SPLIT_K=1)
+def aligned_decode_config(m: int, k: int) -> dict:
+    """The decode tile in the aligned K order (`kernels.gemm`'s): no split-K, so rows get the aligned
+    path's bits (GPU test) while the weight is read packed. M <= 64 (padded as in `decode_config`)."""
+    cfg = _tile(m, k)
+    del cfg["MIN_PROGRAMS"]
+    cfg.pop("BK_SPLIT", None)
+    cfg["SPLIT_K"] = 1
     return cfg
 
 
@@ -297,7 +287,7 @@ def decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, w_scale
                 epilogue: str = "sdec", out_dtype=torch.bfloat16, config: dict | None = None) -> torch.Tensor:
     """`gemm.w4a4_gemm`'s decode config for a weight in the decode layout (`pack_weight`): a [M, K]
     e2m1 * s_b (the weight's operand dtype), a_scale fp32 [M] or [], w_scale fp32 [] -> [M, N].
-    config defaults to `decode_config(M, N, K)`; its BK must divide the weight's chunk."""
+    config defaults to `decode_config(M, N, K)`."""
     if w.codes.ndim != 2:
         raise ValueError(f"decode_gemm takes a 2D weight, got {tuple(w.shape)} (experts: grouped_decode)")
     if a.ndim != 2 or a.shape[1] != w.shape[1] or a.dtype != w.scales.dtype or a.stride(1) != 1:
@@ -311,8 +301,6 @@ def decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, w_scale
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue={epilogue!r} is not supported; choose one of {list(EPILOGUES)}")
     cfg = config or decode_config(m, n, k)
-    if w.chunk % cfg["BK"]:
-        raise ValueError(f"the weight was packed in chunks of {w.chunk}; BK={cfg['BK']} does not divide it")
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     launch(a, a_scale.reshape(-1), w, w_scale, out, EPILOGUES[epilogue], cfg)
     return out
@@ -325,8 +313,8 @@ def launch(a, sa, w: DecodeWeight, w_scale, out, epilogue_id: int, cfg: dict) ->
     bm, bn, bk, split = cfg["BM"], cfg["BN"], cfg["BK"], cfg["SPLIT_K"]
     if m > bm:
         raise ValueError(f"decode tile BM={bm} cannot hold M={m}")
-    if k % (split * bk):
-        raise ValueError(f"K={k} must be a multiple of SPLIT_K * BK = {split * bk}")
+    if k % (split * bk) or bk % KGROUP:
+        raise ValueError(f"K={k} must be a multiple of SPLIT_K * BK = {split * bk}, BK of {KGROUP}")
     q16 = w.codes  # [N, K // 4] int16 words, 4 codes each
     tiles = triton.cdiv(n, bn)
     if split > 1:
@@ -338,5 +326,5 @@ def launch(a, sa, w: DecodeWeight, w_scale, out, epilogue_id: int, cfg: dict) ->
         a, q16, w.scales, sa, w_scale, out, part, counters, m, n,
         a.stride(0), q16.stride(0), w.scales.stride(0), out.stride(0), 0 if sa.numel() == 1 else 1,
         K=k, EPILOGUE=epilogue_id, BF16=a.dtype == torch.bfloat16, HW=not interpreted(),
-        W_SHIFT=W_SHIFT[a.dtype], CHUNK=w.chunk, BM=bm, BN=bn, BK=bk, SPLIT_K=split, EVEN_N=n % bn == 0,
+        W_SHIFT=W_SHIFT[a.dtype], BM=bm, BN=bn, BK=bk, SPLIT_K=split, EVEN_N=n % bn == 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

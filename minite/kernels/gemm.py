@@ -216,7 +216,7 @@ def w4a4_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: 
             raise ValueError("the decode kernel reads packed weights (uint8 codes + w_block_scales)")
         out = torch.empty(m, n, dtype=out_dtype, device=a.device)
         # packed into the decode layout on every call here (the nn layers keep it with the weight)
-        dw = decode_gemm.pack_weight(w, w_block_scales, cfg["BK"], a.dtype)
+        dw = decode_gemm.pack_weight(w, w_block_scales, a.dtype)
         decode_gemm.launch(a, a_scale.reshape(-1), dw, w_scale, out, EPILOGUES[epilogue], cfg)
         return out
     if k % cfg["BK"]:

@@ -4,10 +4,10 @@ expert's weight read packed in the decode layout and dequantized in registers, o
     out[t] = (a[t] @ w[e]^T) * (S_dec_x[t] * S_dec_w[e])    for rows t in [offsets[e], offsets[e + 1])
 
 The main loop is the decode GEMM's (`decode_gemm.decode_acc`: C^T = W A^T, the weight the MMA's
-register operand, rows padded to BM = 8 (mma.sync), 16, 32 or 64 (wgmma)) on a layout whose chunk is
-the K step (`grouped_chunk()`), with no split-K. So the columns come in plain order in k16 MMA steps,
-the aligned K order of `kernels.gemm`: rows get the bits `grouped_gemm`'s aligned config gives them
-from the bf16 weight copy (GPU test, heavy-tailed data), at 0.625 instead of 2 bytes per weight read.
+register operand, rows padded to BM = 16, 32 or 64 (wgmma), one dot per K step) with no split-K. So
+the columns come in plain order in k16 MMA steps, the aligned K order of `kernels.gemm`: rows get the
+bits `grouped_gemm`'s aligned config gives them from the bf16 weight copy (GPU test, heavy-tailed
+data), at 0.625 instead of 2 bytes per weight read.
 
 Programs run over (N tile, row tile); row tiles cut each expert's rows into BM-row pieces
 (`grouped_gemm.expert_tile`, no host sync), the grid sized by the upper bound cdiv(T, BM) + E, surplus
@@ -22,39 +22,33 @@ import triton
 import triton.language as tl
 
 from minite.kernels import interpreted
-from minite.kernels.decode_gemm import ALIGNED_CHUNK, W_SHIFT, DecodeWeight, aligned_chunk, decode_acc
+from minite.kernels.decode_gemm import KGROUP, W_SHIFT, DecodeWeight, decode_acc
 from minite.kernels.epilogue import EPILOGUES, store_tile
 from minite.kernels.grouped_gemm import expert_tile
 
-CHUNK = ALIGNED_CHUNK  # the layout's chunk == the K step (the aligned K order)
 # (most average rows per expert, tile): benchmarks/bench_grouped_decode.py's sweeps on the H200 at
-# Qwen3-30B-A3B expert shapes, 4 / 16 / 32 / 64 rows per expert (s6 README; 8 not measured). HALVES
-# (a tile of BM rows whose rows fit in BM / 2 runs half-height MMAs) was 3-7 % faster than plain tiles
-# from 16 rows per expert on
+# Qwen3-30B-A3B expert shapes, 4 / 16 / 32 / 64 rows per expert (s6 README, on the layout before the
+# MMA-order one; 8 not measured). HALVES (a tile of BM rows whose rows fit in BM / 2 runs half-height
+# MMAs) was 3-7 % faster than plain tiles from 16 rows per expert on. BK halves until it divides K.
 GROUPED_DECODE_TILES = (
-    (4, dict(BM=8, BN=128, num_warps=4, num_stages=3)),
-    (8, dict(BM=16, BN=64, num_warps=4, num_stages=3)),
-    (16, dict(BM=32, BN=64, num_warps=4, num_stages=2, HALVES=True)),
-    (None, dict(BM=64, BN=64, num_warps=4, num_stages=2, HALVES=True)),
+    (8, dict(BM=16, BN=64, BK=256, num_warps=4, num_stages=3)),
+    (16, dict(BM=32, BN=64, BK=256, num_warps=4, num_stages=2, HALVES=True)),
+    (None, dict(BM=64, BN=64, BK=256, num_warps=4, num_stages=2, HALVES=True)),
 )
 SHORT_K = 1024  # K <= this: BN 128 (down, K = 768: 3-9 % faster at 16-64 rows per expert in the sweeps)
-
-
-def grouped_chunk() -> int:
-    """The layout chunk (== K step) of this kernel: CHUNK on the GPU, 64 in the CPU interpreter."""
-    return aligned_chunk()
 
 
 def grouped_decode_config(rows: int, experts: int, k: int | None = None) -> dict:
     """The tile for `rows` sorted rows over `experts` experts (depends on the counts, never the data);
     a short K (<= SHORT_K, e.g. the MoE down projection's 768) takes BN 128."""
     avg = rows / max(experts, 1)
-    tile = next(t for most, t in GROUPED_DECODE_TILES if most is None or avg <= most)
-    cfg = dict(tile, BK=grouped_chunk())
+    cfg = dict(next(t for most, t in GROUPED_DECODE_TILES if most is None or avg <= most))
     if k is not None and k <= SHORT_K:
         cfg["BN"] = 128
     if interpreted():
-        cfg.update(BN=32, num_stages=1)
+        cfg.update(BN=32, BK=64, num_stages=1)
+    while k is not None and k % cfg["BK"]:
+        cfg["BK"] //= 2
     return cfg
 
 
@@ -66,9 +60,9 @@ def _row_tile(a_ptr, row0, row_end, w_rows, s_rows, offs_n, mask_n, sa_ptr, sw_p
     """Rows row0 .. row0 + ROWS (those before row_end) of expert e times its N tile, stored."""
     offs_m = row0 + tl.arange(0, ROWS)
     mask_m = offs_m < row_end
-    # CHUNK == BK: the columns in plain order (the aligned K order), no split-K
+    # the columns in plain order (the aligned K order), no split-K
     a_rows = a_ptr + offs_m.to(tl.int64) * stride_am
-    acc_t = decode_acc(a_rows, mask_m, w_rows, s_rows, mask_n, 0, K, BF16, HW, BK, ROWS, BN, BK, EVEN_N)
+    acc_t = decode_acc(a_rows, mask_m, w_rows, s_rows, mask_n, 0, K, BF16, HW, ROWS, BN, BK, EVEN_N)
     acc = tl.trans(acc_t) * W_SHIFT  # [ROWS, BN]
     store_tile(acc, sa_ptr, tl.load(sw_ptr + e), out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om,
                stride_sa, EPILOGUE)
@@ -104,9 +98,9 @@ def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight,
                         offsets: torch.Tensor, epilogue: str = "sdec", out_dtype=torch.bfloat16,
                         config: dict | None = None) -> torch.Tensor:
     """a [T, K] e2m1 * s_b (the weight's operand dtype), rows sorted by expert; a_scale fp32 [T] (or
-    one number); w the experts [E, N, K] in the decode layout of chunk `grouped_chunk()`
-    (`decode_gemm.pack_weight`); w_scale fp32 [E]; offsets int [E + 1] from 0 to T, non-decreasing.
-    -> [T, N]. config defaults to `grouped_decode_config(T, E, K)`; its BK must equal the chunk."""
+    one number); w the experts [E, N, K] in the decode layout (`decode_gemm.pack_weight`); w_scale
+    fp32 [E]; offsets int [E + 1] from 0 to T, non-decreasing. -> [T, N]. config defaults to
+    `grouped_decode_config(T, E, K)`; its BK must divide K and be a multiple of KGROUP."""
     if w.codes.ndim != 3:
         raise ValueError(f"w must hold experts [E, N, K] in the decode layout, got {tuple(w.shape)}")
     e, n, k = w.shape
@@ -126,9 +120,8 @@ def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight,
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue={epilogue!r} is not supported; choose one of {list(EPILOGUES)}")
     cfg = config or grouped_decode_config(t, e, k)
-    if cfg["BK"] != w.chunk:
-        raise ValueError(f"the weight was packed in chunks of {w.chunk}; the aligned K order needs "
-                         f"BK == chunk, got BK={cfg['BK']}")
+    if k % cfg["BK"] or cfg["BK"] % KGROUP:
+        raise ValueError(f"BK={cfg['BK']} must divide K={k} and be a multiple of {KGROUP}")
     out = torch.empty(t, n, dtype=out_dtype, device=a.device)
     sa = a_scale.reshape(-1)
     bm, bn = cfg["BM"], cfg["BN"]

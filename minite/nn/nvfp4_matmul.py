@@ -23,7 +23,7 @@ Execution (`recipe.backend`):
   stochastic rounding or RHT on activations) run the reference GEMM, with activations and weights
   quantized by the kernels on CUDA (bitwise the same codes and scales). `fast=True` gives up the
   alignment for speed: M <= 64 runs the decode GEMM on the weight's decode layout (K a multiple of
-  512), larger M 'prefill'.
+  32, split-K where N is small), larger M 'prefill'.
   Kernel outputs equal the reference wherever the fp32 accumulation across 16-blocks is exact (nearly
   all outputs) and differ by at most one fp32 rounding per 16-block otherwise (`minite.ref.gemm`).
 
@@ -207,11 +207,10 @@ def _dense_kernel(x2: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe, fa
     n = qweight.unscaled.shape[-2]
     sw = _weight_scale(qweight, recipe)
     config = "prefill" if fast else "aligned"
-    chunk = kd.layout_chunk() if fast else kd.aligned_chunk()
-    if m <= (FAST_DECODE_MAX_M if fast else ALIGNED_DECODE_MAX_M) and k % chunk == 0:
+    if m <= (FAST_DECODE_MAX_M if fast else ALIGNED_DECODE_MAX_M) and k % kd.KGROUP == 0:
         # few rows: the weight read packed (decode layout), in the aligned K order unless `fast`
-        out = kd.decode_gemm(a, row_factor, qweight.decode_weight(chunk, a.dtype), sw, recipe.epilogue,
-                             x2.dtype, None if fast else kd.aligned_decode_config(m))
+        out = kd.decode_gemm(a, row_factor, qweight.decode_weight(a.dtype), sw, recipe.epilogue,
+                             x2.dtype, None if fast else kd.aligned_decode_config(m, k))
     else:
         w = qweight.operand(a.dtype, kg.pick_config(config, m, n)["BK"])  # [N, Kp]
         out = kg.w4a4_gemm(_pad_k(a, w.shape[-1]), row_factor, w, sw, None, recipe.epilogue, x2.dtype, config)
@@ -230,10 +229,9 @@ def _grouped_kernel(xs: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe, 
     bk = gg.CONFIGS["interpret" if kernels.interpreted() else config]["BK"]
     e, n, k = qweight.unscaled.shape
     sw = _weight_scale(qweight, recipe)
-    chunk = gd.grouped_chunk()
-    if xs.shape[0] <= DECODE_MAX_ROWS_PER_EXPERT * e and k % chunk == 0:
+    if xs.shape[0] <= DECODE_MAX_ROWS_PER_EXPERT * e and k % gd.KGROUP == 0:
         # few rows per expert (decode): read the 4-bit codes, not the bf16 copy
-        out = gd.grouped_decode_gemm(a, row_factor, qweight.decode_weight(chunk, a.dtype), sw, offsets,
+        out = gd.grouped_decode_gemm(a, row_factor, qweight.decode_weight(a.dtype), sw, offsets,
                                      recipe.epilogue, xs.dtype)
         return out, a, sdec
     w = qweight.operand(a.dtype, bk)  # [E, N, Kp]

@@ -7,7 +7,7 @@ the exact unscaled dequantized copy `e2m1 * s_b` in bf16 that the compute-bound 
 GEMMs read that copy through `operand(dtype, k_multiple)`: the bf16 copy itself on the GPU, or a
 cached fp16 / K-padded version of it (the CPU interpreter; K not a multiple of the kernel's K tile),
 made once per quantized weight, i.e. once per update. The decode GEMM (few rows, packed weights)
-reads `decode_weight(chunk, dtype)`: the codes in its decode layout with 16-bit block scales, also made
+reads `decode_weight(dtype)`: the codes in its decode layout with 16-bit block scales, also made
 once per update (0.625 more bytes per weight, on the device that samples).
 
 Invalidation: a module caches its `QuantizedWeight` keyed on the parameter's autograd version
@@ -62,17 +62,16 @@ class QuantizedWeight:
             self._operands[key] = (F.pad(t, (0, pad)) if pad else t).contiguous()
         return self._operands[key]
 
-    def decode_weight(self, chunk: int, dtype: torch.dtype):
-        """The codes and block scales ([N, K] or experts [E, N, K]) in the decode GEMMs' layout (chunks
-        of `chunk` columns, `dtype` activations: `kernels.decode_gemm.pack_weight`); made once and
-        cached."""
+    def decode_weight(self, dtype: torch.dtype):
+        """The codes and block scales ([N, K] or experts [E, N, K]) in the decode GEMMs' layout for
+        `dtype` activations (`kernels.decode_gemm.pack_weight`); made once and cached."""
         from minite.kernels.decode_gemm import pack_weight
 
-        key = ("decode", chunk, dtype)
+        key = ("decode", dtype)
         if key not in self._operands:
             n = self.unscaled.shape[-2]
             q = self.q
-            self._operands[key] = pack_weight(q.codes[..., :n, :], q.block_scales[..., :n, :], chunk, dtype)
+            self._operands[key] = pack_weight(q.codes[..., :n, :], q.block_scales[..., :n, :], dtype)
         return self._operands[key]
 
     def dequantize(self) -> torch.Tensor:

@@ -29,11 +29,19 @@ def _dequant_kernel(q_ptr, scales_ptr, out_ptr, NQ: tl.constexpr, NS: tl.constex
         tl.store(out_ptr + o * NQ * NS + offs, (kd._code(q, o, BF16, HW) * s).to(tl.float32))
 
 
+def column(word, o):
+    """The column of slot o of decode-layout word `word` (kernels.decode_gemm: MMA register order)."""
+    g, t, e = word // 8, (word % 8) // 2, word % 2
+    return 32 * g + 16 * (o // 2) + 8 * (o % 2) + 2 * t + e
+
+
 def _codes(n, k, seed):
-    """Codes uint8 [n, k // 2] in which each of the 16 codes lands on each word position of each chunk."""
+    """Codes uint8 [n, k // 2] in which each of the 16 codes lands in each slot of some word."""
     g = torch.Generator().manual_seed(seed)
-    nib = torch.randint(0, 16, (n, k // 256, 4, 64), generator=g)
-    nib[:, :, :, :16] = torch.arange(16)  # columns o * 64 + c, c < 16: code c at every o
+    nib = torch.randint(0, 16, (n, k), generator=g)
+    for w in range(16):
+        for o in range(4):
+            nib[:, column(w, o)] = w  # word w holds code w in every slot
     nib = nib.reshape(n, k // 2, 2)
     return (nib[..., 0] | (nib[..., 1] << 4)).to(torch.uint8)
 
@@ -48,16 +56,17 @@ def test_dequant_is_exact_for_every_code_and_scale(dtype):
     dev = device()
     codes = _codes(1, 512, 0)  # 128 words
     scales = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn)
-    dw = kd.pack_weight(codes, torch.zeros(1, 32, dtype=torch.float8_e4m3fn), 256, dtype)
-    sw = kd.pack_weight(torch.zeros(1, 1024, dtype=torch.uint8), scales[None], 256, dtype).scales[0]
+    dw = kd.pack_weight(codes, torch.zeros(1, 32, dtype=torch.float8_e4m3fn), dtype)
+    sw = kd.pack_weight(torch.zeros(1, 1024, dtype=torch.uint8), scales[None], dtype).scales[0]
     out = torch.empty(4, 128, 128, dtype=torch.float32, device=dev)
     _dequant_kernel[(1,)](dw.codes[0].to(dev), sw.to(dev), out, NQ=128, NS=128, BF16=dtype == torch.bfloat16,
                           HW=not interpreted())
     e2m1 = torch.tensor(nvfp4.E2M1_VALUES, dtype=torch.float64)
     e2m1 = torch.cat([e2m1, -e2m1])
-    nib = torch.stack([codes & 15, codes >> 4], -1).reshape(2, 4, 64).long()  # [chunk, o, c]
+    nib = torch.stack([codes & 15, codes >> 4], -1).reshape(512).long()
     for o in range(4):
-        want = e2m1[nib[:, o].reshape(128)][:, None] * scales.double()[None, :] / kd.W_SHIFT[dtype]
+        codes_o = nib[[column(w, o) for w in range(128)]]
+        want = e2m1[codes_o][:, None] * scales.double()[None, :] / kd.W_SHIFT[dtype]
         assert torch.equal(out[o].cpu().double()[:, :127], want[:, :127]), o
 
 
@@ -66,43 +75,40 @@ def test_pack_weight_of_experts_in_row_chunks_equals_each_expert_whole(monkeypat
     g = torch.Generator().manual_seed(4)
     codes = torch.randint(0, 256, (3, 40, 256), dtype=torch.uint8, generator=g)
     scales = torch.rand(3, 40, 32, generator=g).to(torch.float8_e4m3fn)
-    whole = [kd.pack_weight(codes[e], scales[e], 128) for e in range(3)]
+    whole = [kd.pack_weight(codes[e], scales[e]) for e in range(3)]
     monkeypatch.setattr(kd, "PACK_CODES", 256 * 7)  # 7 rows at a time
-    dw = kd.pack_weight(codes, scales, 128)
+    dw = kd.pack_weight(codes, scales)
     assert dw.shape == (3, 40, 512) and dw.codes.is_contiguous()
     for e in range(3):
         assert torch.equal(dw.codes[e], whole[e].codes) and torch.equal(dw.scales[e], whole[e].scales)
 
 
-def test_pack_weight_puts_column_o_chunk4_plus_c_at_word_c_code_o():
+def test_pack_weight_puts_each_column_in_its_mma_register_slot():
     codes = _codes(3, 512, 1)
     scales = torch.rand(3, 32, generator=torch.Generator().manual_seed(2)).to(torch.float8_e4m3fn)
     nib = torch.stack([codes & 15, codes >> 4], -1).reshape(3, 512).to(torch.int32)
-    dw = kd.pack_weight(codes, scales, 256)
+    dw = kd.pack_weight(codes, scales)
     assert dw.shape == (3, 512) and dw.codes.dtype == torch.int16 and dw.scales.dtype == torch.bfloat16
     assert torch.equal(dw.scales.double(), scales.double() * 2.0**62)
     words = dw.codes.to(torch.int32) & 0xFFFF  # [3, 128]
     for o, (mag_at, sign_at) in enumerate(kd.WORD_BITS):
         mag = sum(((words >> at) & 1) << bit for bit, at in enumerate(mag_at))
         got = mag | (((words >> sign_at) & 1) << 3)
-        for chunk in range(2):
-            want = nib[:, chunk * 256 + o * 64: chunk * 256 + (o + 1) * 64]
-            assert torch.equal(got[:, chunk * 64: (chunk + 1) * 64], want), (o, chunk)
+        assert torch.equal(got, nib[:, [column(w, o) for w in range(128)]]), o
     with pytest.raises(ValueError, match="multiple"):
-        kd.pack_weight(codes[:, :96], scales[:, :12], 256)
+        kd.pack_weight(codes[:, :40], scales[:, :5])
     a = torch.zeros(2, 512, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="K=512"):
         kd.decode_gemm(a[:, :256], torch.ones(()), dw, torch.ones(()))
     with pytest.raises(ValueError, match="a_scale"):
         kd.decode_gemm(a, torch.ones(3), dw, torch.ones(()))
-    with pytest.raises(ValueError, match="does not divide"):
-        a = torch.zeros(2, 512, dtype=torch.bfloat16)
-        cfg = dict(kd.decode_config(2, 3, 512), BK=512)
+    with pytest.raises(ValueError, match="SPLIT_K"):
+        cfg = dict(kd.decode_config(2, 3, 512), BK=512, SPLIT_K=2)
         kd.decode_gemm(a, torch.ones(()), dw, torch.ones(()), config=cfg)
 
 
-CASES = [  # (M, N, K, tile): ragged N (masked loads), N % BN == 0, split-K, padded M 8, 16 and 32
-    (1, 40, 256, dict(BM=8, BN=16, BK=64, SPLIT_K=1)),
+CASES = [  # (M, N, K, tile): ragged N (masked loads), N % BN == 0, split-K, padded M 16 and 32
+    (1, 40, 256, dict(BM=16, BN=16, BK=64, SPLIT_K=1)),
     (3, 48, 256, dict(BM=16, BN=16, BK=64, SPLIT_K=1)),
     (5, 40, 256, dict(BM=16, BN=16, BK=64, SPLIT_K=4)),
     (16, 32, 512, dict(BM=16, BN=32, BK=128, SPLIT_K=2)),
@@ -124,24 +130,31 @@ def test_decode_matches_aligned_on_gaussian_data(m, n, k, tile):
         assert torch.equal(got, want)
 
 
-def test_k_steps_inside_a_wider_layout_chunk():
-    """BK = 64 steps through 256-column chunks (and split-K across them): same bits as aligned."""
-    x, w = torch.randn(3, 512), torch.randn(32, 512)
+@pytest.mark.parametrize("bk, split", [(32, 1), (64, 1), (128, 1), (32, 4), (64, 2)])
+def test_every_k_step_and_split_gives_the_aligned_bits_on_gaussian_data(bk, split):
+    """BK only regroups the same k16 MMA steps (one accumulator, plain column order); split-K sums
+    exact partials here. Also the fp16 interpreter path of every code slot."""
+    x, w = torch.randn(3, 256), torch.randn(32, 256)
     xq, wq = nvfp4.quantize(x, "row"), nvfp4.quantize(w, "tensor")
     a, sa, wqd, sw = operands(xq, wq, device())
     want = kg.w4a4_gemm(a, sa, kg.unscaled_copy(wqd), sw, out_dtype=torch.float32)
-    dw = kd.pack_weight(wqd.codes, wqd.block_scales, 256, a.dtype)
-    cfg = dict(BM=8, BN=16, BK=64, SPLIT_K=2, num_warps=4, num_stages=1)
+    dw = kd.pack_weight(wqd.codes, wqd.block_scales, a.dtype)
+    cfg = dict(BM=16, BN=16, BK=bk, SPLIT_K=split, num_warps=4, num_stages=1)
     assert torch.equal(kd.decode_gemm(a, sa, dw, sw, out_dtype=torch.float32, config=cfg), want)
 
 
 def test_decode_config_is_picked_by_padded_m_and_rejects_copies():
-    for m, bm in ((1, 8), (8, 8), (9, 16), (16, 16), (17, 32), (64, 64)):
+    for m, bm in ((1, 16), (8, 16), (16, 16), (17, 32), (64, 64)):
         assert kd.decode_config(m, 12288, 4096)["BM"] == bm
+        assert kd.aligned_decode_config(m, 4096)["BM"] == bm
     cfg = kd.decode_config(1, 1024, 4096)
     assert cfg["SPLIT_K"] > 1 and 4096 % (cfg["SPLIT_K"] * cfg["BK"]) == 0
+    assert kd.aligned_decode_config(1, 4096)["SPLIT_K"] == 1
+    assert kd.decode_config(1, 1024, 96)["BK"] == 32  # BK halves until it divides K
     with pytest.raises(ValueError, match="M <= 64"):
         kd.decode_config(65, 1024, 4096)
+    with pytest.raises(ValueError, match="column group"):
+        kd.decode_config(1, 1024, 80)
     dt, dev = kg.operand_dtype(device()), device()
     a, s = torch.zeros(2, 64, dtype=dt, device=dev), torch.ones((), device=dev)
     with pytest.raises(ValueError, match="packed"):

@@ -18,12 +18,11 @@ pytestmark = pytest.mark.skipif(not available(), reason="Triton kernels unavaila
 
 def tile(bm, halves=False):
     """The tile of BM rows (HALVES: from a 2 BM-row tile, whose short row tiles run BM-row MMAs)."""
-    cfg = dict(next(t for _, t in gd.GROUPED_DECODE_TILES if t["BM"] == bm), BK=gd.grouped_chunk())
-    cfg.update(HALVES=halves)
+    cfg = dict(next(t for _, t in gd.GROUPED_DECODE_TILES if t["BM"] == bm), HALVES=halves)
     if halves:
         cfg.update(BM=2 * bm)
     if interpreted():
-        cfg.update(BN=32, num_stages=1)
+        cfg.update(BN=32, BK=64, num_stages=1)
     return cfg
 
 
@@ -32,14 +31,14 @@ def decode_run(x, wqs, offsets, dev, config=None):
     a = xq.unscaled().to(kg.operand_dtype(dev))
     codes = torch.stack([q.codes for q in wqs]).to(dev)
     sb = torch.stack([q.block_scales for q in wqs]).to(dev)
-    w = kd.pack_weight(codes, sb, gd.grouped_chunk(), a.dtype)
+    w = kd.pack_weight(codes, sb, a.dtype)
     sw = torch.stack([q.global_scale for q in wqs]).to(dev)
     return gd.grouped_decode_gemm(a, xq.global_scale.reshape(-1), w, sw, offsets.to(dev),
                                   out_dtype=torch.float32, config=config).cpu()
 
 
 @pytest.mark.parametrize("halves", [False, True])
-@pytest.mark.parametrize("bm", [8, 16, 32, 64])
+@pytest.mark.parametrize("bm", [16, 32, 64])
 def test_matches_per_expert_reference_and_aligned_with_empty_and_split_experts(bm, halves):
     """70 rows of one expert take several row tiles at every BM; empty experts take none; with
     halves, tiles of <= BM rows run the half-height MMAs and the others the full ones."""
@@ -52,8 +51,9 @@ def test_matches_per_expert_reference_and_aligned_with_empty_and_split_experts(b
 def test_config_follows_the_average_rows_per_expert():
     cfgs = [gd.grouped_decode_config(t, 128) for t in (128, 512, 1024, 2048, 4096, 8192)]
     assert [(c["BM"], c.get("HALVES", False)) for c in cfgs] == [
-        (8, False), (8, False), (16, False), (32, True), (64, True), (64, True)]
-    assert gd.grouped_decode_config(4096, 128)["BK"] == gd.grouped_chunk()
+        (16, False), (16, False), (16, False), (32, True), (64, True), (64, True)]
+    assert gd.grouped_decode_config(4096, 128, 768)["BK"] == (64 if interpreted() else 256)
+    assert gd.grouped_decode_config(4096, 128, 96)["BK"] == 32  # BK halves until it divides K
     if not interpreted():
         assert gd.grouped_decode_config(4096, 128, 768)["BN"] == 128
 
@@ -66,13 +66,13 @@ def test_bad_arguments_raise():
     codes = torch.stack([q.codes for q in wqs]).to(dev)
     sb = torch.stack([q.block_scales for q in wqs]).to(dev)
     sw = torch.ones(2, device=dev)
-    w = kd.pack_weight(codes, sb, gd.grouped_chunk(), a.dtype)
+    w = kd.pack_weight(codes, sb, a.dtype)
     sa = xq.global_scale.reshape(-1)
     with pytest.raises(ValueError, match="experts"):
-        gd.grouped_decode_gemm(a, sa, kd.pack_weight(codes[0], sb[0], gd.grouped_chunk(), a.dtype), sw,
+        gd.grouped_decode_gemm(a, sa, kd.pack_weight(codes[0], sb[0], a.dtype), sw,
                                offsets.to(dev))
-    with pytest.raises(ValueError, match="BK == chunk"):
-        gd.grouped_decode_gemm(a, sa, w, sw, offsets.to(dev), config=dict(tile(8), BK=2 * gd.grouped_chunk()))
+    with pytest.raises(ValueError, match="must divide"):
+        gd.grouped_decode_gemm(a, sa, w, sw, offsets.to(dev), config=dict(tile(16), BK=96))
     with pytest.raises(ValueError, match="offsets"):
         gd.grouped_decode_gemm(a, sa, w, sw, offsets[:2].to(dev))
     with pytest.raises(ValueError, match="w_scale"):
@@ -94,7 +94,7 @@ def heavy_experts(counts, n, k, seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("halves", [False, True])
-@pytest.mark.parametrize("bm", [8, 16, 32, 64])
+@pytest.mark.parametrize("bm", [16, 32, 64])
 def test_gpu_grouped_decode_gives_the_aligned_bits_on_heavy_tailed_data(bm, halves):
     """Every BM, rows spread over 16 experts (some empty, some over several row tiles), K = 768 (the
     MoE down projection's): bitwise the grouped aligned kernel on the bf16 copy."""
@@ -109,20 +109,20 @@ def test_gpu_grouped_decode_gives_the_aligned_bits_on_heavy_tailed_data(bm, halv
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 8, 16, 40, 64])
-def test_gpu_decode_loop_in_plain_column_order_is_the_aligned_order(m):
-    """The decode loop on a layout whose chunk is its K step, without split-K, gives the aligned
-    path's bits on heavy-tailed data (mma.sync at M <= 8, wgmma above, the weight as the register
-    operand of C^T = W A^T), while the chunk-interleaved order (chunk 512, K step 256) differs
-    somewhere on the same data: the data tells K orders apart."""
+def test_gpu_decode_without_split_k_is_the_aligned_order_at_every_k_step(m):
+    """The decode loop without split-K gives the aligned path's bits on heavy-tailed data at every BK
+    (the same k16 MMA steps into one accumulator), while split-K differs somewhere on the same data:
+    the data tells K orders apart."""
     k, n = 4096, 512
     xq = nvfp4.quantize(heavy(m, k, 4).cuda(), "row")
     wq = nvfp4.quantize(heavy(n, k, 5).cuda(), "tensor")
     a, sa = xq.unscaled().to(torch.bfloat16), xq.global_scale.reshape(-1)
     aligned = kg.w4a4_gemm(a, sa, kg.unscaled_copy(wq), wq.global_scale, out_dtype=torch.float32)
-    cfg = dict(kd.decode_config(m, n, k), BK=256, SPLIT_K=1)
-    plain = kd.decode_gemm(a, sa, kd.pack_weight(wq.codes, wq.block_scales, 256), wq.global_scale,
-                           out_dtype=torch.float32, config=cfg)
-    assert torch.equal(plain, aligned)
-    mixed = kd.decode_gemm(a, sa, kd.pack_weight(wq.codes, wq.block_scales, 512), wq.global_scale,
-                           out_dtype=torch.float32, config=cfg)
-    assert not torch.equal(mixed, aligned)
+    dw = kd.pack_weight(wq.codes, wq.block_scales)
+    for bk in (128, 256, 512):
+        cfg = dict(kd.aligned_decode_config(m, k), BK=bk)
+        assert torch.equal(kd.decode_gemm(a, sa, dw, wq.global_scale, out_dtype=torch.float32, config=cfg),
+                           aligned), bk
+    split = dict(kd.aligned_decode_config(m, k), SPLIT_K=4)
+    assert not torch.equal(kd.decode_gemm(a, sa, dw, wq.global_scale, out_dtype=torch.float32, config=split),
+                           aligned)

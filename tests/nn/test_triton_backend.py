@@ -139,7 +139,7 @@ def test_linear_triton_k_not_a_multiple_of_the_tile_and_fast_mode():
     ref, tri = _pair(Linear, 48, 24)  # K = 48: zero-padded to the GEMM's K tile
     x = torch.randn(6, 48, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     _assert_gemm_close(tri(x), ref(x), _gemm_bound(x, tri), 48)
-    ref, tri = _pair(Linear, 512, 32)  # K a multiple of the decode layout's chunk: the decode GEMM
+    ref, tri = _pair(Linear, 512, 32)  # K a multiple of the decode layout's column group: decode GEMM
     tri.fast = True
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     _assert_gemm_close(tri(x), ref(x), _gemm_bound(x, tri), 512)
@@ -225,7 +225,7 @@ def test_moe_triton_matches_ref_and_moe_reference():
 
 def test_moe_triton_grouped_decode_and_bf16_copy_give_the_same_bits(monkeypatch):
     """Few rows per expert run the grouped decode kernel on the packed weights, many the aligned tile
-    on the bf16 copy: the same outputs either way (K = 64: one interpreter decode chunk)."""
+    on the bf16 copy: the same outputs either way (K = 64: one interpreter K step)."""
     from minite.nn import nvfp4_matmul
 
     _, tri = _pair(MoEExperts, 4, 64, 32, 2)
@@ -280,8 +280,8 @@ def test_gpu_aligned_linear_triton_vs_ref(dtype):
     _assert_gemm_close(full, ref(x), _gemm_bound(x, tri), 512, BF16_RTOL if dtype == torch.bfloat16 else 0.0)
     for m in (1, 7, 64):  # the aligned config: rows do not depend on M
         assert torch.equal(tri(x[:m]), full[:m])
-    # M <= ALIGNED_DECODE_MAX_M read the packed weight in the aligned decode layout; 300 rows the bf16 copy
-    assert ("decode", 256, torch.bfloat16) in tri.quantized_weight()._operands
+    # M <= ALIGNED_DECODE_MAX_M read the packed weight in the decode layout; 300 rows the bf16 copy
+    assert ("decode", torch.bfloat16) in tri.quantized_weight()._operands
 
 
 def test_aligned_linear_few_rows_take_the_decode_layout_with_the_same_bits(monkeypatch):
