@@ -38,15 +38,18 @@ import triton.language as tl
 from minite.kernels import interpreted
 from minite.kernels.epilogue import EPILOGUES, epilogue
 
-# by M padded to 16 / 32 / 64; SPLIT_K doubles (`decode_config`) until the grid has MIN_PROGRAMS;
-# BK_SPLIT (if given) is the K step of split tiles. H200, Qwen3-8B shapes, CUDA graphs over rotating
-# weights (benchmarks/exp_decode_pairs.py, s8 run2): more CTAs per SM (few stages) beat deeper
-# pipelines; at M = 64 fewer splits (the partials cost SPLIT * BM * N * 8 bytes) won; at M = 32 split
-# tiles ran faster on BK 128 (q|o 9.8 vs 12.8 us, down 18.3 vs 22.1), unsplit ones on BK 256
+# by M padded to 16 / 32 / 64; SPLIT_K doubles (`decode_config`) until the grid has MIN_PROGRAMS (at
+# most MAX_SPLIT_K); from SPLIT["FROM"] splits on, the tile takes SPLIT's K step and stages. H200,
+# Qwen3-8B shapes, CUDA graphs over rotating weights (s8 runs 2-3): more CTAs per SM (few stages)
+# beat deeper pipelines; at M = 32, tiles split 8 ways ran faster on BK 128 (q|o 9.8 vs 12.8 us,
+# down 18.3 vs 22.1), unsplit ones on BK 256 (gate+up 27.5 vs 32.5); at M = 64 the partials cost
+# (SPLIT * BM * N * 8 bytes) capped the split at 4 (down 26.8 us vs 30.3 at 8), whose tiles ran
+# best on BK 256 / 2 stages, unsplit ones on BK 128 / 3 stages (gate+up 36.8 vs 38.5)
 DECODE_TILES = {
     16: dict(BM=16, BN=64, BK=256, MIN_PROGRAMS=264, num_warps=4, num_stages=3),
-    32: dict(BM=32, BN=64, BK=256, BK_SPLIT=128, MIN_PROGRAMS=264, num_warps=4, num_stages=3),
-    64: dict(BM=64, BN=64, BK=256, MIN_PROGRAMS=132, num_warps=4, num_stages=2),
+    32: dict(BM=32, BN=64, BK=256, MIN_PROGRAMS=264, num_warps=4, num_stages=3, SPLIT=dict(FROM=4, BK=128)),
+    64: dict(BM=64, BN=64, BK=128, MIN_PROGRAMS=264, MAX_SPLIT_K=4, num_warps=4, num_stages=3,
+             SPLIT=dict(FROM=4, BK=256, num_stages=2)),
 }
 MAX_SPLIT_K = 16
 KGROUP = 32  # the layout's column group (two k16 MMA blocks): K must be a multiple of it
@@ -229,17 +232,20 @@ def _tile(m: int, k: int) -> dict:
     cfg = dict(DECODE_TILES[16 if m <= 16 else (32 if m <= 32 else 64)], kernel="decode")
     if interpreted():
         cfg.update(BN=32, BK=64, num_stages=1)
-        cfg.pop("BK_SPLIT", None)
-    for key in ("BK", "BK_SPLIT"):
-        while key in cfg and k % cfg[key]:
-            cfg[key] //= 2
+        cfg.pop("SPLIT", None)
+    return _fit_bk(cfg, k)
+
+
+def _fit_bk(cfg: dict, k: int) -> dict:
+    while k % cfg["BK"]:
+        cfg["BK"] //= 2
     return cfg
 
 
-def _split(n: int, k: int, cfg: dict, min_programs: int) -> int:
+def _split(n: int, k: int, cfg: dict, min_programs: int, most: int) -> int:
     """SPLIT_K: doubles while the grid is below min_programs and K still splits into whole K steps."""
     split = 1
-    while (triton.cdiv(n, cfg["BN"]) * split < min_programs and split < MAX_SPLIT_K
+    while (triton.cdiv(n, cfg["BN"]) * split < min_programs and split < most
            and k % (2 * split * cfg["BK"]) == 0):
         split *= 2
     return split
@@ -247,15 +253,16 @@ def _split(n: int, k: int, cfg: dict, min_programs: int) -> int:
 
 def decode_config(m: int, n: int, k: int) -> dict:
     """The tile for this (M, N, K): by M padded (16, 32, 64), then SPLIT_K (a power of 2 dividing
-    K // BK) until the grid reaches the tile's MIN_PROGRAMS, split tiles on BK_SPLIT if the entry has
-    one. Depends on M only through the padding: rows of one padded size share the tile and the sums."""
+    K // BK) until the grid reaches the tile's MIN_PROGRAMS, split tiles on the entry's SPLIT K step.
+    Depends on M only through the padding: rows of one padded size share the tile and the sums."""
     cfg = _tile(m, k)
     min_programs = cfg.pop("MIN_PROGRAMS")
-    bk_split = cfg.pop("BK_SPLIT", None)
-    split = _split(n, k, cfg, min_programs)
-    if split > 1 and bk_split:
-        cfg["BK"] = bk_split
-        split = _split(n, k, cfg, min_programs)
+    most = cfg.pop("MAX_SPLIT_K", MAX_SPLIT_K)
+    split_tile = cfg.pop("SPLIT", None)
+    split = _split(n, k, cfg, min_programs, most)
+    if split_tile and split >= split_tile["FROM"]:
+        cfg = _fit_bk(dict(cfg, **{key: v for key, v in split_tile.items() if key != "FROM"}), k)
+        split = _split(n, k, cfg, min_programs, most)
     cfg["SPLIT_K"] = split
     return cfg
 
@@ -264,8 +271,8 @@ def aligned_decode_config(m: int, k: int) -> dict:
     """The decode tile in the aligned K order (`kernels.gemm`'s): no split-K, so rows get the aligned
     path's bits (GPU test) while the weight is read packed. M <= 64 (padded as in `decode_config`)."""
     cfg = _tile(m, k)
-    del cfg["MIN_PROGRAMS"]
-    cfg.pop("BK_SPLIT", None)
+    for key in ("MIN_PROGRAMS", "MAX_SPLIT_K", "SPLIT"):
+        cfg.pop(key, None)
     cfg["SPLIT_K"] = 1
     return cfg
 
