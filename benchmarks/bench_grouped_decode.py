@@ -28,11 +28,11 @@ CALLS = 4  # calls per graph
 # s6 (the layout before the MMA-order one): BM 32/64 x BN 64/128 x BK 128/256 x 4/8 warps x 2-4
 # stages within a few % at 512 tokens, BN 256 slower; HALVES (a BM-row tile whose rows fit in BM / 2
 # runs half-height MMAs: the weight dequantized once per BM rows, no BM-row MMAs for short experts)
-# 3-7 % faster from 16 rows per expert on. The MMA-order layout (one dot per K step) moved the
-# trade-offs, so the sweep covers BM 16-64, BN 64/128, BK 128/256 again, at every token count.
-SWEEP = ([dict(BM=16, BN=bn, BK=256, num_warps=4, num_stages=3) for bn in (64, 128)]
+# 3-7 % faster from 16 rows per expert on. s8 run4 (MMA-order layout): BN 128 / BK 128 / 3 stages
+# won from 16 rows on by 16-40 %. This sweep looks around those tiles, at every token count.
+SWEEP = ([dict(BM=16, BN=bn, BK=bk, num_warps=4, num_stages=3) for bn in (64, 128) for bk in (128, 256)]
          + [dict(BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=st, HALVES=True) for bm in (32, 64)
-            for bn in (64, 128) for bk, st in ((256, 2), (128, 3))])
+            for bn, bk, st in ((128, 128, 3), (128, 128, 4), (256, 128, 3), (128, 64, 4))])
 
 
 def experts(n, k):

@@ -51,15 +51,16 @@ import torch
 SHAPES = {"q|o": (4096, 4096), "k|v": (1024, 4096), "gate|up": (12288, 4096),
           "gate+up": (24576, 4096), "down": (4096, 12288)}
 MS = (1, 8, 32, 64)
-# (BN, BK, num_warps, num_stages, MIN_PROGRAMS) per M padded; SPLIT_K from decode_config's rule. BN a
+# (BN, BK, num_warps, num_stages, MIN_PROGRAMS[, SPLIT_K]) per M padded; SPLIT_K from decode_config's
+# rule (uncapped) unless given. BN a
 # multiple of 64 with 4 warps runs wgmma; 1-2 warps (or BN 32) run mma.sync (no warpgroup waits)
 TILES = {
-    16: [(64, 256, 4, 3, 264), (64, 256, 4, 4, 264), (64, 512, 4, 3, 264), (64, 256, 4, 3, 200),
-         (64, 128, 4, 3, 264)],
-    32: [(64, 256, 4, 3, 264), (64, 128, 4, 3, 264), (64, 512, 4, 2, 264), (64, 256, 4, 2, 264),
-         (64, 128, 4, 4, 264)],
-    64: [(64, 256, 4, 2, 132), (64, 128, 4, 3, 132), (64, 128, 4, 4, 132), (64, 256, 4, 2, 264),
-         (64, 128, 4, 3, 264)],
+    16: [(64, 256, 4, 3, 264), (128, 256, 4, 3, 264), (64, 128, 4, 3, 264), (128, 128, 4, 3, 264),
+         (64, 256, 4, 4, 264)],
+    32: [(64, 256, 4, 3, 264), (64, 128, 4, 3, 264), (128, 256, 4, 3, 264), (128, 128, 4, 3, 264),
+         (128, 128, 4, 3, 132)],
+    64: [(64, 128, 4, 3, 264, 1), (64, 128, 4, 3, 264, 2), (64, 256, 4, 2, 0, 4), (128, 128, 4, 3, 264, 1),
+         (128, 128, 4, 3, 0, 2), (128, 128, 4, 3, 0, 4), (128, 256, 4, 2, 0, 4)],
 }
 # wide N tiles for M = 32 / 64: the activation tile (M * BK * 2 bytes) is read from L2 by every N tile,
 # 3.2x the weight bytes at BM = BN = 64, so BN 128 / 256 (two warpgroups at 8 warps) cut that traffic;

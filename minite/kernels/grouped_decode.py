@@ -26,25 +26,23 @@ from minite.kernels.decode_gemm import KGROUP, W_SHIFT, DecodeWeight, decode_acc
 from minite.kernels.epilogue import EPILOGUES, store_tile
 from minite.kernels.grouped_gemm import expert_tile
 
-# (most average rows per expert, tile): benchmarks/bench_grouped_decode.py's sweeps on the H200 at
-# Qwen3-30B-A3B expert shapes, 4 / 16 / 32 / 64 rows per expert (s6 README, on the layout before the
-# MMA-order one; 8 not measured). HALVES (a tile of BM rows whose rows fit in BM / 2 runs half-height
-# MMAs) was 3-7 % faster than plain tiles from 16 rows per expert on. BK halves until it divides K.
+# (most average rows per expert, tile): bench_grouped_decode.py's sweep on the H200 at Qwen3-30B-A3B
+# expert shapes, 4 / 16 / 32 / 64 rows per expert (s8 run4, this layout): from 16 rows on, BN 128,
+# BK 128 and 3 stages won at every count, by 16-40 % over BN 64 / BK 256 / 2 stages (gate|up at 32
+# rows: 124.1 vs 170.3 us); HALVES (a tile of BM rows whose rows fit in BM / 2 runs half-height MMAs:
+# the weight dequantized once per BM rows, no BM-row MMAs for short experts). BK halves until it
+# divides K.
 GROUPED_DECODE_TILES = (
     (8, dict(BM=16, BN=64, BK=256, num_warps=4, num_stages=3)),
-    (16, dict(BM=32, BN=64, BK=256, num_warps=4, num_stages=2, HALVES=True)),
-    (None, dict(BM=64, BN=64, BK=256, num_warps=4, num_stages=2, HALVES=True)),
+    (16, dict(BM=32, BN=128, BK=128, num_warps=4, num_stages=3, HALVES=True)),
+    (None, dict(BM=64, BN=128, BK=128, num_warps=4, num_stages=3, HALVES=True)),
 )
-SHORT_K = 1024  # K <= this: BN 128 (down, K = 768: 3-9 % faster at 16-64 rows per expert in the sweeps)
 
 
 def grouped_decode_config(rows: int, experts: int, k: int | None = None) -> dict:
-    """The tile for `rows` sorted rows over `experts` experts (depends on the counts, never the data);
-    a short K (<= SHORT_K, e.g. the MoE down projection's 768) takes BN 128."""
+    """The tile for `rows` sorted rows over `experts` experts (depends on the counts, never the data)."""
     avg = rows / max(experts, 1)
     cfg = dict(next(t for most, t in GROUPED_DECODE_TILES if most is None or avg <= most))
-    if k is not None and k <= SHORT_K:
-        cfg["BN"] = 128
     if interpreted():
         cfg.update(BN=32, BK=64, num_stages=1)
     while k is not None and k % cfg["BK"]:

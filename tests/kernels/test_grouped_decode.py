@@ -52,10 +52,8 @@ def test_config_follows_the_average_rows_per_expert():
     cfgs = [gd.grouped_decode_config(t, 128) for t in (128, 512, 1024, 2048, 4096, 8192)]
     assert [(c["BM"], c.get("HALVES", False)) for c in cfgs] == [
         (16, False), (16, False), (16, False), (32, True), (64, True), (64, True)]
-    assert gd.grouped_decode_config(4096, 128, 768)["BK"] == (64 if interpreted() else 256)
-    assert gd.grouped_decode_config(4096, 128, 96)["BK"] == 32  # BK halves until it divides K
-    if not interpreted():
-        assert gd.grouped_decode_config(4096, 128, 768)["BN"] == 128
+    assert gd.grouped_decode_config(1024, 128, 768)["BK"] == (64 if interpreted() else 256)
+    assert gd.grouped_decode_config(1024, 128, 96)["BK"] == 32  # BK halves until it divides K
 
 
 def test_bad_arguments_raise():
