@@ -55,7 +55,7 @@ step() {
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv | tee "$log"
 for part in "$@"; do
   case $part in
-    tests) step 110 python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
+    tests) step 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
     quant_tests)
       step 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_nvfp4.py tests/kernels/test_gemm.py ;;
     tma)
