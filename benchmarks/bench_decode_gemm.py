@@ -5,7 +5,7 @@ decode layout (`decode_gemm.pack_weight`) stores 16-bit block scales, 0.625 B pe
 Ours: the `decode` config (`decode_gemm.decode_config`'s tile; GEMM alone, and with the activation
 quantizer) and the batch-invariant `aligned` config on the packed weights. In the aligned K order
 (the aligned path's bits): the decode kernel without split-K (`aligned_decode_config`, what the nn
-layers run at M <= 32) against the aligned tile on the bf16 copy. Tile sweeps: sweep_decode_gemm.py.
+layers run at M <= 64) against the aligned tile on the bf16 copy. Tile sweeps: sweep_decode_gemm.py.
 
 Two timings of each: `do_bench` (one call, L2 flushed before it) and, as a decode step runs them, a
 CUDA graph of back-to-back calls over rotating weight copies (more bytes than the 50 MB L2, so every

@@ -33,9 +33,9 @@ Session 8 (ncu_decode.py, run_gpu_engines.sh ncu_decode; s8 run1):
   (e.g. gate+up M = 64: 53.9 vs 40.3 us), fewer programs and no more overlap.
 - A layout in MMA register order, one dot per K step (now `decode_gemm`'s; probe
   exp_decode_pairs.py at 736de97, s8 run2): the wgmma waits allow 7 in flight. Expected: M = 32 / 64
-  gain most. Measured: M = 32 1.1-1.3x faster (q|o 12.4 -> 9.8, down 24.0 -> 18.3 us), M = 64
-  1.03-1.2x, M <= 8 within +-4 % on the large shapes and 1.1-1.2x on k|v; still far from the 13 us
-  tensor-pipe floor at M = 64 (gate+up 36.8 us).
+  gain most. Measured (final tiles, run6 vs s6 run5): M = 32 4-28 % less time (q|o 12.7 -> 10.2,
+  down 23.9 -> 18.6 us), M = 64 9-19 % less, M <= 8 from 4 % more to 3 % less; still far from the
+  13 us tensor-pipe floor at M = 64 (gate+up 36.0 us).
 
     python benchmarks/sweep_decode_gemm.py --out OUT.json [--workers 12]
 """
