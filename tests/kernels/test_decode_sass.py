@@ -1,0 +1,38 @@
+"""The decode GEMM's main loop as compiled for the H200 (sm_90), on a machine without a GPU: its weight
+operand stays in registers (no shared-memory round trip) and arrives in MMA register order (a few
+ldmatrix-sized loads per K step, no gather), and it runs wgmma. A Triton upgrade or an edit that breaks
+the layout's register match shows up here long before a GPU benchmark would show it: swapping two
+of the layout's index digits (t and e) took the BK 256 loop from 11 to 39 shared-memory loads and
+3.7 to 4.1 instructions per weight (Triton 3.6)."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+
+def _sass_tools() -> bool:
+    import triton
+
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    return all(os.path.exists(os.path.join(bin_dir, tool)) for tool in ("ptxas", "nvdisasm"))
+
+
+@pytest.mark.skipif(not _sass_tools(), reason="Triton's ptxas / nvdisasm not installed")
+def test_decode_loop_keeps_its_weight_operand_in_registers():
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}  # compile, not interpret
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root
+    out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "sass_kernels.py"), "decode"],
+                         capture_output=True, text=True, env=env, cwd=root, timeout=600, check=True).stdout
+    pattern = (r"decode M<=(\d+) \{'BM': \d+, 'BN': \d+, 'BK': (\d+)\}: .*?STS (\d+), LDS (\d+), HGMMA (\d+) "
+               r"\(.*?(\d+) bytes spill stores")
+    loops = re.findall(pattern, out)
+    assert [int(m) for m, *_ in loops] == [16, 32, 64], out
+    for m, bk, sts, lds, hgmma, spills in loops:
+        assert int(sts) == 0 and int(spills) == 0 and int(hgmma) > 0, (m, out)
+        assert int(lds) <= int(bk) // 32 + 4, (m, out)  # the words by ldmatrix, plus the scales
