@@ -36,6 +36,9 @@ Session 8 (ncu_decode.py, run_gpu_engines.sh ncu_decode; s8 run1):
   gain most. Measured (final tiles, run6 vs s6 run5): M = 32 4-28 % less time (q|o 12.7 -> 10.2,
   down 23.9 -> 18.6 us), M = 64 9-19 % less, M <= 8 from 4 % more to 3 % less; still far from the
   13 us tensor-pipe floor at M = 64 (gate+up 36.0 us).
+- A tiled copy of that layout (each 64-row block's K step contiguous; probe exp_decode_tiled.py at
+  93fb9ba, s8 run9). Expected 10-30 % at M <= 8 if DRAM page locality held it back. Measured
+  1.02-1.07x (gate+up 1.06-1.07x): a small part of the gap to cuBLAS's bandwidth.
 
     python benchmarks/sweep_decode_gemm.py --out OUT.json [--workers 12]
 """
