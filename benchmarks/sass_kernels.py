@@ -61,8 +61,13 @@ def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, aligned=
             f.write(k.asm["ptx"])
         sass = subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", cubin], capture_output=True,
                               text=True, check=True).stdout
-        v = subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "--gpu-name", "sm_90a", ptx, "-o",
-                            os.devnull], capture_output=True, text=True).stderr
+        v = ""
+        for ptxas in ("ptxas", "ptxas-blackwell"):  # newer Triton: only the latter reads its PTX version
+            run = subprocess.run([os.path.join(bin_dir, ptxas), "-v", "--gpu-name", "sm_90a", ptx, "-o",
+                                  os.devnull], capture_output=True, text=True)
+            if run.returncode == 0:
+                v = run.stderr
+                break
     summary = " ".join(line.split("info    : ")[-1].strip() for line in v.splitlines()
                        if "Used" in line or "spill" in line)
     return sass, summary
