@@ -88,7 +88,7 @@ def main():
                        tile=f"BM{cfg['BM']} BN{cfg['BN']} BK{cfg['BK']} S{cfg['SPLIT_K']}")
             ws = copies(w, w.numel() * 2)
             dw = kd.pack_weight(wq.codes, wq.block_scales)  # once per weight update
-            dws = [kd.DecodeWeight(c, dw.scales.clone()) for c in copies(dw.codes, int(wbytes))]
+            dws = [kd.DecodeWeight(c, dw.scales.clone(), dw.n) for c in copies(dw.codes, int(wbytes))]
             base = graph_us([lambda w=w_: torch.matmul(x, w.t()) for w_ in ws])
             ours = graph_us([lambda d=d: kd.decode_gemm(a, sa, d, wq.global_scale, config=cfg) for d in dws])
             ours_q = graph_us([lambda d=d: kd.decode_gemm(*kq.quantize_unscaled(x), d, wq.global_scale,

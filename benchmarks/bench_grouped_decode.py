@@ -50,8 +50,8 @@ def _warm(job):
     """Compile one (op, tile) (fills Triton's on-disk cache for the timing process): random words,
     the real shapes and argument values."""
     (n, k), cfg = job
-    dw = kd.DecodeWeight(torch.randint(-2**15, 2**15, (E, n, k // 4), dtype=torch.int16, device="cuda"),
-                         torch.rand(E, n, k // 16, device="cuda").to(torch.bfloat16))
+    codes = torch.randint(0, 256, (E, n, k // 2), dtype=torch.uint8, device="cuda")
+    dw = kd.pack_weight(codes, torch.rand(E, n, k // 16, device="cuda").to(torch.float8_e4m3fn))
     a = torch.randn(E * 4, k, device="cuda", dtype=torch.bfloat16)
     offsets = torch.arange(0, E * 4 + 1, 4, dtype=torch.int32, device="cuda")
     try:

@@ -193,7 +193,7 @@ def main():
                 try:
                     got = run(a, sa, wq, cfg, packed, torch.float32)
                     dw = packed["w"]
-                    dws = [kd.DecodeWeight(c, dw.scales.clone())
+                    dws = [kd.DecodeWeight(c, dw.scales.clone(), dw.n)
                            for c in copies(dw.codes, n * k * 5 // 8)]
                     t = graph_us([lambda d=d: kd.decode_gemm(a, sa, d, wq.global_scale, config=cfg)
                                   for d in dws]) / 1e3

@@ -27,6 +27,12 @@ BK is. Split-K where N alone does not fill the GPU: the last program of an N til
 fp32 partials in split order (deterministic); the split depends on (M padded, N, K), never on the
 data, so rows keep their bits for every M of one padded size, and equal the aligned path's wherever
 the fp32 accumulation is exact (nearly all outputs, FACTS.md 1.1).
+
+Tiles in memory: the words and scales of each TILE_N-row block and TILE_K-column step lie together
+(4 KB of words and 1 KB of scales at K steps of 128), the blocks' steps in K order, so a program's K
+step reads one contiguous piece instead of 64 rows 2 KB apart (H200 probe, s9 run1, Qwen3-8B shapes
+against row-major rows: gate+up 1.06x at M <= 8, 1.12x at M = 64; the small q|o and k|v 0.99-1.04x).
+Rows are zero-padded to TILE_N; `DecodeWeight.rows()` gives the row-major view back.
 """
 
 import dataclasses
@@ -53,6 +59,9 @@ DECODE_TILES = {
 }
 MAX_SPLIT_K = 16
 KGROUP = 32  # the layout's column group (two k16 MMA blocks): K must be a multiple of it
+TILE_N = 64  # rows of a memory tile (a wgmma's weight rows)
+TILE_K = 128  # columns of a memory tile, halved until it divides K (`tile_k`)
+_TILE_N = tl.constexpr(TILE_N)
 # the weight operand holds e2m1 * s_b / W_SHIFT; the epilogue multiplies it back
 W_SHIFT = {torch.float16: 2.0**14, torch.bfloat16: 2.0**64}
 SCALE_SHIFT = {torch.float16: 1.0, torch.bfloat16: 2.0**62}  # stored scales are s_b * SCALE_SHIFT
@@ -61,18 +70,56 @@ SCALE_SHIFT = {torch.float16: 1.0, torch.bfloat16: 2.0**62}  # stored scales are
 WORD_BITS = (((0, 1, 2), 9), ((3, 4, 5), 12), ((6, 7, 8), 15), ((10, 11, 13), 14))
 
 
+def tile_k(k: int) -> int:
+    """The memory tile's width for rows of K columns (a power of 2 from KGROUP to TILE_K dividing K)."""
+    tk = TILE_K
+    while k % tk:
+        tk //= 2
+    return tk
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeWeight:
-    """A packed weight in the decode layout: codes as int16 words [..., N, K // 4] (4 codes each, in MMA
-    register order, WORD_BITS) and block scales [..., N, K // 16] in the operand dtype
-    (s_b * SCALE_SHIFT); the leading dimension, if any, runs over MoE experts."""
+    """A packed weight of N rows in the decode layout, in memory tiles: codes as int16 words
+    [..., N_pad / TILE_N, K / TK, TILE_N, TK / 4] (4 codes each, in MMA register order, WORD_BITS) and
+    block scales [..., N_pad / TILE_N, K / TK, TILE_N, TK / 16] in the operand dtype (s_b * SCALE_SHIFT),
+    TK = `tile_k(K)`, rows zero-padded to N_pad; the leading dimension, if any, runs over MoE experts."""
 
     codes: torch.Tensor
     scales: torch.Tensor
+    n: int
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (*self.codes.shape[:-1], 4 * self.codes.shape[-1])
+        c = self.codes.shape
+        return (*c[:-4], self.n, 4 * c[-3] * c[-1])
+
+    @property
+    def n_pad(self) -> int:
+        return TILE_N * self.codes.shape[-4]
+
+    @property
+    def tk(self) -> int:
+        return 4 * self.codes.shape[-1]
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(words [..., N, K // 4], scales [..., N, K // 16]) in row-major order (for inspection)."""
+        return _from_tiles(self.codes, self.n), _from_tiles(self.scales, self.n)
+
+
+def _to_tiles(t: torch.Tensor, tk_cols: int) -> torch.Tensor:
+    """[..., N, C] -> [..., N_pad / TILE_N, C / tk_cols, TILE_N, tk_cols] contiguous, rows zero-padded."""
+    *lead, n, c = t.shape
+    pad = -n % TILE_N
+    if pad:
+        t = torch.cat([t, t.new_zeros(*lead, pad, c)], -2)
+    t = t.reshape(*lead, (n + pad) // TILE_N, TILE_N, c // tk_cols, tk_cols)
+    return t.transpose(-3, -2).contiguous()
+
+
+def _from_tiles(t: torch.Tensor, n: int) -> torch.Tensor:
+    *lead, nb, kt, rows, c = t.shape
+    return t.transpose(-3, -2).reshape(*lead, nb * rows, kt * c)[..., :n, :]
 
 
 def pack_weight(codes: torch.Tensor, block_scales: torch.Tensor, dtype=torch.bfloat16) -> DecodeWeight:
@@ -93,7 +140,9 @@ def pack_weight(codes: torch.Tensor, block_scales: torch.Tensor, dtype=torch.bfl
     for r in range(0, flat.shape[0], step):
         words[r:r + step] = _pack_rows(flat[r:r + step])
     scales = (block_scales.float() * SCALE_SHIFT[dtype]).to(dtype)  # exact
-    return DecodeWeight(words.reshape(*codes.shape[:-1], kh // 2), scales.contiguous())
+    tk = tile_k(2 * kh)
+    words = _to_tiles(words.reshape(*codes.shape[:-1], kh // 2), tk // 4)
+    return DecodeWeight(words, _to_tiles(scales, tk // 16), codes.shape[-2])
 
 
 PACK_CODES = 1 << 24  # code bytes `pack_weight` converts at a time (an MoE weight holds ~10^8-10^9)
@@ -151,27 +200,67 @@ def _code(q, o: tl.constexpr, BF16: tl.constexpr, HW: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(ptrs, mask_n, EVEN_N: tl.constexpr):
-    """Weight rows (zeros past N; unmasked when N % BN == 0)."""
+def _load_rows(ptrs, rows_ok, EVEN_N: tl.constexpr):
+    """Weight rows (zeros past the padded rows; unmasked when they fill the tile, EVEN_N)."""
     if EVEN_N:
         return tl.load(ptrs)
-    return tl.load(ptrs, mask=mask_n[:, None], other=0)
+    return tl.load(ptrs, mask=rows_ok, other=0)
 
 
 @triton.jit
-def decode_acc(a_rows, mask_m, w_rows, s_rows, mask_n, k_begin, KS: tl.constexpr, BF16: tl.constexpr,
-               HW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_N: tl.constexpr):
+def layout_rows(codes_ptr, ws_ptr, n0, BN: tl.constexpr, K: tl.constexpr, TK: tl.constexpr):
+    """Pointers to rows n0 .. n0 + BN of one weight in the tiled decode layout, at column 0: (words,
+    scales); n0 a multiple of BN."""
+    if BN <= _TILE_N:
+        blk = (n0 // _TILE_N).to(tl.int64)
+        r = n0 % _TILE_N + tl.arange(0, BN)
+    else:
+        blk = (n0 // _TILE_N).to(tl.int64) + tl.arange(0, BN) // _TILE_N
+        r = tl.arange(0, BN) % _TILE_N
+    return (codes_ptr + blk * (_TILE_N * K // 4) + r * (TK // 4),
+            ws_ptr + blk * (_TILE_N * K // 16) + r * (TK // 16))
+
+
+@triton.jit
+def _tile_cols(rows, mask_n, n: tl.constexpr, per_row: tl.constexpr):
+    """Pointers to the first n entries of rows (per_row of them in each memory tile) and their row
+    mask: [BN, n] within one tile, [BN, tiles, per_row] across tiles (a [BN, n] view of those loses
+    Triton's contiguity analysis: the loads would not vectorize)."""
+    if n <= per_row:
+        ptrs = rows[:, None] + tl.arange(0, n)[None, :]
+        ok = mask_n[:, None]
+    else:
+        tiles = tl.arange(0, n // per_row)[None, :, None] * (_TILE_N * per_row)
+        ptrs = rows[:, None, None] + tiles + tl.arange(0, per_row)[None, None, :]
+        ok = mask_n[:, None, None]
+    return ptrs, ok
+
+
+@triton.jit
+def decode_acc(a_rows, mask_m, w_rows, s_rows, mask_n, k_begin, KS: tl.constexpr, TK: tl.constexpr,
+               BF16: tl.constexpr, HW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               EVEN_N: tl.constexpr):
     """acc^T [BN, BM] fp32 over columns k_begin .. k_begin + KS in plain order, one dot per K step.
-    a_rows [BM] points at the activation rows, w_rows / s_rows [BN] at the weight's word / scale rows."""
+    a_rows [BM] points at the activation rows, w_rows / s_rows [BN] at the weight's word / scale rows
+    (`layout_rows`, memory tiles TK columns wide)."""
     G: tl.constexpr = BK // 32  # column groups per K step
-    w_cols = w_rows[:, None] + tl.arange(0, BK // 4)[None, :]  # [BN, BK / 4] words
-    s_cols = s_rows[:, None] + tl.arange(0, BK // 16)[None, :]  # [BN, BK / 16] block scales
+    TW: tl.constexpr = TK // 4  # words of a row in one memory tile
+    TS: tl.constexpr = TK // 16  # scales of a row in one memory tile
+    w_cols, w_ok = _tile_cols(w_rows, mask_n, BK // 4, TW)  # BK / 4 words a row
+    s_cols, s_ok = _tile_cols(s_rows, mask_n, BK // 16, TS)  # BK / 16 block scales a row
     a_cols = a_rows[None, :] + tl.arange(0, BK)[:, None]  # [BK, BM]
     acc_t = tl.zeros([BN, BM], dtype=tl.float32)
     for k0 in range(0, KS, BK):
         kb = k_begin + k0
-        q = tl.reshape(_load_rows(w_cols + kb // 4, mask_n, EVEN_N), [BN, G, 4, 2])  # [n, g, t, e]
-        s0, s1 = tl.split(tl.reshape(_load_rows(s_cols + kb // 16, mask_n, EVEN_N), [BN, G, 2]))
+        if BK >= TK:  # whole tiles: the step's offset is linear in kb (keeps the loads vectorized)
+            w_off = kb * (_TILE_N // 4)
+            s_off = kb * (_TILE_N // 16)
+        else:  # a part of one tile (powers of 2: a step never straddles tiles)
+            w_off = (kb // TK) * (_TILE_N * TW) + (kb % TK) // 4
+            s_off = (kb // TK) * (_TILE_N * TS) + (kb % TK) // 16
+        q = tl.reshape(_load_rows(w_cols + w_off, w_ok, EVEN_N), [BN, G, 4, 2])  # [n, g, t, e]
+        s = _load_rows(s_cols + s_off, s_ok, EVEN_N)
+        s0, s1 = tl.split(tl.reshape(s, [BN, G, 2]))
         s0 = s0[:, :, None, None]  # block b = 0 of each group
         s1 = s1[:, :, None, None]
         w = tl.join(tl.join(_code(q, 0, BF16, HW) * s0, _code(q, 1, BF16, HW) * s0),
@@ -184,21 +273,21 @@ def decode_acc(a_rows, mask_m, w_rows, s_rows, mask_n, k_begin, KS: tl.constexpr
 
 @triton.jit
 def _w4a4_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, part_ptr, count_ptr, M, N,
-                        stride_am, stride_cn, stride_sn, stride_om, stride_sa,
-                        K: tl.constexpr, EPILOGUE: tl.constexpr, BF16: tl.constexpr, HW: tl.constexpr,
-                        W_SHIFT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        stride_am, stride_om, stride_sa, K: tl.constexpr, TK: tl.constexpr,
+                        EPILOGUE: tl.constexpr, BF16: tl.constexpr, HW: tl.constexpr, W_SHIFT: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr):
-    """out[:M, tile] for decode-layout codes (int16 words [N, K // 4]); `decode_acc` is the loop."""
+    """out[:M, tile] for a weight in the decode layout (`DecodeWeight`); `decode_acc` is the loop."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_n = offs_n < N
-    rows = offs_n.to(tl.int64)
     offs_m = tl.arange(0, BM)
     mask_m = offs_m < M
     KS: tl.constexpr = K // SPLIT_K
-    acc_t = decode_acc(a_ptr + offs_m.to(tl.int64) * stride_am, mask_m, codes_ptr + rows * stride_cn,
-                       ws_ptr + rows * stride_sn, mask_n, pid_k * KS, KS, BF16, HW, BM, BN, BK, EVEN_N)
+    w_rows, s_rows = layout_rows(codes_ptr, ws_ptr, pid_n * BN, BN, K, TK)
+    acc_t = decode_acc(a_ptr + offs_m.to(tl.int64) * stride_am, mask_m, w_rows, s_rows, mask_n, pid_k * KS,
+                       KS, TK, BF16, HW, BM, BN, BK, EVEN_N)
     acc = tl.trans(acc_t) * W_SHIFT  # [BM, BN]
     out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     out_mask = mask_m[:, None] & mask_n[None, :]
@@ -295,7 +384,7 @@ def decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, w_scale
     """`gemm.w4a4_gemm`'s decode config for a weight in the decode layout (`pack_weight`): a [M, K]
     e2m1 * s_b (the weight's operand dtype), a_scale fp32 [M] or [], w_scale fp32 [] -> [M, N].
     config defaults to `decode_config(M, N, K)`."""
-    if w.codes.ndim != 2:
+    if w.codes.ndim != 4:
         raise ValueError(f"decode_gemm takes a 2D weight, got {tuple(w.shape)} (experts: grouped_decode)")
     if a.ndim != 2 or a.shape[1] != w.shape[1] or a.dtype != w.scales.dtype or a.stride(1) != 1:
         raise ValueError(f"a must be [M, K={w.shape[1]}] in {w.scales.dtype} with unit stride along K, "
@@ -322,7 +411,6 @@ def launch(a, sa, w: DecodeWeight, w_scale, out, epilogue_id: int, cfg: dict) ->
         raise ValueError(f"decode tile BM={bm} cannot hold M={m}")
     if k % (split * bk) or bk % KGROUP:
         raise ValueError(f"K={k} must be a multiple of SPLIT_K * BK = {split * bk}, BK of {KGROUP}")
-    q16 = w.codes  # [N, K // 4] int16 words, 4 codes each
     tiles = triton.cdiv(n, bn)
     if split > 1:
         part = torch.empty(split, bm, n, dtype=torch.float32, device=a.device)
@@ -330,8 +418,8 @@ def launch(a, sa, w: DecodeWeight, w_scale, out, epilogue_id: int, cfg: dict) ->
     else:
         part = counters = out
     _w4a4_decode_kernel[(tiles, split)](
-        a, q16, w.scales, sa, w_scale, out, part, counters, m, n,
-        a.stride(0), q16.stride(0), w.scales.stride(0), out.stride(0), 0 if sa.numel() == 1 else 1,
-        K=k, EPILOGUE=epilogue_id, BF16=a.dtype == torch.bfloat16, HW=not interpreted(),
-        W_SHIFT=W_SHIFT[a.dtype], BM=bm, BN=bn, BK=bk, SPLIT_K=split, EVEN_N=n % bn == 0,
+        a, w.codes, w.scales, sa, w_scale, out, part, counters, m, n,
+        a.stride(0), out.stride(0), 0 if sa.numel() == 1 else 1, K=k, TK=w.tk, EPILOGUE=epilogue_id,
+        BF16=a.dtype == torch.bfloat16, HW=not interpreted(), W_SHIFT=W_SHIFT[a.dtype], BM=bm, BN=bn, BK=bk,
+        SPLIT_K=split, EVEN_N=w.n_pad % bn == 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from minite.kernels import interpreted
-from minite.kernels.decode_gemm import KGROUP, W_SHIFT, DecodeWeight, decode_acc
+from minite.kernels.decode_gemm import KGROUP, W_SHIFT, DecodeWeight, decode_acc, layout_rows
 from minite.kernels.epilogue import EPILOGUES, store_tile
 from minite.kernels.grouped_gemm import expert_tile
 
@@ -52,15 +52,16 @@ def grouped_decode_config(rows: int, experts: int, k: int | None = None) -> dict
 
 @triton.jit
 def _row_tile(a_ptr, row0, row_end, w_rows, s_rows, offs_n, mask_n, sa_ptr, sw_ptr, e, out_ptr, stride_am,
-              stride_om, stride_sa, K: tl.constexpr, EPILOGUE: tl.constexpr, BF16: tl.constexpr,
-              HW: tl.constexpr, W_SHIFT: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              stride_om, stride_sa, K: tl.constexpr, TK: tl.constexpr, EPILOGUE: tl.constexpr,
+              BF16: tl.constexpr, HW: tl.constexpr, W_SHIFT: tl.constexpr, ROWS: tl.constexpr,
+              BN: tl.constexpr, BK: tl.constexpr,
               EVEN_N: tl.constexpr):
     """Rows row0 .. row0 + ROWS (those before row_end) of expert e times its N tile, stored."""
     offs_m = row0 + tl.arange(0, ROWS)
     mask_m = offs_m < row_end
     # the columns in plain order (the aligned K order), no split-K
     a_rows = a_ptr + offs_m.to(tl.int64) * stride_am
-    acc_t = decode_acc(a_rows, mask_m, w_rows, s_rows, mask_n, 0, K, BF16, HW, ROWS, BN, BK, EVEN_N)
+    acc_t = decode_acc(a_rows, mask_m, w_rows, s_rows, mask_n, 0, K, TK, BF16, HW, ROWS, BN, BK, EVEN_N)
     acc = tl.trans(acc_t) * W_SHIFT  # [ROWS, BN]
     store_tile(acc, sa_ptr, tl.load(sw_ptr + e), out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om,
                stride_sa, EPILOGUE)
@@ -68,9 +69,10 @@ def _row_tile(a_ptr, row0, row_end, w_rows, s_rows, offs_n, mask_n, sa_ptr, sw_p
 
 @triton.jit
 def _grouped_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, offsets_ptr, out_ptr, N, E,
-                           stride_am, stride_ce, stride_cn, stride_se, stride_sn, stride_om, stride_sa,
-                           K: tl.constexpr, EPILOGUE: tl.constexpr, BF16: tl.constexpr, HW: tl.constexpr,
-                           W_SHIFT: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                           stride_am, stride_ce, stride_se, stride_om, stride_sa,
+                           K: tl.constexpr, TK: tl.constexpr, EPILOGUE: tl.constexpr, BF16: tl.constexpr,
+                           HW: tl.constexpr, W_SHIFT: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr,
+                           BN: tl.constexpr,
                            BK: tl.constexpr, EVEN_N: tl.constexpr, HALVES: tl.constexpr):
     pid_n = tl.program_id(0)
     e, row0, row_end = expert_tile(offsets_ptr, E, tl.program_id(1), BM, E_P2)
@@ -78,18 +80,17 @@ def _grouped_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, offsets_ptr
         return
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_n = offs_n < N
-    rows = offs_n.to(tl.int64)
-    w_rows = codes_ptr + e.to(tl.int64) * stride_ce + rows * stride_cn
-    s_rows = ws_ptr + e.to(tl.int64) * stride_se + rows * stride_sn
+    w_rows, s_rows = layout_rows(codes_ptr + e.to(tl.int64) * stride_ce, ws_ptr + e.to(tl.int64) * stride_se,
+                                 pid_n * BN, BN, K, TK)
     # HALVES: a tile whose rows fit in its first half runs the half-height MMAs (each expert's weight
     # is still dequantized once per BM rows)
     HM: tl.constexpr = BM // 2
     if HALVES and row_end - row0 <= HM:
         _row_tile(a_ptr, row0, row_end, w_rows, s_rows, offs_n, mask_n, sa_ptr, sw_ptr, e, out_ptr, stride_am,
-                  stride_om, stride_sa, K, EPILOGUE, BF16, HW, W_SHIFT, HM, BN, BK, EVEN_N)
+                  stride_om, stride_sa, K, TK, EPILOGUE, BF16, HW, W_SHIFT, HM, BN, BK, EVEN_N)
     else:
         _row_tile(a_ptr, row0, row_end, w_rows, s_rows, offs_n, mask_n, sa_ptr, sw_ptr, e, out_ptr, stride_am,
-                  stride_om, stride_sa, K, EPILOGUE, BF16, HW, W_SHIFT, BM, BN, BK, EVEN_N)
+                  stride_om, stride_sa, K, TK, EPILOGUE, BF16, HW, W_SHIFT, BM, BN, BK, EVEN_N)
 
 
 def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, w_scale: torch.Tensor,
@@ -99,7 +100,7 @@ def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight,
     one number); w the experts [E, N, K] in the decode layout (`decode_gemm.pack_weight`); w_scale
     fp32 [E]; offsets int [E + 1] from 0 to T, non-decreasing. -> [T, N]. config defaults to
     `grouped_decode_config(T, E, K)`; its BK must divide K and be a multiple of KGROUP."""
-    if w.codes.ndim != 3:
+    if w.codes.ndim != 5:
         raise ValueError(f"w must hold experts [E, N, K] in the decode layout, got {tuple(w.shape)}")
     e, n, k = w.shape
     if a.ndim != 2 or a.shape[1] != k or a.dtype != w.scales.dtype or a.stride(1) != 1:
@@ -126,10 +127,9 @@ def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight,
     grid = (triton.cdiv(n, bn), triton.cdiv(t, bm) + e)
     _grouped_decode_kernel[grid](
         a, w.codes, w.scales, sa, w_scale.reshape(-1), offsets, out, n, e,
-        a.stride(0), w.codes.stride(0), w.codes.stride(1), w.scales.stride(0), w.scales.stride(1),
-        out.stride(0), 0 if sa.numel() == 1 else 1,
-        K=k, EPILOGUE=EPILOGUES[epilogue], BF16=a.dtype == torch.bfloat16, HW=not interpreted(),
+        a.stride(0), w.codes.stride(0), w.scales.stride(0), out.stride(0), 0 if sa.numel() == 1 else 1,
+        K=k, TK=w.tk, EPILOGUE=EPILOGUES[epilogue], BF16=a.dtype == torch.bfloat16, HW=not interpreted(),
         W_SHIFT=W_SHIFT[a.dtype], E_P2=max(16, triton.next_power_of_2(e)), BM=bm, BN=bn, BK=cfg["BK"],
-        EVEN_N=n % bn == 0, HALVES=cfg.get("HALVES", False), num_warps=cfg["num_warps"],
+        EVEN_N=w.n_pad % bn == 0, HALVES=cfg.get("HALVES", False), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     return out

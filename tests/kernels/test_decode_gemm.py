@@ -57,9 +57,10 @@ def test_dequant_is_exact_for_every_code_and_scale(dtype):
     codes = _codes(1, 512, 0)  # 128 words
     scales = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn)
     dw = kd.pack_weight(codes, torch.zeros(1, 32, dtype=torch.float8_e4m3fn), dtype)
-    sw = kd.pack_weight(torch.zeros(1, 1024, dtype=torch.uint8), scales[None], dtype).scales[0]
+    sw = kd.pack_weight(torch.zeros(1, 1024, dtype=torch.uint8), scales[None], dtype).rows()[1][0]
     out = torch.empty(4, 128, 128, dtype=torch.float32, device=dev)
-    _dequant_kernel[(1,)](dw.codes[0].to(dev), sw.to(dev), out, NQ=128, NS=128, BF16=dtype == torch.bfloat16,
+    words = dw.rows()[0][0].contiguous()
+    _dequant_kernel[(1,)](words.to(dev), sw.to(dev), out, NQ=128, NS=128, BF16=dtype == torch.bfloat16,
                           HW=not interpreted())
     e2m1 = torch.tensor(nvfp4.E2M1_VALUES, dtype=torch.float64)
     e2m1 = torch.cat([e2m1, -e2m1])
@@ -83,14 +84,31 @@ def test_pack_weight_of_experts_in_row_chunks_equals_each_expert_whole(monkeypat
         assert torch.equal(dw.codes[e], whole[e].codes) and torch.equal(dw.scales[e], whole[e].scales)
 
 
+def test_pack_weight_lays_rows_out_in_memory_tiles():
+    """Each TILE_N-row block's TILE_K-column step is one contiguous piece, the steps in K order; rows
+    padded with zeros to a whole tile; `rows()` gives the row-major words back."""
+    g = torch.Generator().manual_seed(5)
+    codes = torch.randint(1, 256, (70, 384), dtype=torch.uint8, generator=g)  # K = 768: 6 tiles of 128
+    scales = (torch.rand(70, 48, generator=g) + 0.5).to(torch.float8_e4m3fn)
+    dw = kd.pack_weight(codes, scales)
+    words, row_scales = dw.rows()
+    assert dw.tk == kd.TILE_K == 128 and dw.n == 70 and dw.n_pad == 128 and dw.shape == (70, 768)
+    assert dw.codes.shape == (2, 6, 64, 32) and dw.scales.shape == (2, 6, 64, 8) and dw.codes.is_contiguous()
+    assert torch.equal(dw.codes[1, 2, :6], words[64:70, 64:96])  # rows 64-69, columns 256-383
+    assert torch.equal(dw.scales[0, 5], row_scales[:64, 40:48])
+    assert not dw.codes[1, :, 6:].any() and not dw.scales[1, :, 6:].any()  # the padding
+    assert kd.pack_weight(codes[:, :48], scales[:, :6]).tk == 32  # K = 96: the tile halves to divide it
+
+
 def test_pack_weight_puts_each_column_in_its_mma_register_slot():
     codes = _codes(3, 512, 1)
     scales = torch.rand(3, 32, generator=torch.Generator().manual_seed(2)).to(torch.float8_e4m3fn)
     nib = torch.stack([codes & 15, codes >> 4], -1).reshape(3, 512).to(torch.int32)
     dw = kd.pack_weight(codes, scales)
     assert dw.shape == (3, 512) and dw.codes.dtype == torch.int16 and dw.scales.dtype == torch.bfloat16
-    assert torch.equal(dw.scales.double(), scales.double() * 2.0**62)
-    words = dw.codes.to(torch.int32) & 0xFFFF  # [3, 128]
+    row_words, row_scales = dw.rows()
+    assert torch.equal(row_scales.double(), scales.double() * 2.0**62)
+    words = row_words.to(torch.int32) & 0xFFFF  # [3, 128]
     for o, (mag_at, sign_at) in enumerate(kd.WORD_BITS):
         mag = sum(((words >> at) & 1) << bit for bit, at in enumerate(mag_at))
         got = mag | (((words >> sign_at) & 1) << 3)
@@ -113,6 +131,7 @@ CASES = [  # (M, N, K, tile): ragged N (masked loads), N % BN == 0, split-K, pad
     (5, 40, 256, dict(BM=16, BN=16, BK=64, SPLIT_K=4)),
     (16, 32, 512, dict(BM=16, BN=32, BK=128, SPLIT_K=2)),
     (20, 48, 128, dict(BM=32, BN=16, BK=64, SPLIT_K=1)),
+    (4, 136, 256, dict(BM=16, BN=128, BK=64, SPLIT_K=1)),  # a tile of rows across two memory tiles
 ]
 
 
@@ -130,7 +149,7 @@ def test_decode_matches_aligned_on_gaussian_data(m, n, k, tile):
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("bk, split", [(32, 1), (64, 1), (128, 1), (32, 4), (64, 2)])
+@pytest.mark.parametrize("bk, split", [(32, 1), (64, 1), (128, 1), (256, 1), (32, 4), (64, 2)])
 def test_every_k_step_and_split_gives_the_aligned_bits_on_gaussian_data(bk, split):
     """BK only regroups the same k16 MMA steps (one accumulator, plain column order); split-K sums
     exact partials here. Also the fp16 interpreter path of every code slot."""
