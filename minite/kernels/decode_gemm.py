@@ -252,12 +252,14 @@ def decode_acc(a_rows, mask_m, w_rows, s_rows, mask_n, k_begin, KS: tl.constexpr
     acc_t = tl.zeros([BN, BM], dtype=tl.float32)
     for k0 in range(0, KS, BK):
         kb = k_begin + k0
-        if BK >= TK:  # whole tiles: the step's offset is linear in kb (keeps the loads vectorized)
+        # the step's offset with no remainder, which would hide its alignment from Triton (the loads
+        # would not vectorize)
+        if BK >= TK:  # whole tiles: linear in kb
             w_off = kb * (_TILE_N // 4)
             s_off = kb * (_TILE_N // 16)
-        else:  # a part of one tile (powers of 2: a step never straddles tiles)
-            w_off = (kb // TK) * (_TILE_N * TW) + (kb % TK) // 4
-            s_off = (kb // TK) * (_TILE_N * TS) + (kb % TK) // 16
+        else:  # kb / 4 plus (TILE_N - 1) rows for each whole tile before it
+            w_off = kb // 4 + (kb // TK) * ((_TILE_N - 1) * TW)
+            s_off = kb // 16 + (kb // TK) * ((_TILE_N - 1) * TS)
         q = tl.reshape(_load_rows(w_cols + w_off, w_ok, EVEN_N), [BN, G, 4, 2])  # [n, g, t, e]
         s = _load_rows(s_cols + s_off, s_ok, EVEN_N)
         s0, s1 = tl.split(tl.reshape(s, [BN, G, 2]))
