@@ -1,6 +1,6 @@
 """Probe: the library's tiled decode layout at memory tiles 128 and 256 columns wide against session 9
 run1's probe kernels (row-major `plain`, and `tiled` with tiles as wide as the K step). Call 2 of s9
-measured the library (128-wide tiles) 10-17 % slower than `plain` on the BK 256 tiles while the probe's
+measured the library (128-wide tiles) 10-12 % slower than `plain` on the BK 256 tiles while the probe's
 BK-wide tiles were faster; same bytes per step, same SASS counts on the CPU. Same bits everywhere.
 
     python benchmarks/exp_decode_tile_width.py --out OUT.json

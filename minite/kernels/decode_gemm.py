@@ -29,9 +29,11 @@ data, so rows keep their bits for every M of one padded size, and equal the alig
 the fp32 accumulation is exact (nearly all outputs, FACTS.md 1.1).
 
 Tiles in memory: the words and scales of each TILE_N-row block and TILE_K-column step lie together
-(4 KB of words and 1 KB of scales at K steps of 128), the blocks' steps in K order, so a program's K
-step reads one contiguous piece instead of 64 rows 2 KB apart (H200 probe, s9 run1, Qwen3-8B shapes
-against row-major rows: gate+up 1.06x at M <= 8, 1.12x at M = 64; the small q|o and k|v 0.99-1.04x).
+(8 KB of words and 2 KB of scales), the blocks' steps in K order, so a program's K step reads one
+contiguous piece instead of 64 rows 2 KB apart. H200, Qwen3-8B shapes, against row-major rows (s9
+runs 1 and 3): 1.06x at M <= 8 and 1.04x at M = 32 on gate+up, 1.08x at M = 64 (its K step, 128,
+reads half of each row's piece: 1.04x less than 128-wide tiles would give, but 128-wide tiles read
+as two pieces per 256-column step ran 3-12 % slower than row-major rows); q|o and k|v within 4 %.
 Rows are zero-padded to TILE_N; `DecodeWeight.rows()` gives the row-major view back.
 """
 
@@ -60,7 +62,7 @@ DECODE_TILES = {
 MAX_SPLIT_K = 16
 KGROUP = 32  # the layout's column group (two k16 MMA blocks): K must be a multiple of it
 TILE_N = 64  # rows of a memory tile (a wgmma's weight rows)
-TILE_K = 128  # columns of a memory tile, halved until it divides K (`tile_k`)
+TILE_K = 256  # columns of a memory tile (the widest K step), halved until it divides K (`tile_k`)
 _TILE_N = tl.constexpr(TILE_N)
 # the weight operand holds e2m1 * s_b / W_SHIFT; the epilogue multiplies it back
 W_SHIFT = {torch.float16: 2.0**14, torch.bfloat16: 2.0**64}
@@ -200,11 +202,11 @@ def _code(q, o: tl.constexpr, BF16: tl.constexpr, HW: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(ptrs, rows_ok, EVEN_N: tl.constexpr):
+def _load_rows(ptrs, mask_n, EVEN_N: tl.constexpr):
     """Weight rows (zeros past the padded rows; unmasked when they fill the tile, EVEN_N)."""
     if EVEN_N:
         return tl.load(ptrs)
-    return tl.load(ptrs, mask=rows_ok, other=0)
+    return tl.load(ptrs, mask=mask_n[:, None], other=0)
 
 
 @triton.jit
@@ -222,46 +224,31 @@ def layout_rows(codes_ptr, ws_ptr, n0, BN: tl.constexpr, K: tl.constexpr, TK: tl
 
 
 @triton.jit
-def _tile_cols(rows, mask_n, n: tl.constexpr, per_row: tl.constexpr):
-    """Pointers to the first n entries of rows (per_row of them in each memory tile) and their row
-    mask: [BN, n] within one tile, [BN, tiles, per_row] across tiles (a [BN, n] view of those loses
-    Triton's contiguity analysis: the loads would not vectorize)."""
-    if n <= per_row:
-        ptrs = rows[:, None] + tl.arange(0, n)[None, :]
-        ok = mask_n[:, None]
-    else:
-        tiles = tl.arange(0, n // per_row)[None, :, None] * (_TILE_N * per_row)
-        ptrs = rows[:, None, None] + tiles + tl.arange(0, per_row)[None, None, :]
-        ok = mask_n[:, None, None]
-    return ptrs, ok
-
-
-@triton.jit
 def decode_acc(a_rows, mask_m, w_rows, s_rows, mask_n, k_begin, KS: tl.constexpr, TK: tl.constexpr,
                BF16: tl.constexpr, HW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                EVEN_N: tl.constexpr):
     """acc^T [BN, BM] fp32 over columns k_begin .. k_begin + KS in plain order, one dot per K step.
     a_rows [BM] points at the activation rows, w_rows / s_rows [BN] at the weight's word / scale rows
-    (`layout_rows`, memory tiles TK columns wide)."""
+    (`layout_rows`, memory tiles TK >= BK columns wide: a K step lies in one tile)."""
     G: tl.constexpr = BK // 32  # column groups per K step
     TW: tl.constexpr = TK // 4  # words of a row in one memory tile
     TS: tl.constexpr = TK // 16  # scales of a row in one memory tile
-    w_cols, w_ok = _tile_cols(w_rows, mask_n, BK // 4, TW)  # BK / 4 words a row
-    s_cols, s_ok = _tile_cols(s_rows, mask_n, BK // 16, TS)  # BK / 16 block scales a row
+    w_cols = w_rows[:, None] + tl.arange(0, BK // 4)[None, :]  # [BN, BK / 4] words
+    s_cols = s_rows[:, None] + tl.arange(0, BK // 16)[None, :]  # [BN, BK / 16] block scales
     a_cols = a_rows[None, :] + tl.arange(0, BK)[:, None]  # [BK, BM]
     acc_t = tl.zeros([BN, BM], dtype=tl.float32)
     for k0 in range(0, KS, BK):
         kb = k_begin + k0
         # the step's offset with no remainder, which would hide its alignment from Triton (the loads
         # would not vectorize)
-        if BK >= TK:  # whole tiles: linear in kb
+        if BK == TK:  # whole tiles: linear in kb
             w_off = kb * (_TILE_N // 4)
             s_off = kb * (_TILE_N // 16)
         else:  # kb / 4 plus (TILE_N - 1) rows for each whole tile before it
             w_off = kb // 4 + (kb // TK) * ((_TILE_N - 1) * TW)
             s_off = kb // 16 + (kb // TK) * ((_TILE_N - 1) * TS)
-        q = tl.reshape(_load_rows(w_cols + w_off, w_ok, EVEN_N), [BN, G, 4, 2])  # [n, g, t, e]
-        s = _load_rows(s_cols + s_off, s_ok, EVEN_N)
+        q = tl.reshape(_load_rows(w_cols + w_off, mask_n, EVEN_N), [BN, G, 4, 2])  # [n, g, t, e]
+        s = _load_rows(s_cols + s_off, mask_n, EVEN_N)
         s0, s1 = tl.split(tl.reshape(s, [BN, G, 2]))
         s0 = s0[:, :, None, None]  # block b = 0 of each group
         s1 = s1[:, :, None, None]
@@ -411,8 +398,9 @@ def launch(a, sa, w: DecodeWeight, w_scale, out, epilogue_id: int, cfg: dict) ->
     bm, bn, bk, split = cfg["BM"], cfg["BN"], cfg["BK"], cfg["SPLIT_K"]
     if m > bm:
         raise ValueError(f"decode tile BM={bm} cannot hold M={m}")
-    if k % (split * bk) or bk % KGROUP:
-        raise ValueError(f"K={k} must be a multiple of SPLIT_K * BK = {split * bk}, BK of {KGROUP}")
+    if k % (split * bk) or bk % KGROUP or bk > w.tk:
+        raise ValueError(f"K={k} must be a multiple of SPLIT_K * BK = {split * bk}, BK of {KGROUP} and at "
+                         f"most the layout's tile width {w.tk}")
     tiles = triton.cdiv(n, bn)
     if split > 1:
         part = torch.empty(split, bm, n, dtype=torch.float32, device=a.device)

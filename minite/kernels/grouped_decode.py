@@ -119,8 +119,9 @@ def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight,
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue={epilogue!r} is not supported; choose one of {list(EPILOGUES)}")
     cfg = config or grouped_decode_config(t, e, k)
-    if k % cfg["BK"] or cfg["BK"] % KGROUP:
-        raise ValueError(f"BK={cfg['BK']} must divide K={k} and be a multiple of {KGROUP}")
+    if k % cfg["BK"] or cfg["BK"] % KGROUP or cfg["BK"] > w.tk:
+        raise ValueError(f"BK={cfg['BK']} must divide K={k}, be a multiple of {KGROUP} and at most the "
+                         f"layout's tile width {w.tk}")
     out = torch.empty(t, n, dtype=out_dtype, device=a.device)
     sa = a_scale.reshape(-1)
     bm, bn = cfg["BM"], cfg["BN"]

@@ -88,14 +88,14 @@ def test_pack_weight_lays_rows_out_in_memory_tiles():
     """Each TILE_N-row block's TILE_K-column step is one contiguous piece, the steps in K order; rows
     padded with zeros to a whole tile; `rows()` gives the row-major words back."""
     g = torch.Generator().manual_seed(5)
-    codes = torch.randint(1, 256, (70, 384), dtype=torch.uint8, generator=g)  # K = 768: 6 tiles of 128
+    codes = torch.randint(1, 256, (70, 384), dtype=torch.uint8, generator=g)  # K = 768: 3 tiles of 256
     scales = (torch.rand(70, 48, generator=g) + 0.5).to(torch.float8_e4m3fn)
     dw = kd.pack_weight(codes, scales)
     words, row_scales = dw.rows()
-    assert dw.tk == kd.TILE_K == 128 and dw.n == 70 and dw.n_pad == 128 and dw.shape == (70, 768)
-    assert dw.codes.shape == (2, 6, 64, 32) and dw.scales.shape == (2, 6, 64, 8) and dw.codes.is_contiguous()
-    assert torch.equal(dw.codes[1, 2, :6], words[64:70, 64:96])  # rows 64-69, columns 256-383
-    assert torch.equal(dw.scales[0, 5], row_scales[:64, 40:48])
+    assert dw.tk == kd.TILE_K == 256 and dw.n == 70 and dw.n_pad == 128 and dw.shape == (70, 768)
+    assert dw.codes.shape == (2, 3, 64, 64) and dw.scales.shape == (2, 3, 64, 16) and dw.codes.is_contiguous()
+    assert torch.equal(dw.codes[1, 1, :6], words[64:70, 64:128])  # rows 64-69, columns 256-511
+    assert torch.equal(dw.scales[0, 2], row_scales[:64, 32:48])
     assert not dw.codes[1, :, 6:].any() and not dw.scales[1, :, 6:].any()  # the padding
     assert kd.pack_weight(codes[:, :48], scales[:, :6]).tk == 32  # K = 96: the tile halves to divide it
 
@@ -122,6 +122,9 @@ def test_pack_weight_puts_each_column_in_its_mma_register_slot():
         kd.decode_gemm(a, torch.ones(3), dw, torch.ones(()))
     with pytest.raises(ValueError, match="SPLIT_K"):
         cfg = dict(kd.decode_config(2, 3, 512), BK=512, SPLIT_K=2)
+        kd.decode_gemm(a, torch.ones(()), dw, torch.ones(()), config=cfg)
+    with pytest.raises(ValueError, match="tile width"):  # a K step wider than the memory tile
+        cfg = dict(kd.decode_config(2, 3, 512), BK=512, SPLIT_K=1)
         kd.decode_gemm(a, torch.ones(()), dw, torch.ones(()), config=cfg)
 
 
