@@ -63,7 +63,9 @@ TILES = {
     32: [(64, 256, 4, 3, 264), (64, 128, 4, 3, 264), (128, 256, 4, 3, 264), (128, 128, 4, 3, 264),
          (128, 128, 4, 3, 132)],
     64: [(64, 128, 4, 3, 264, 1), (64, 128, 4, 3, 264, 2), (64, 256, 4, 2, 0, 4), (128, 128, 4, 3, 264, 1),
-         (128, 128, 4, 3, 0, 2), (128, 128, 4, 3, 0, 4), (128, 256, 4, 2, 0, 4)],
+         (128, 128, 4, 3, 0, 2), (128, 128, 4, 3, 0, 4), (128, 256, 4, 2, 0, 4),
+         # BK 256 unsplit: a K step is a whole 256-column memory tile of the decode layout (s9)
+         (64, 256, 4, 2, 264, 1), (64, 256, 4, 3, 264, 1), (64, 256, 4, 2, 0, 2)],
 }
 # wide N tiles for M = 32 / 64: the activation tile (M * BK * 2 bytes) is read from L2 by every N tile,
 # 3.2x the weight bytes at BM = BN = 64, so BN 128 / 256 (two warpgroups at 8 warps) cut that traffic;
