@@ -40,6 +40,11 @@ Session 8 (ncu_decode.py, run_gpu_engines.sh ncu_decode; s8 run1):
   93fb9ba, s8 run9). Expected 10-30 % at M <= 8 if DRAM page locality held it back. Measured
   1.02-1.07x (gate+up 1.06-1.07x): a small part of the gap to cuBLAS's bandwidth.
 
+Session 9 (h200_2026-11-30_s9): the layout in memory tiles of 64 rows x 256 columns (now
+`decode_gemm`'s; 4-6 % less time on gate+up); 8-bit scales lost (more instructions than bytes
+saved). The M = 32 / 64 sweep on it (run5): the picks best or within 3 %, but q|o at M = 64 (split 2
+at BK 128, 7 % faster); BK 256 unsplit at M = 64 (whole memory tiles) did not win.
+
     python benchmarks/sweep_decode_gemm.py --out OUT.json [--workers 12]
 """
 
