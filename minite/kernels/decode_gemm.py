@@ -32,8 +32,8 @@ Tiles in memory: the words and scales of each TILE_N-row block and TILE_K-column
 (8 KB of words and 2 KB of scales), the blocks' steps in K order, so a program's K step reads one
 contiguous piece instead of 64 rows 2 KB apart. H200, Qwen3-8B shapes, against row-major rows (s9
 runs 1 and 3): 1.06x at M <= 8 and 1.04x at M = 32 on gate+up, 1.08x at M = 64 (its K step, 128,
-reads half of each row's piece: 1.04x less than 128-wide tiles would give, but 128-wide tiles read
-as two pieces per 256-column step ran 3-12 % slower than row-major rows); q|o and k|v within 4 %.
+reads half of each row's piece: 4 % slower than on 128-wide tiles, but those, read as two pieces
+per 256-column step, ran 3-12 % slower than row-major rows); q|o and k|v within 4 %.
 Rows are zero-padded to TILE_N; `DecodeWeight.rows()` gives the row-major view back.
 """
 
@@ -212,7 +212,7 @@ def _load_rows(ptrs, mask_n, EVEN_N: tl.constexpr):
 @triton.jit
 def layout_rows(codes_ptr, ws_ptr, n0, BN: tl.constexpr, K: tl.constexpr, TK: tl.constexpr):
     """Pointers to rows n0 .. n0 + BN of one weight in the tiled decode layout, at column 0: (words,
-    scales); n0 a multiple of BN."""
+    scales); n0 a multiple of BN, and BN a divisor or a multiple of TILE_N."""
     if BN <= _TILE_N:
         blk = (n0 // _TILE_N).to(tl.int64)
         r = n0 % _TILE_N + tl.arange(0, BN)

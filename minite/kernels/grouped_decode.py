@@ -54,8 +54,7 @@ def grouped_decode_config(rows: int, experts: int, k: int | None = None) -> dict
 def _row_tile(a_ptr, row0, row_end, w_rows, s_rows, offs_n, mask_n, sa_ptr, sw_ptr, e, out_ptr, stride_am,
               stride_om, stride_sa, K: tl.constexpr, TK: tl.constexpr, EPILOGUE: tl.constexpr,
               BF16: tl.constexpr, HW: tl.constexpr, W_SHIFT: tl.constexpr, ROWS: tl.constexpr,
-              BN: tl.constexpr, BK: tl.constexpr,
-              EVEN_N: tl.constexpr):
+              BN: tl.constexpr, BK: tl.constexpr, EVEN_N: tl.constexpr):
     """Rows row0 .. row0 + ROWS (those before row_end) of expert e times its N tile, stored."""
     offs_m = row0 + tl.arange(0, ROWS)
     mask_m = offs_m < row_end
@@ -72,8 +71,7 @@ def _grouped_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, offsets_ptr
                            stride_am, stride_ce, stride_se, stride_om, stride_sa,
                            K: tl.constexpr, TK: tl.constexpr, EPILOGUE: tl.constexpr, BF16: tl.constexpr,
                            HW: tl.constexpr, W_SHIFT: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr,
-                           BN: tl.constexpr,
-                           BK: tl.constexpr, EVEN_N: tl.constexpr, HALVES: tl.constexpr):
+                           BN: tl.constexpr, BK: tl.constexpr, EVEN_N: tl.constexpr, HALVES: tl.constexpr):
     pid_n = tl.program_id(0)
     e, row0, row_end = expert_tile(offsets_ptr, E, tl.program_id(1), BM, E_P2)
     if e >= E:
