@@ -16,7 +16,13 @@ E, TOPK, HIDDEN, INTER = 128, 8, 2048, 768
 SWEEP = [dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4),  # pointer loads (s4-s6 `prefill`)
          dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, TMA=True),
          dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, TMA=True),  # s7 `prefill`, `aligned_large`
-         dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4, TMA=True)]
+         dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4, TMA=True),
+         # one persistent program per SM (two for the 128 x 128 tile), loop nest flattened or not
+         dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, TMA=True, PERSIST=1, FLATTEN=True),
+         dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, TMA=True, PERSIST=1, FLATTEN=True),
+         dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, TMA=True, PERSIST=1),
+         dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, TMA=True, PERSIST=2, FLATTEN=True),
+         dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4, TMA=True, PERSIST=1, FLATTEN=True)]
 # s9 run6 also tried, for down's short K (768): BK 128 at BN 256 / 128, BM 256 x BN 128, BM 64 x BN 256;
 # all slower than the default at 4096 and 16384 tokens (down 16384: 0.63-0.84x against 0.83-0.85)
 OPS = {"gate|up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
@@ -68,9 +74,16 @@ def main():
                 row[f"{cfg}_vs_base"] = base / g
                 row[f"{cfg}+quant_vs_base"] = base / gq
             rows.append(row)
+            ref = gg.grouped_w4a4_gemm(a, sa, wc, sw, offsets, config="aligned")
             for i, c in enumerate(SWEEP):
-                g = bench_ms(lambda: gg.grouped_w4a4_gemm(a, sa, wc, sw, offsets, config=c))
-                sweep.append(dict(tokens=tokens, op=op, cfg=i, **c, tflops=flop / g / 1e9, vs_base=base / g))
+                try:
+                    same = torch.equal(gg.grouped_w4a4_gemm(a, sa, wc, sw, offsets, config=c), ref)
+                    g = bench_ms(lambda: gg.grouped_w4a4_gemm(a, sa, wc, sw, offsets, config=c))
+                except Exception as err:  # a tile that does not fit (shared memory, registers)
+                    sweep.append(dict(tokens=tokens, op=op, cfg=i, **c, error=str(err)[:200]))
+                    continue
+                sweep.append(dict(tokens=tokens, op=op, cfg=i, **c, tflops=flop / g / 1e9, vs_base=base / g,
+                                  aligned_bits=same))
     report("grouped config sweep", sweep, None)
     report("grouped gemm (MoE)", rows, args.out,
            dict(target="prefill >= 0.9x bf16 grouped baseline", configs=gg.CONFIGS, sweep=sweep))

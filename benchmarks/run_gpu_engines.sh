@@ -15,6 +15,9 @@
 #   quantize  the quantize kernel against a device copy (benchmarks/bench_quantize.py)
 #   sweep     the quantize kernel's launch configurations (benchmarks/sweep_quantize.py)
 #   gemm      the W4A4 GEMM (compute-bound) and the MoE grouped GEMM against cuBLAS / torch._grouped_mm
+#   grouped   the MoE grouped GEMM alone, with its tile sweep (benchmarks/bench_grouped_gemm.py)
+#   floor     the decode shapes' floor: an empty kernel and a kernel that only reads the packed bytes,
+#             against cuBLAS and the decode GEMM (benchmarks/probe_decode_floor.py)
 #   tma       the TMA variant of the W4A4 GEMM against the pointer kernel (benchmarks/sweep_tma_gemm.py)
 #   tiles     tiles for the aligned W4A4 GEMM, dense and grouped (benchmarks/sweep_aligned_gemm.py)
 #   tiles_step  aligned tiles at a rollout decode step (M = 512, CUDA graphs; sweep_aligned_gemm.py --decode-step)
@@ -97,6 +100,10 @@ for part in "$@"; do
     gemm)
       step 150 python3 benchmarks/bench_gemm.py --out "$OUT/kernels_gemm.json"
       step 100 python3 benchmarks/bench_grouped_gemm.py --out "$OUT/kernels_grouped_gemm.json" ;;
+    grouped)
+      step 150 python3 benchmarks/bench_grouped_gemm.py --out "$OUT/kernels_grouped_gemm.json" ;;
+    floor)
+      step 200 python3 benchmarks/probe_decode_floor.py --out "$OUT/probe_decode_floor.json" ;;
     sweep)
       step 150 python3 benchmarks/sweep_quantize.py --out "$OUT/kernels_quantize_sweep.json" ;;
     tiles)

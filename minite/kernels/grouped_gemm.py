@@ -34,19 +34,33 @@ ALIGNED_LARGE_ROWS_PER_EXPERT = 64  # H200 sweep: 32 rows/expert favour `aligned
 
 
 @triton.jit
-def expert_tile(offsets_ptr, E, pid_m, BM: tl.constexpr, E_P2: tl.constexpr):
-    """Row tile pid_m of the experts' tiles (each expert's rows cut into tiles of BM, experts in
-    order) -> (expert, first row, end of the expert's rows); expert == E past the last tile."""
+def expert_table(offsets_ptr, E, BM: tl.constexpr, E_P2: tl.constexpr):
+    """The experts' row tiles, in registers: (experts, first rows, row ends, tiles of BM rows, their
+    cumulative sum), E_P2 >= E entries."""
     experts = tl.arange(0, E_P2)
     start = tl.load(offsets_ptr + experts, mask=experts < E, other=0).to(tl.int32)
     end = tl.load(offsets_ptr + experts + 1, mask=experts < E, other=0).to(tl.int32)
     tiles = (end - start + BM - 1) // BM
-    cum = tl.cumsum(tiles, 0)
+    return experts, start, end, tiles, tl.cumsum(tiles, 0)
+
+
+@triton.jit
+def table_tile(experts, start, end, tiles, cum, pid_m, BM: tl.constexpr):
+    """Row tile pid_m of an `expert_table` -> (expert, first row, end of the expert's rows); expert ==
+    E past the last tile."""
     e = tl.sum((cum <= pid_m).to(tl.int32), 0)
     here = experts == e
     first_tile = tl.sum(tl.where(here, cum - tiles, 0), 0)
     row0 = tl.sum(tl.where(here, start, 0), 0) + (pid_m - first_tile) * BM
     return e, row0, tl.sum(tl.where(here, end, 0), 0)
+
+
+@triton.jit
+def expert_tile(offsets_ptr, E, pid_m, BM: tl.constexpr, E_P2: tl.constexpr):
+    """Row tile pid_m of the experts' tiles (each expert's rows cut into tiles of BM, experts in
+    order) -> (expert, first row, end of the expert's rows); expert == E past the last tile."""
+    experts, start, end, tiles, cum = expert_table(offsets_ptr, E, BM, E_P2)
+    return table_tile(experts, start, end, tiles, cum, pid_m, BM)
 
 
 @triton.jit
@@ -76,21 +90,11 @@ def _grouped_kernel(a_ptr, w_ptr, ws_ptr, sa_ptr, sw_ptr, offsets_ptr, out_ptr, 
 
 
 @triton.jit
-def _grouped_tma_kernel(a_ptr, w_ptr, sa_ptr, sw_ptr, offsets_ptr, out_ptr, T, N, E, stride_am, stride_wn,
-                        stride_om, stride_sa, K: tl.constexpr, EPILOGUE: tl.constexpr, E_P2: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """`_grouped_kernel` on the bf16 weight copies [E * N, K] (rows of expert e at e * N) with the
-    operands brought in by TMA. A row tile may read rows of the next expert and an N tile rows of the
-    next expert's weight (N % BN != 0): those outputs are masked, never stored; the K order is the
-    dense one."""
-    pid = tl.program_id(0)
-    grid_n = tl.cdiv(N, BN)
-    pid_n = pid % grid_n
-    e, row0, row_end = expert_tile(offsets_ptr, E, pid // grid_n, BM, E_P2)
-    if e >= E:
-        return
-    a_desc = tl.make_tensor_descriptor(a_ptr, [T, K], [stride_am, 1], [BM, BK])
-    w_desc = tl.make_tensor_descriptor(w_ptr, [E * N, K], [stride_wn, 1], [BN, BK])
+def _grouped_tma_tile(a_desc, w_desc, sa_ptr, sw_ptr, out_ptr, e, row0, row_end, pid_n, N, stride_om,
+                      stride_sa, K: tl.constexpr, EPILOGUE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr):
+    """Output tile (row0, pid_n) of expert e: BK chunks in sequence (the dense K order), stored inside
+    the expert's rows."""
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
         a = a_desc.load([row0, k0])
@@ -100,6 +104,34 @@ def _grouped_tma_kernel(a_ptr, w_ptr, sa_ptr, sw_ptr, offsets_ptr, out_ptr, T, N
     offs_n = pid_n * BN + tl.arange(0, BN)
     store_tile(acc, sa_ptr, tl.load(sw_ptr + e), out_ptr, offs_m, offs_n, offs_m < row_end, offs_n < N,
                stride_om, stride_sa, EPILOGUE)
+
+
+@triton.jit
+def _grouped_tma_kernel(a_ptr, w_ptr, sa_ptr, sw_ptr, offsets_ptr, out_ptr, T, N, E, stride_am, stride_wn,
+                        stride_om, stride_sa, programs, K: tl.constexpr, EPILOGUE: tl.constexpr,
+                        E_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr):
+    """`_grouped_kernel` on the bf16 weight copies [E * N, K] (rows of expert e at e * N) with the
+    operands brought in by TMA: one output tile per program, or (PERSISTENT) the experts' tiles
+    `programs` apart, the loop nest flattened (FLATTEN) so that the next tile's loads overlap this
+    one's epilogue. A row tile may read rows of the next expert and an N tile rows of the next
+    expert's weight (N % BN != 0): those outputs are masked, never stored; the K order is the dense
+    one."""
+    grid_n = tl.cdiv(N, BN)
+    a_desc = tl.make_tensor_descriptor(a_ptr, [T, K], [stride_am, 1], [BM, BK])
+    w_desc = tl.make_tensor_descriptor(w_ptr, [E * N, K], [stride_wn, 1], [BN, BK])
+    if PERSISTENT:  # GPU only: the interpreter cannot take a run-time range() bound
+        experts, start, end, tiles, cum = expert_table(offsets_ptr, E, BM, E_P2)
+        for tile in tl.range(tl.program_id(0), tl.sum(tiles, 0) * grid_n, programs, flatten=FLATTEN):
+            e, row0, row_end = table_tile(experts, start, end, tiles, cum, tile // grid_n, BM)
+            _grouped_tma_tile(a_desc, w_desc, sa_ptr, sw_ptr, out_ptr, e, row0, row_end, tile % grid_n, N,
+                              stride_om, stride_sa, K, EPILOGUE, BM, BN, BK)
+    else:
+        pid = tl.program_id(0)
+        e, row0, row_end = expert_tile(offsets_ptr, E, pid // grid_n, BM, E_P2)
+        if e < E:
+            _grouped_tma_tile(a_desc, w_desc, sa_ptr, sw_ptr, out_ptr, e, row0, row_end, pid % grid_n, N,
+                              stride_om, stride_sa, K, EPILOGUE, BM, BN, BK)
 
 
 def grouped_w4a4_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
@@ -131,11 +163,15 @@ def grouped_w4a4_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w
     grid = ((triton.cdiv(t, cfg["BM"]) + e) * triton.cdiv(n, cfg["BN"]),)
     if cfg.get("TMA") and not packed and w.stride(0) == n * w.stride(1) and gemm._tma_ok(a, w[0]):
         gemm._set_tma_allocator()
-        _grouped_tma_kernel[grid](a, w, sa, w_scale, offsets, out, t, n, e, a.stride(0), w.stride(1),
-                                  out.stride(0), 0 if sa.numel() == 1 else 1, K=k,
-                                  EPILOGUE=EPILOGUES[epilogue], E_P2=max(16, triton.next_power_of_2(e)),
-                                  BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"],
-                                  num_stages=cfg["num_stages"])
+        programs = grid[0]
+        if cfg.get("PERSIST") and not interpreted():
+            programs = min(programs, cfg["PERSIST"] * gemm._sm_count(a.device.index))
+        _grouped_tma_kernel[(programs,)](
+            a, w, sa, w_scale, offsets, out, t, n, e, a.stride(0), w.stride(1), out.stride(0),
+            0 if sa.numel() == 1 else 1, programs, K=k, EPILOGUE=EPILOGUES[epilogue],
+            E_P2=max(16, triton.next_power_of_2(e)), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
+            PERSISTENT=programs < grid[0], FLATTEN=bool(cfg.get("FLATTEN")), num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
         return out
     _grouped_kernel[grid](a, w, ws, sa, w_scale, offsets, out, n, e,
                           a.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), out.stride(0),

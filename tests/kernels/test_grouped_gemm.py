@@ -97,3 +97,18 @@ def test_gpu_grouped_aligned_gives_each_expert_the_dense_aligned_bits(tokens):
             dense = kg.w4a4_gemm(a[lo:hi], sa[lo:hi], kg.unscaled_copy(q), q.global_scale,
                                  out_dtype=torch.float32)
             assert torch.equal(dense.cpu(), got[lo:hi]), e
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flatten", [False, True])
+def test_gpu_persistent_tma_kernel_gives_one_tile_per_program_bits(flatten):
+    """More tiles (4 N tiles x ~80 row tiles) than programs (one per SM): the persistent loop walks
+    every expert's tiles, an empty expert included, in the dense K order."""
+    torch.manual_seed(2)
+    counts = torch.multinomial(torch.ones(16), 8192, replacement=True).bincount(minlength=16)
+    counts[5] = 0
+    x, wqs, offsets, want = case(counts.tolist(), 1024, 256)
+    tile = dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, TMA=True)
+    one_each = run(x, wqs, offsets, False, "cuda", tile)
+    assert torch.equal(run(x, wqs, offsets, False, "cuda", dict(tile, PERSIST=1, FLATTEN=flatten)), one_each)
+    assert (one_each - want).abs().max() <= 1e-5 * want.abs().max()
