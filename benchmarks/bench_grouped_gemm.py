@@ -15,10 +15,11 @@ from minite.kernels import nvfp4 as kq
 E, TOPK, HIDDEN, INTER = 128, 8, 2048, 768
 SWEEP = [dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4),  # pointer loads (s4-s6 `prefill`)
          dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, TMA=True),
-         dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, TMA=True),  # s7 `prefill`, `aligned_large`
+         dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, TMA=True),  # s7-s9 `prefill`
          dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4, TMA=True),
          # one persistent program per SM (two for the 128 x 128 tile), loop nest flattened or not
          dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, TMA=True, PERSIST=1, FLATTEN=True),
+         # s10 `prefill`, `aligned_large`
          dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, TMA=True, PERSIST=1, FLATTEN=True),
          dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, TMA=True, PERSIST=1),
          dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, TMA=True, PERSIST=2, FLATTEN=True),

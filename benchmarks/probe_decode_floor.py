@@ -3,8 +3,8 @@ of a kernel that only reads the packed weight's bytes, against cuBLAS bf16 and o
 the same way (CUDA graphs of back-to-back calls over rotating weight copies, so every call reads HBM).
 
 - `empty_us`: a kernel that does nothing (256 programs): the per-call cost of a graph node;
-- `read_us`: the fastest of several grids of a kernel that streams the layout's bytes (0.625 per
-  weight) and writes one word per program: no dequantization, no MMA, no split-K reduction;
+- `read_us`: the fastest of several grids and step sizes of a kernel that streams the layout's bytes
+  (0.625 per weight) and writes one word per program: no dequantization, no MMA, no split-K reduction;
 - `max_x` = cuBLAS / read_us: the most any kernel reading those bytes could reach against cuBLAS here.
   Where it is below 2.5 (#7's decode target), no decode GEMM on this layout can reach the target.
 """
@@ -18,8 +18,8 @@ from bench_decode_gemm import MS, SHAPES, copies, graph_us, operands
 
 from minite.kernels import decode_gemm as kd
 
-GRIDS = (132, 264, 528, 1056, 2112)
-BLOCK = 2048  # int32 words a program reads per step (8 KB)
+GRIDS = (132, 264, 528, 1056, 2112, 4224)
+BLOCKS = (512, 1024, 2048)  # int32 words a program reads per step (2-8 KB)
 
 
 @triton.jit
@@ -44,11 +44,11 @@ def _xor(a, b):
     return a ^ b
 
 
-def read_us(words: int, grid: int) -> float:
-    per = triton.cdiv(triton.cdiv(words, grid), BLOCK) * BLOCK
+def read_us(words: int, grid: int, block: int) -> float:
+    per = triton.cdiv(triton.cdiv(words, grid), block) * block
     out = torch.empty(grid, dtype=torch.int32, device="cuda")
     xs = copies(torch.zeros(words, dtype=torch.int32, device="cuda"), words * 4)
-    return graph_us([lambda x=x: _read[(grid,)](x, out, words, per, BLOCK=BLOCK, num_warps=4) for x in xs])
+    return graph_us([lambda x=x: _read[(grid,)](x, out, words, per, BLOCK=block, num_warps=4) for x in xs])
 
 
 def main():
@@ -59,7 +59,7 @@ def main():
     rows = []
     for layer, (n, k) in SHAPES.items():
         words = n * k * 5 // 32  # 0.625 bytes per weight in int32 words
-        reads = {g: read_us(words, g) for g in GRIDS}
+        reads = {(g, b): read_us(words, g, b) for g in GRIDS for b in BLOCKS}
         grid = min(reads, key=reads.get)
         for m in MS:
             w, x, wq, a, sa = operands(n, k, m)
@@ -68,12 +68,13 @@ def main():
             base = graph_us([lambda w=w_: torch.matmul(x, w.t()) for w_ in copies(w, w.numel() * 2)])
             ours = graph_us([lambda d=d: kd.decode_gemm(a, sa, d, wq.global_scale) for d in dws])
             row = dict(layer=layer, M=m, N=n, K=k, mbytes=words * 4 / 1e6, empty_us=empty,
-                       read_us=reads[grid], read_grid=grid, read_tb_s=words * 4 / reads[grid] / 1e6,
+                       read_us=reads[grid], read_grid=grid[0], read_block=grid[1],
+                       read_tb_s=words * 4 / reads[grid] / 1e6,
                        cublas_us=base, decode_us=ours, decode_x=base / ours, max_x=base / reads[grid],
                        decode_over_read=ours / reads[grid])
             rows.append(row)
             print({key: round(v, 3) if isinstance(v, float) else v for key, v in row.items()}, flush=True)
-    report("decode floor", rows, args.out, dict(grids=GRIDS, block_words=BLOCK, empty_us=empty))
+    report("decode floor", rows, args.out, dict(grids=GRIDS, block_words=BLOCKS, empty_us=empty))
 
 
 if __name__ == "__main__":

@@ -139,6 +139,18 @@ def test_gpu_batch_invariance_aligned():
             assert torch.equal(packed, full[rows]), m
 
 
+@pytest.mark.gpu
+def test_gpu_persistent_tile_takes_fp32_outputs():
+    """More tiles than SMs on the large tile (persistent, flattened for bf16): an fp32 output fits in
+    shared memory (run unflattened) and rounds to the bf16 output."""
+    x, w = heavy(4096, 512, 4).cuda(), kq.quantize(heavy(2048, 512, 5).cuda(), "tensor")
+    a, sa = kq.quantize_unscaled(x)
+    copy = kg.unscaled_copy(w)
+    out16 = kg.w4a4_gemm(a, sa, copy, w.global_scale)
+    out32 = kg.w4a4_gemm(a, sa, copy, w.global_scale, out_dtype=torch.float32)
+    assert torch.equal(out32.to(torch.bfloat16), out16)
+
+
 def test_tma_allocator_is_set_per_thread_and_never_overrides_a_callers():
     """Triton's allocator is a ContextVar: a thread without one gets ours at its first TMA launch; an
     allocator the caller set stays."""

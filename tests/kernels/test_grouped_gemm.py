@@ -25,7 +25,7 @@ def case(counts, n, k, seed=0):
     return x, wqs, offsets, torch.cat(parts)
 
 
-def run(x, wqs, offsets, packed, dev, config="prefill"):
+def run(x, wqs, offsets, packed, dev, config="prefill", out_dtype=torch.float32):
     xq = nvfp4.quantize(x, "row").to(dev)
     a = xq.unscaled().to(kg.operand_dtype(dev))
     sw = torch.stack([q.global_scale for q in wqs]).to(dev)
@@ -35,7 +35,7 @@ def run(x, wqs, offsets, packed, dev, config="prefill"):
     else:
         w, sb = torch.stack([kg.unscaled_copy(q.to(dev)) for q in wqs]), None
     return gg.grouped_w4a4_gemm(a, xq.global_scale.reshape(-1), w, sw, offsets.to(dev), sb,
-                                out_dtype=torch.float32, config=config).cpu()
+                                out_dtype=out_dtype, config=config).cpu()
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -101,14 +101,17 @@ def test_gpu_grouped_aligned_gives_each_expert_the_dense_aligned_bits(tokens):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("flatten", [False, True])
-def test_gpu_persistent_tma_kernel_gives_one_tile_per_program_bits(flatten):
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_gpu_persistent_tma_kernel_gives_one_tile_per_program_bits(flatten, out_dtype):
     """More tiles (4 N tiles x ~80 row tiles) than programs (one per SM): the persistent loop walks
-    every expert's tiles, an empty expert included, in the dense K order."""
+    every expert's tiles, an empty expert included, in the dense K order (fp32 outputs run unflattened:
+    `gemm.flatten`)."""
     torch.manual_seed(2)
     counts = torch.multinomial(torch.ones(16), 8192, replacement=True).bincount(minlength=16)
     counts[5] = 0
     x, wqs, offsets, want = case(counts.tolist(), 1024, 256)
     tile = dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, TMA=True)
-    one_each = run(x, wqs, offsets, False, "cuda", tile)
-    assert torch.equal(run(x, wqs, offsets, False, "cuda", dict(tile, PERSIST=1, FLATTEN=flatten)), one_each)
-    assert (one_each - want).abs().max() <= 1e-5 * want.abs().max()
+    one_each = run(x, wqs, offsets, False, "cuda", tile, out_dtype)
+    persistent = run(x, wqs, offsets, False, "cuda", dict(tile, PERSIST=1, FLATTEN=flatten), out_dtype)
+    assert torch.equal(persistent, one_each)
+    assert (one_each.float() - want).abs().max() <= 1e-2 * want.abs().max()
