@@ -8,7 +8,12 @@ depends on that row alone and on D, never on the number of rows or on which prog
 invariant by construction. Against the reference: the same formula, another summation order (close,
 not bitwise).
 
-`rms_norm` is differentiable: the backward recomputes the reference formula under autograd.
+`rms_norm` is differentiable, with a one-launch backward (`_rms_norm_bwd_kernel`, plus a sum of
+per-program dW partials) instead of the reference's ~20 torch kernels under autograd. With
+gy = r(dy * w) (r: rounding to x's dtype, as autograd's product does) and c = sum(gy * x) / D / rms^3:
+dx = r(gy / rms - c * x), and dW = sum over rows of dy * r(x / rms) in fp32, rounded once to W's
+dtype (autograd rounds each product first). The same formula as the reference's autograd, other
+summation orders: close, not bitwise; deterministic for a given shape.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from minite.kernels.rounding import round_bf16
 
 MAX_D = 16384
 ELEMS = 4096  # elements per program: ELEMS // D rows (at least one)
@@ -37,6 +44,68 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, D, stride_x, stride_o, eps,
     out = w[None, :] * y  # both values exact in fp32: one rounding to the output dtype below
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _round_to(v, dt: tl.constexpr):
+    """fp32 v rounded to dt (bf16 on the bits), as fp32."""
+    if dt == tl.bfloat16:
+        return round_bf16(v)
+    return v.to(dt).to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, n_rows, D, stride_x, stride_dy,
+                         stride_dx, eps, programs, ITERS: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_R: tl.constexpr):
+    """Row blocks pid, pid + programs, ... (ITERS of them): dx of their rows, their dW summed into
+    dw_part[pid]."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for i in range(0, ITERS):
+        rows = (pid + i * programs) * BLOCK_R + tl.arange(0, BLOCK_R)
+        m = (rows < n_rows)[:, None] & col_ok[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        x_in = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=m, other=0.0)
+        x = x_in.to(tl.float32)
+        dy = tl.load(dy_ptr + r64 * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        ms = tl.div_rn(tl.sum(x * x, axis=1), tl.zeros([BLOCK_R], tl.float32) + D)
+        inv = tl.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), tl.sqrt_rn(ms + eps))
+        gy = _round_to(dy * w[None, :], x_in.dtype)
+        c = tl.sum(gy * x, axis=1) * (inv * inv * inv) / D
+        dx = gy * inv[:, None] - c[:, None] * x
+        tl.store(dx_ptr + r64 * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m)
+        dw += tl.sum(dy * _round_to(x * inv[:, None], x_in.dtype), axis=0)
+    tl.store(dw_part_ptr + pid * BLOCK_D + cols, dw, mask=col_ok)
+
+
+MAX_BWD_PROGRAMS = 264  # dW partials [programs, D] fp32: about two programs per H200 SM
+
+
+def _backward(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, eps: float):
+    d = x.shape[-1]
+    x2, dy2 = x.reshape(-1, d), dy.reshape(-1, d)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    dy2 = dy2 if dy2.stride(-1) == 1 else dy2.contiguous()
+    block_d = triton.next_power_of_2(d)
+    block_r = max(1, ELEMS // block_d)
+    blocks = triton.cdiv(x2.shape[0], block_r)
+    # a power of two row blocks per program (a compile-time loop: few variants, interpreter-safe)
+    iters = triton.next_power_of_2(triton.cdiv(blocks, MAX_BWD_PROGRAMS))
+    programs = max(1, triton.cdiv(blocks, iters))
+    dx = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    part = torch.empty(programs, block_d, dtype=torch.float32, device=x.device)
+    if x2.shape[0]:
+        _rms_norm_bwd_kernel[(programs,)](x2, weight, dy2, dx, part, x2.shape[0], d, x2.stride(0),
+                                          dy2.stride(0), dx.stride(0), eps, programs, ITERS=iters,
+                                          BLOCK_D=block_d, BLOCK_R=block_r,
+                                          num_warps=8 if block_d >= 4096 else 4)
+    else:
+        part.zero_()
+    return dx.reshape(x.shape), part[:, :d].sum(0).to(weight.dtype)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -64,17 +133,9 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from minite.nn.norm import rms_norm_reference
-
         x, weight = ctx.saved_tensors
-        with torch.enable_grad():
-            xr = x.detach().requires_grad_(ctx.needs_input_grad[0])
-            wr = weight.detach().requires_grad_(ctx.needs_input_grad[1])
-            y = rms_norm_reference(xr, wr, ctx.eps)
-            inputs = [t for t in (xr, wr) if t.requires_grad]
-            grads = iter(torch.autograd.grad(y, inputs, grad))
-        return (next(grads) if ctx.needs_input_grad[0] else None,
-                next(grads) if ctx.needs_input_grad[1] else None, None)
+        dx, dw = _backward(x, weight, grad, ctx.eps)
+        return (dx if ctx.needs_input_grad[0] else None, dw if ctx.needs_input_grad[1] else None, None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

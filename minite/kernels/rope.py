@@ -7,6 +7,11 @@ That is the reference's arithmetic (`x * cos + rotate_half(x) * sin` in x's dtyp
 computes in fp32 and rounds per op; products of two bf16/fp16 values are exact in fp32), so the
 outputs are the same bits. bf16 is rounded on the bits (`minite.kernels.rounding`), so the CPU
 interpreter checks bf16 too.
+
+Backward (`backward=True`, x the output's gradient g): the reference's autograd gives
+dx1 = r(r(g1 * cos1) + r(g2 * sin2)), dx2 = r(r(g2 * cos2) + r(-g1 * sin1)) (each path's product
+rounded, the two paths summed once: the zero halves of the slices' gradients add exactly), which is
+the forward with sin1, sin2 replaced by -sin2, -sin1: the same bits again.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ def _round(v, dt: tl.constexpr):
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, H, stride_x, stride_c, stride_o,
-                 HALF: tl.constexpr, BLOCK_R: tl.constexpr):
+                 HALF: tl.constexpr, BLOCK_R: tl.constexpr, BACKWARD: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = (rows < n_rows)[:, None]
     tok = (rows // H).to(tl.int64)[:, None]
@@ -42,6 +47,8 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, H, stride_x, stride_c
     cos2 = tl.load(cos_ptr + tok * stride_c + HALF + c, mask=ok, other=0.0).to(tl.float32)
     sin1 = tl.load(sin_ptr + tok * stride_c + c, mask=ok, other=0.0).to(tl.float32)
     sin2 = tl.load(sin_ptr + tok * stride_c + HALF + c, mask=ok, other=0.0).to(tl.float32)
+    if BACKWARD:  # the transposed rotation: sin halves swapped and negated (module docstring)
+        sin1, sin2 = -sin2, -sin1
     a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
     out1 = _round(_round(a1 * cos1, x1.dtype) + _round(-a2 * sin1, x1.dtype), x1.dtype).to(x1.dtype)
     out2 = _round(_round(a2 * cos2, x1.dtype) + _round(a1 * sin2, x1.dtype), x1.dtype).to(x1.dtype)
@@ -49,8 +56,9 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, H, stride_x, stride_c
     tl.store(out_ptr + r64 * stride_o + HALF + c, out2, mask=ok)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., T, H, D], cos/sin [..., T, D] (x's dtype) -> rotated x, same shape and dtype."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool = False) -> torch.Tensor:
+    """x [..., T, H, D], cos/sin [..., T, D] (x's dtype) -> rotated x, same shape and dtype; backward:
+    x is the output's gradient, the result the input's (the reference's autograd bits)."""
     *lead, h, d = x.shape
     if d % 2 or d & (d - 1):
         raise ValueError(f"rope kernel: head_dim={d} must be a power of two")
@@ -66,5 +74,5 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if x2.shape[0]:
         _rope_kernel[(triton.cdiv(x2.shape[0], block_r),)](
             x2, c2, s2, out, x2.shape[0], h, x2.stride(0), c2.stride(0), out.stride(0),
-            HALF=d // 2, BLOCK_R=block_r, num_warps=4)
+            HALF=d // 2, BLOCK_R=block_r, BACKWARD=backward, num_warps=4)
     return out.reshape(x.shape)

@@ -60,7 +60,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class _RoPE(torch.autograd.Function):
-    """The kernel forward; the backward through the reference, recomputed under autograd."""
+    """The kernel forward and backward (the reference's autograd bits, `minite.kernels.rope`)."""
 
     @staticmethod
     def forward(ctx, x, cos, sin):
@@ -71,12 +71,10 @@ class _RoPE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        from minite.kernels.rope import apply_rope as kernel_apply_rope
+
         cos, sin = ctx.saved_tensors
-        with torch.enable_grad():
-            # rope is linear in x: the gradient of <grad, rope(x)> at any x is the same
-            x = torch.zeros_like(grad).requires_grad_()
-            (dx,) = torch.autograd.grad(apply_rope_reference(x, cos, sin), x, grad)
-        return dx, None, None
+        return kernel_apply_rope(grad, cos, sin, backward=True), None, None
 
 
 def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

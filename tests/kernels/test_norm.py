@@ -37,6 +37,24 @@ def test_gradients_equal_the_reference():
     torch.testing.assert_close(gw, w.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype,d,rows", [(torch.float16, 64, 300), (torch.bfloat16, 100, 37),
+                                          (torch.float32, 48, 5)])
+def test_backward_kernel_close_to_the_references_autograd(dtype, d, rows, monkeypatch):
+    """One launch for dx and the dW partials; more row blocks than programs (each program loops)."""
+    monkeypatch.setattr(kn, "MAX_BWD_PROGRAMS", 3)
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(rows, d, generator=g) * 2).to(dtype).requires_grad_()
+    w = (torch.rand(d, generator=g) + 0.5).to(dtype).requires_grad_()
+    dy = torch.randn(rows, d, generator=g).to(dtype)
+    gx, gw = kn._backward(x.detach(), w.detach(), dy, 1e-6)
+    rx, rw = torch.autograd.grad(norm.rms_norm_reference(x, w, 1e-6), (x, w), dy)
+    assert gx.dtype == rx.dtype and gw.dtype == rw.dtype
+    ulp = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(gx.float(), rx.float(), rtol=ulp, atol=ulp * rx.abs().max().item())
+    torch.testing.assert_close(gw.float(), rw.float(), rtol=ulp, atol=ulp * rw.abs().max().item())
+    assert torch.equal(kn._backward(x.detach(), w.detach(), dy, 1e-6)[1], gw)  # deterministic
+
+
 def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="last dimension"):
         kn.rms_norm(torch.zeros(2, 8), torch.ones(4), 1e-6)
@@ -60,3 +78,9 @@ def test_gpu_bf16_close_to_reference_and_batch_invariant():
         torch.testing.assert_close(got, norm.rms_norm_reference(x, w, 1e-6), rtol=1.6e-2, atol=1e-2)
         for rows in (1, 7, 64, 300):
             assert torch.equal(kn.rms_norm(x[:rows], w, 1e-6), got[:rows])
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        dy = torch.randn(x.shape, device="cuda", generator=g).to(torch.bfloat16)
+        rx, rw = torch.autograd.grad(norm.rms_norm_reference(xr, wr, 1e-6), (xr, wr), dy)
+        gx, gw = kn._backward(x, w, dy, 1e-6)
+        torch.testing.assert_close(gx, rx, rtol=1.6e-2, atol=1.6e-2 * rx.abs().max().item())
+        torch.testing.assert_close(gw, rw, rtol=1.6e-2, atol=1.6e-2 * rw.abs().max().item())

@@ -20,6 +20,20 @@ def test_bitwise_equal_to_the_reference(dtype, lead):
     assert torch.equal(kr.apply_rope(x, cos, sin), rope.apply_rope_reference(x, cos, sin))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_backward_kernel_gives_the_references_autograd_bits(dtype):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 9, 3, 32, generator=g).to(dtype).requires_grad_()
+    dy = torch.randn(2, 9, 3, 32, generator=g).to(dtype)
+    cos, sin = rope.rope_cos_sin(torch.randint(0, 5000, (2, 9), generator=g), 32, 1e6, dtype)
+    (want,) = torch.autograd.grad(rope.apply_rope_reference(x, cos, sin), x, dy)
+    assert torch.equal(kr.apply_rope(dy, cos, sin, backward=True), want)
+    # cos / sin halves that differ (the formula's general case, not only RoPE's repeated angles)
+    cos2, sin2 = torch.randn(2, 9, 32, generator=g).to(dtype), torch.randn(2, 9, 32, generator=g).to(dtype)
+    (want,) = torch.autograd.grad(rope.apply_rope_reference(x, cos2, sin2), x, dy)
+    assert torch.equal(kr.apply_rope(dy, cos2, sin2, backward=True), want)
+
+
 def test_gradient_and_switch(monkeypatch):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(6, 4, 16, generator=g, requires_grad=True)
@@ -60,3 +74,7 @@ def test_gpu_bf16_bitwise_equal_to_the_reference():
     pos = torch.randint(0, 40000, (512,), device="cuda", generator=g)
     cos, sin = rope.rope_cos_sin(pos, 128, 1e6, torch.bfloat16)
     assert torch.equal(kr.apply_rope(x, cos, sin), rope.apply_rope_reference(x, cos, sin))
+    xr = x.clone().requires_grad_()
+    dy = torch.randn(x.shape, device="cuda", generator=g).to(torch.bfloat16)
+    (want,) = torch.autograd.grad(rope.apply_rope_reference(xr, cos, sin), xr, dy)
+    assert torch.equal(kr.apply_rope(dy, cos, sin, backward=True), want)
