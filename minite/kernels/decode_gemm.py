@@ -224,13 +224,26 @@ def layout_rows(codes_ptr, ws_ptr, n0, BN: tl.constexpr, K: tl.constexpr, TK: tl
 
 
 @triton.jit
+def dequant_step(words, scales, BF16: tl.constexpr, HW: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One K step of the decode layout: words [BN, BK / 4], block scales [BN, BK / 16] -> the weight
+    operand [BN, BK] (e2m1 * s_b / W_SHIFT) in plain column order."""
+    G: tl.constexpr = BK // 32  # column groups per K step
+    q = tl.reshape(words, [BN, G, 4, 2])  # [n, g, t, e]
+    s0, s1 = tl.split(tl.reshape(scales, [BN, G, 2]))
+    s0 = s0[:, :, None, None]  # block b = 0 of each group
+    s1 = s1[:, :, None, None]
+    w = tl.join(tl.join(_code(q, 0, BF16, HW) * s0, _code(q, 1, BF16, HW) * s0),
+                tl.join(_code(q, 2, BF16, HW) * s1, _code(q, 3, BF16, HW) * s1))  # [n, g, t, e, h, b]
+    return tl.reshape(tl.permute(w, (0, 1, 5, 4, 2, 3)), [BN, BK])  # column 32 g + 16 b + 8 h + 2 t + e
+
+
+@triton.jit
 def decode_acc(a_rows, mask_m, w_rows, s_rows, mask_n, k_begin, KS: tl.constexpr, TK: tl.constexpr,
                BF16: tl.constexpr, HW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                EVEN_N: tl.constexpr):
     """acc^T [BN, BM] fp32 over columns k_begin .. k_begin + KS in plain order, one dot per K step.
     a_rows [BM] points at the activation rows, w_rows / s_rows [BN] at the weight's word / scale rows
     (`layout_rows`, memory tiles TK >= BK columns wide: a K step lies in one tile)."""
-    G: tl.constexpr = BK // 32  # column groups per K step
     TW: tl.constexpr = TK // 4  # words of a row in one memory tile
     TS: tl.constexpr = TK // 16  # scales of a row in one memory tile
     w_cols = w_rows[:, None] + tl.arange(0, BK // 4)[None, :]  # [BN, BK / 4] words
@@ -247,14 +260,8 @@ def decode_acc(a_rows, mask_m, w_rows, s_rows, mask_n, k_begin, KS: tl.constexpr
         else:  # kb / 4 plus (TILE_N - 1) rows for each whole tile before it
             w_off = kb // 4 + (kb // TK) * ((_TILE_N - 1) * TW)
             s_off = kb // 16 + (kb // TK) * ((_TILE_N - 1) * TS)
-        q = tl.reshape(_load_rows(w_cols + w_off, mask_n, EVEN_N), [BN, G, 4, 2])  # [n, g, t, e]
-        s = _load_rows(s_cols + s_off, mask_n, EVEN_N)
-        s0, s1 = tl.split(tl.reshape(s, [BN, G, 2]))
-        s0 = s0[:, :, None, None]  # block b = 0 of each group
-        s1 = s1[:, :, None, None]
-        w = tl.join(tl.join(_code(q, 0, BF16, HW) * s0, _code(q, 1, BF16, HW) * s0),
-                    tl.join(_code(q, 2, BF16, HW) * s1, _code(q, 3, BF16, HW) * s1))  # [n, g, t, e, h, b]
-        w = tl.reshape(tl.permute(w, (0, 1, 5, 4, 2, 3)), [BN, BK])  # column 32 g + 16 b + 8 h + 2 t + e
+        w = dequant_step(_load_rows(w_cols + w_off, mask_n, EVEN_N),
+                         _load_rows(s_cols + s_off, mask_n, EVEN_N), BF16, HW, BN, BK)
         x = tl.load(a_cols + kb, mask=mask_m[None, :], other=0.0)  # [BK, BM]
         acc_t = tl.dot(w, x, acc_t)
     return acc_t
