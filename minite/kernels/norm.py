@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minite.kernels.rounding import round_bf16
+from minite.kernels.rounding import round_to
 
 MAX_D = 16384
 ELEMS = 4096  # elements per program: ELEMS // D rows (at least one)
@@ -47,14 +47,6 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, D, stride_x, stride_o, eps,
 
 
 @triton.jit
-def _round_to(v, dt: tl.constexpr):
-    """fp32 v rounded to dt (bf16 on the bits), as fp32."""
-    if dt == tl.bfloat16:
-        return round_bf16(v)
-    return v.to(dt).to(tl.float32)
-
-
-@triton.jit
 def _rms_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, n_rows, D, stride_x, stride_dy,
                          stride_dx, eps, programs, ITERS: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_R: tl.constexpr):
@@ -74,11 +66,11 @@ def _rms_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, n_rows, D, s
         dy = tl.load(dy_ptr + r64 * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
         ms = tl.div_rn(tl.sum(x * x, axis=1), tl.zeros([BLOCK_R], tl.float32) + D)
         inv = tl.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), tl.sqrt_rn(ms + eps))
-        gy = _round_to(dy * w[None, :], x_in.dtype)
+        gy = round_to(dy * w[None, :], x_in.dtype)
         c = tl.sum(gy * x, axis=1) * (inv * inv * inv) / D
         dx = gy * inv[:, None] - c[:, None] * x
         tl.store(dx_ptr + r64 * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m)
-        dw += tl.sum(dy * _round_to(x * inv[:, None], x_in.dtype), axis=0)
+        dw += tl.sum(dy * round_to(x * inv[:, None], x_in.dtype), axis=0)
     tl.store(dw_part_ptr + pid * BLOCK_D + cols, dw, mask=col_ok)
 
 

@@ -20,17 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from minite.kernels.rounding import round_bf16
+from minite.kernels.rounding import round_to
 
 ELEMS = 4096  # elements per program
-
-
-@triton.jit
-def _round(v, dt: tl.constexpr):
-    """fp32 v rounded to dt (bf16 on the bits: `minite.kernels.rounding`), as fp32."""
-    if dt == tl.bfloat16:
-        return round_bf16(v)
-    return v.to(dt).to(tl.float32)
 
 
 @triton.jit
@@ -50,8 +42,8 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, H, stride_x, stride_c
     if BACKWARD:  # the transposed rotation: sin halves swapped and negated (module docstring)
         sin1, sin2 = -sin2, -sin1
     a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
-    out1 = _round(_round(a1 * cos1, x1.dtype) + _round(-a2 * sin1, x1.dtype), x1.dtype).to(x1.dtype)
-    out2 = _round(_round(a2 * cos2, x1.dtype) + _round(a1 * sin2, x1.dtype), x1.dtype).to(x1.dtype)
+    out1 = round_to(round_to(a1 * cos1, x1.dtype) + round_to(-a2 * sin1, x1.dtype), x1.dtype).to(x1.dtype)
+    out2 = round_to(round_to(a2 * cos2, x1.dtype) + round_to(a1 * sin2, x1.dtype), x1.dtype).to(x1.dtype)
     tl.store(out_ptr + r64 * stride_o + c, out1, mask=ok)
     tl.store(out_ptr + r64 * stride_o + HALF + c, out2, mask=ok)
 

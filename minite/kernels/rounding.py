@@ -17,3 +17,11 @@ def round_bf16(x):
     bits = x.to(tl.int32, bitcast=True)
     r = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
     return tl.where(x != x, x, r.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def round_to(v, dt: tl.constexpr):
+    """fp32 v rounded to dt (bf16 on the bits, others by a cast round trip), as fp32."""
+    if dt == tl.bfloat16:
+        return round_bf16(v)
+    return v.to(dt).to(tl.float32)
