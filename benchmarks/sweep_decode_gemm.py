@@ -40,6 +40,10 @@ Session 8 (ncu_decode.py, run_gpu_engines.sh ncu_decode; s8 run1):
   93fb9ba, s8 run9). Expected 10-30 % at M <= 8 if DRAM page locality held it back. Measured
   1.02-1.07x (gate+up 1.06-1.07x): a small part of the gap to cuBLAS's bandwidth.
 
+Session 10: the split at M <= 16 (MIN_PROGRAMS 132 to 1056, 2-4 stages, BK 128 / 256), after the
+floor probe (probe_decode_floor.py) found reads fastest over 1-4k small programs. Expected: at most
+5 % on down and gate|up (their reduction cost grows with the split).
+
 Session 9 (h200_2026-11-30_s9): the layout in memory tiles of 64 rows x 256 columns (now
 `decode_gemm`'s; 4-6 % less time on gate+up); 8-bit scales lost (more instructions than bytes
 saved). The M = 32 / 64 sweep on it (run5): the picks best or within 3 %, but q|o at M = 64 (split 2
@@ -64,7 +68,10 @@ MS = (1, 8, 32, 64)
 # multiple of 64 with 4 warps runs wgmma; 1-2 warps (or BN 32) run mma.sync (no warpgroup waits)
 TILES = {
     16: [(64, 256, 4, 3, 264), (128, 256, 4, 3, 264), (64, 128, 4, 3, 264), (128, 128, 4, 3, 264),
-         (64, 256, 4, 4, 264)],
+         (64, 256, 4, 4, 264),
+         # s10: the split at M <= 16 (the floor probe's fastest reads used 1-4k small programs)
+         (64, 256, 4, 3, 528), (64, 256, 4, 2, 528), (64, 256, 4, 2, 264), (64, 256, 4, 3, 132),
+         (64, 128, 4, 3, 528), (64, 128, 4, 4, 1056)],
     32: [(64, 256, 4, 3, 264), (64, 128, 4, 3, 264), (128, 256, 4, 3, 264), (128, 128, 4, 3, 264),
          (128, 128, 4, 3, 132)],
     64: [(64, 128, 4, 3, 264, 1), (64, 128, 4, 3, 264, 2), (64, 256, 4, 2, 0, 4), (128, 128, 4, 3, 264, 1),
