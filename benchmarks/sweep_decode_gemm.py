@@ -42,7 +42,8 @@ Session 8 (ncu_decode.py, run_gpu_engines.sh ncu_decode; s8 run1):
 
 Session 10: the split at M <= 16 (MIN_PROGRAMS 132 to 1056, 2-4 stages, BK 128 / 256), after the
 floor probe (probe_decode_floor.py) found reads fastest over 1-4k small programs. Expected: at most
-5 % on down and gate|up (their reduction cost grows with the split).
+5 % on down and gate|up (their reduction cost grows with the split). Measured (s10 run9): the picks
+fastest on gate|up, gate+up and down; q|o 3-5 % and k|v 2-4 % faster on other splits.
 
 Session 9 (h200_2026-11-30_s9): the layout in memory tiles of 64 rows x 256 columns (now
 `decode_gemm`'s; 4-6 % less time on gate+up); 8-bit scales lost (more instructions than bytes
