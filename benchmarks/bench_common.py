@@ -46,6 +46,52 @@ def bench_ms(fn, warmup=25, rep=100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def capture_graph(calls):
+    """`calls` (a list of thunks) captured as one CUDA graph, after one warm (allocating) run."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    return g
+
+
+def paired_graph_us(variants: dict, rounds: int = 7, reps: int = 10) -> dict:
+    """Microseconds per call of each variant ({name: list of thunks}, each captured as one CUDA graph),
+    timed in `rounds` interleaved rounds (the order reversed every other round) so that every variant
+    sees the same clock and power state: {name: [us per round]}. Ratios between variants are taken per
+    round; an H200 running compute-bound kernels moves its clock between calls, so one variant timed
+    long after another (session 10: the same kernel read 0.85 and 1.01x cuBLAS in one call) is noise."""
+    graphs = {name: (capture_graph(calls), len(calls)) for name, calls in variants.items()}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    out = {name: [] for name in variants}
+    names = list(variants)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            g, n = graphs[name]
+            g.replay()
+            start.record()
+            for _ in range(reps):
+                g.replay()
+            end.record()
+            end.synchronize()
+            out[name].append(start.elapsed_time(end) * 1e3 / reps / n)
+    return out
+
+
+def ratio_stats(base: list, ours: list) -> tuple:
+    """Per-round base / ours time ratios -> (median, min, max)."""
+    r = sorted(b / o for b, o in zip(base, ours, strict=True))
+    return r[len(r) // 2], r[0], r[-1]
+
+
 def env_info() -> dict:
     commit = os.environ.get("GIT_COMMIT", "")
     if not commit:

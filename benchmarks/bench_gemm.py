@@ -2,22 +2,24 @@
 
 Qwen3-8B layer shapes (N, K); M in {4096, 16384}. Ours: the fused activation quantizer (bf16 x ->
 exact values + row scales) and the GEMM on the weight's dequantized bf16 copy; reported with and
-without the quantizer, for the fastest (`prefill`) and the batch-invariant (`aligned`) configs. Timed
-by do_bench (L2 flushed before each call; host time between the flush and the call counts, which
-the two launches of "+quant" can exceed) and, for "+quant", also as CUDA graphs of four calls (GPU
-time alone, against cuBLAS timed the same way).
+without the quantizer ("+quant": both kernels, timed together), for the fastest (`prefill`) and the
+batch-invariant (`aligned`) configs. Every variant is a CUDA graph of CALLS calls (GPU time alone),
+timed in interleaved rounds with cuBLAS (`bench_common.paired_graph_us`): the x-cuBLAS columns are
+the median of the per-round ratios, with their min and max.
 """
 
 # ruff: noqa: B023  (lambdas are timed at once, inside the loop that binds them)
+from statistics import median
+
 import torch
 import triton
-from bench_common import CUBLAS_BF16_TFLOPS, bench_ms, parse_args, report
-from bench_decode_gemm import graph_us
+from bench_common import CUBLAS_BF16_TFLOPS, paired_graph_us, parse_args, ratio_stats, report, warm_up
 
 from minite.kernels import gemm as kg
 from minite.kernels import nvfp4 as kq
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate|up": (12288, 4096), "down": (4096, 12288)}
+CALLS = 4  # calls per CUDA graph
 SWEEP = [dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4),  # pointer loads (s4-s6)
          dict(kg.CONFIGS["prefill"]),  # TMA, persistent
          dict(kg.CONFIGS["prefill"], PERSIST=0),  # TMA, one program per tile
@@ -64,6 +66,7 @@ def alignment_rows():
 
 def main():
     args = parse_args("benchmarks/results/kernels_gemm.json")
+    warm_up()
     rows, sweep = [], []
     ms_list = [4096] if args.quick else [4096, 16384]
     for m in ms_list:
@@ -74,28 +77,32 @@ def main():
             wc = kg.unscaled_copy(wq)
             a, sa = kq.quantize_unscaled(x)
             flop = 2 * m * n * k
-            base = bench_ms(lambda: torch.matmul(x, w.t()))
-            # CUDA graphs of 4 calls: GPU time alone (do_bench also counts host gaps after its L2 flush)
-            base_graph = graph_us([lambda: torch.matmul(x, w.t())] * 4)
-            row = dict(layer=layer, M=m, N=n, K=k, cublas_tflops=flop / base / 1e9,
-                       cublas_frac_ceiling=flop / base / 1e9 / CUBLAS_BF16_TFLOPS)
+            variants = {"cublas": [lambda: torch.matmul(x, w.t())] * CALLS,
+                        "quant": [lambda: kq.quantize_unscaled(x)] * CALLS}
             for cfg in ("prefill", "aligned"):
-                g = bench_ms(lambda: kg.w4a4_gemm(a, sa, wc, wq.global_scale, config=cfg))
-                gemm_q = lambda: kg.w4a4_gemm(*kq.quantize_unscaled(x), wc, wq.global_scale, config=cfg)
-                gq = bench_ms(gemm_q)
-                row[f"{cfg}_tflops"] = flop / g / 1e9
-                row[f"{cfg}_vs_cublas"] = base / g
-                row[f"{cfg}+quant_vs_cublas"] = base / gq
-                row[f"{cfg}+quant_graph_vs_cublas"] = base_graph / graph_us([gemm_q] * 4)
+                variants[cfg] = [lambda c=cfg: kg.w4a4_gemm(a, sa, wc, wq.global_scale, config=c)] * CALLS
+                variants[f"{cfg}+quant"] = [lambda c=cfg: kg.w4a4_gemm(*kq.quantize_unscaled(x), wc,
+                                                                       wq.global_scale, config=c)] * CALLS
+            us = paired_graph_us(variants)
+            base = us["cublas"]
+            row = dict(layer=layer, M=m, N=n, K=k, cublas_us=median(base),
+                       cublas_tflops=flop / median(base) / 1e6,
+                       cublas_frac_ceiling=flop / median(base) / 1e6 / CUBLAS_BF16_TFLOPS,
+                       quant_us=median(us["quant"]))
+            for v in ("prefill", "prefill+quant", "aligned", "aligned+quant"):
+                mid, lo, hi = ratio_stats(base, us[v])
+                row.update({f"{v}_us": median(us[v]), f"{v}_vs_cublas": mid, f"{v}_vs_cublas_min": lo,
+                            f"{v}_vs_cublas_max": hi})
             rows.append(row)
             if m == 4096 and layer in ("gate|up", "down") and not args.quick:
                 for i, cfg in enumerate(SWEEP):
                     try:
-                        t = bench_ms(lambda: kg.w4a4_gemm(a, sa, wc, wq.global_scale, config=cfg))
+                        t = paired_graph_us({"cublas": variants["cublas"], "cfg": [
+                            lambda: kg.w4a4_gemm(a, sa, wc, wq.global_scale, config=cfg)] * CALLS}, rounds=3)
                     except triton.runtime.errors.OutOfResources:
                         continue
-                    sweep.append(dict(layer=layer, M=m, cfg=i, **cfg, tflops=flop / t / 1e9,
-                                      vs_cublas=base / t))
+                    sweep.append(dict(layer=layer, M=m, cfg=i, **cfg, tflops=flop / median(t["cfg"]) / 1e6,
+                                      vs_cublas=ratio_stats(t["cublas"], t["cfg"])[0]))
     align = alignment_rows()
     report("gemm alignment on heavy-tailed data", align, None)
     if sweep:
