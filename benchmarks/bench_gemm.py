@@ -5,7 +5,9 @@ exact values + row scales) and the GEMM on the weight's dequantized bf16 copy; r
 without the quantizer ("+quant": both kernels, timed together), for the fastest (`prefill`) and the
 batch-invariant (`aligned`) configs. Every variant is a CUDA graph of CALLS calls (GPU time alone),
 timed in interleaved rounds with cuBLAS (`bench_common.paired_graph_us`): the x-cuBLAS columns are
-the median of the per-round ratios, with their min and max.
+the median of the per-round ratios, with their min and max. For the layers an RMSNorm feeds (q/k/v,
+gate/up), also the layer as the model runs it: the norm and cuBLAS against the norm that quantizes
+its output (`kernels.norm.rms_norm_quantize`, one launch) and our GEMM.
 """
 
 # ruff: noqa: B023  (lambdas are timed at once, inside the loop that binds them)
@@ -16,10 +18,13 @@ import triton
 from bench_common import CUBLAS_BF16_TFLOPS, paired_graph_us, parse_args, ratio_stats, report, warm_up
 
 from minite.kernels import gemm as kg
+from minite.kernels import norm as kn
 from minite.kernels import nvfp4 as kq
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate|up": (12288, 4096), "down": (4096, 12288)}
 CALLS = 4  # calls per CUDA graph
+NORM_FED = ("qkv", "gate|up")  # inputs an RMSNorm produces (and quantizes: `kernels.norm.rms_norm_quantize`)
+EPS = 1e-6
 SWEEP = [dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4),  # pointer loads (s4-s6)
          dict(kg.CONFIGS["prefill"]),  # TMA, persistent
          dict(kg.CONFIGS["prefill"], PERSIST=0),  # TMA, one program per tile
@@ -83,6 +88,12 @@ def main():
                 variants[cfg] = [lambda c=cfg: kg.w4a4_gemm(a, sa, wc, wq.global_scale, config=c)] * CALLS
                 variants[f"{cfg}+quant"] = [lambda c=cfg: kg.w4a4_gemm(*kq.quantize_unscaled(x), wc,
                                                                        wq.global_scale, config=c)] * CALLS
+            if layer in NORM_FED:  # the layer as the model runs it: the norm quantizes for the GEMM
+                nw = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+                variants["norm+cublas"] = [lambda: torch.matmul(kn.rms_norm(x, nw, EPS), w.t())] * CALLS
+                for cfg in ("prefill", "aligned"):
+                    variants[f"norm+{cfg}+quant"] = [lambda c=cfg: kg.w4a4_gemm(
+                        *kn.rms_norm_quantize(x, nw, EPS)[1:3], wc, wq.global_scale, config=c)] * CALLS
             us = paired_graph_us(variants)
             base = us["cublas"]
             row = dict(layer=layer, M=m, N=n, K=k, cublas_us=median(base),
@@ -93,6 +104,12 @@ def main():
                 mid, lo, hi = ratio_stats(base, us[v])
                 row.update({f"{v}_us": median(us[v]), f"{v}_vs_cublas": mid, f"{v}_vs_cublas_min": lo,
                             f"{v}_vs_cublas_max": hi})
+            if layer in NORM_FED:
+                row["norm_us"] = median(us["norm+cublas"]) - median(base)
+                for cfg in ("prefill", "aligned"):
+                    mid, lo, hi = ratio_stats(us["norm+cublas"], us[f"norm+{cfg}+quant"])
+                    row.update({f"norm+{cfg}+quant_vs_norm+cublas": mid, f"norm+{cfg}+quant_min": lo,
+                                f"norm+{cfg}+quant_max": hi})
             rows.append(row)
             if m == 4096 and layer in ("gate|up", "down") and not args.quick:
                 for i, cfg in enumerate(SWEEP):
@@ -108,7 +125,8 @@ def main():
     if sweep:
         report("gemm config sweep", sweep, None)
     report("gemm (compute-bound)", rows, args.out,
-           dict(target="prefill+quant >= 0.9x cuBLAS bf16", configs=kg.CONFIGS, sweep=sweep,
+           dict(target="prefill+quant >= 0.9x cuBLAS bf16 (norm-fed layers: norm+prefill+quant against "
+                       "norm+cublas)", configs=kg.CONFIGS, sweep=sweep,
                 alignment=align))
 
 

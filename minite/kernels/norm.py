@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minite.kernels.nvfp4 import CHAIN_IDS, _emit_chunk, _max_nan, _row_scales
 from minite.kernels.rounding import round_to
 
 MAX_D = 16384
@@ -29,21 +30,29 @@ ELEMS = 4096  # elements per program: ELEMS // D rows (at least one)
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, D, stride_x, stride_o, eps,
-                     BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, vals_ptr, scales_ptr, sdec_ptr, amax_ptr, n_rows, D, stride_x,
+                     stride_o, eps, QUANT: tl.constexpr, K: tl.constexpr, CHAIN: tl.constexpr,
+                     HW: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """QUANT: also the row-scaled NVFP4 quantization of the stored rows (K = D): values e2m1 * s_b at
+    vals_ptr, block scale bytes, S_dec and amax, as `kernels.nvfp4.quantize_unscaled` of out."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
-    m = (rows < n_rows)[:, None] & col_ok[None, :]
+    row_ok = rows < n_rows
+    m = row_ok[:, None] & col_ok[None, :]
     x_in = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
     x = x_in.to(tl.float32)
     ms = tl.div_rn(tl.sum(x * x, axis=1), tl.zeros([BLOCK_R], tl.float32) + D)
     inv = tl.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), tl.sqrt_rn(ms + eps))
     y = (x * inv[:, None]).to(x_in.dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    out = w[None, :] * y  # both values exact in fp32: one rounding to the output dtype below
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=m)
+    out = (w[None, :] * y).to(out_ptr.dtype.element_ty)  # both factors exact in fp32: one rounding
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :], out, mask=m)
+    if QUANT:  # the stored values, quantized (columns past D are zeros: they leave the amax alone)
+        q = out.to(tl.float32)
+        s_enc, s_dec = _row_scales(tl.reduce(tl.abs(q), 1, _max_nan), rows, row_ok, sdec_ptr, amax_ptr, CHAIN)
+        _emit_chunk(q, s_enc, s_dec, rows, row_ok, 0, 0, vals_ptr, scales_ptr, vals_ptr, K, CHAIN, False,
+                    False, False, True, HW, BLOCK_R, BLOCK_D)
 
 
 @triton.jit
@@ -100,40 +109,78 @@ def _backward(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, eps: floa
     return dx.reshape(x.shape), part[:, :d].sum(0).to(weight.dtype)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, quant_dtype=None, chain: str = "te"):
+    """out (and with quant_dtype: (values [..., D] quant_dtype, S_dec fp32 [..., 1], amax fp32 [..., 1]))."""
+    from minite.kernels import interpreted
+
     d = x.shape[-1]
     x2 = x.reshape(-1, d)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    r = x2.shape[0]
     out_dtype = torch.result_type(weight, torch.empty((), dtype=x.dtype))
     out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+    quant = quant_dtype is not None
+    vals = torch.empty(x2.shape, dtype=quant_dtype, device=x.device) if quant else out
+    scales = torch.empty(r, d // 16, dtype=torch.uint8, device=x.device) if quant else out
+    sdec = torch.empty(r, 1, dtype=torch.float32, device=x.device) if quant else out
+    amx = torch.empty_like(sdec) if quant else out
     block_d = triton.next_power_of_2(d)
     block_r = max(1, ELEMS // block_d)
-    grid = (triton.cdiv(x2.shape[0], block_r),)
-    if x2.shape[0]:
-        _rms_norm_kernel[grid](x2, weight, out, x2.shape[0], d, x2.stride(0), out.stride(0), eps,
-                               BLOCK_D=block_d, BLOCK_R=block_r, num_warps=8 if block_d >= 4096 else 4)
-    return out.reshape(x.shape)
+    if r:
+        _rms_norm_kernel[(triton.cdiv(r, block_r),)](
+            x2, weight, out, vals, scales, sdec, amx, r, d, x2.stride(0), out.stride(0), eps, QUANT=quant,
+            K=d if quant else 16, CHAIN=CHAIN_IDS[chain], HW=not interpreted(), BLOCK_D=block_d,
+            BLOCK_R=block_r, num_warps=8 if block_d >= 4096 else 4)
+    out = out.reshape(x.shape)
+    if not quant:
+        return out
+    lead = x.shape[:-1]
+    return out, vals.reshape(x.shape), sdec.reshape(*lead, 1), amx.reshape(*lead, 1)
 
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps):
+    def forward(ctx, x, weight, eps, quant_dtype=None, chain="te"):
         ctx.save_for_backward(x, weight)
         ctx.eps = eps
-        return _launch(x, weight, eps)
+        outs = _launch(x, weight, eps, quant_dtype, chain)
+        if quant_dtype is not None:
+            ctx.mark_non_differentiable(*outs[1:])
+        return outs
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, *_):
         x, weight = ctx.saved_tensors
         dx, dw = _backward(x, weight, grad, ctx.eps)
-        return (dx if ctx.needs_input_grad[0] else None, dw if ctx.needs_input_grad[1] else None, None)
+        return (dx if ctx.needs_input_grad[0] else None, dw if ctx.needs_input_grad[1] else None, None, None,
+                None)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS-normalize x [..., D] (D <= MAX_D) over its last dimension and scale by weight [D]."""
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
     if x.shape[-1] != weight.shape[0]:
         raise ValueError(f"rms_norm: x has last dimension {x.shape[-1]}, weight has {weight.shape[0]}")
     if x.shape[-1] > MAX_D:
         raise ValueError(f"rms_norm kernel: D={x.shape[-1]} > MAX_D={MAX_D}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS-normalize x [..., D] (D <= MAX_D) over its last dimension and scale by weight [D]."""
+    _check(x, weight)
     return _RMSNorm.apply(x, weight, eps)
+
+
+def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype=torch.bfloat16,
+                      chain: str = "te"):
+    """`rms_norm` and the fused activation quantizer of its output in one launch: x [..., D] ->
+    (out [..., D] as `rms_norm`, values e2m1 * s_b [..., D] in out_dtype, S_dec fp32 [..., 1], amax fp32
+    [..., 1]), bitwise `rms_norm(x)` and `kernels.nvfp4.quantize_unscaled(out, out_dtype, chain,
+    return_codes=True)`'s values, S_dec and amax. D must be a multiple of 16. Differentiable in out."""
+    _check(x, weight)
+    if x.shape[-1] % 16:
+        raise ValueError(f"rms_norm_quantize: D={x.shape[-1]} is not a multiple of 16")
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"rms_norm_quantize writes bf16 or fp16 values, not {out_dtype}")
+    if chain not in CHAIN_IDS:
+        raise ValueError(f"unknown chain {chain!r}; expected one of {sorted(CHAIN_IDS)}")
+    return _RMSNorm.apply(x, weight, eps, out_dtype, chain)

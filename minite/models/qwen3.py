@@ -63,10 +63,18 @@ class DecoderLayer(nn.Module):
         mlp = [self.mlp] if self.is_moe else [self.mlp.gate_proj, self.mlp.up_proj, self.mlp.down_proj]
         return [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, *mlp]
 
+    # the norms also quantize their output for the NVFP4 projections that read it (`nn.norm.rms_norm`);
+    # not in MoE layers, where the router reads it in bf16 and the experts their own rows
+    def attn_input(self, x: torch.Tensor) -> torch.Tensor:
+        return self.input_layernorm(x, self.self_attn.q_proj.recipe)
+
+    def mlp_input(self, h: torch.Tensor) -> torch.Tensor:
+        return self.post_attention_layernorm(h, None if self.is_moe else self.mlp.gate_proj.recipe)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor | None = None):
         """x `[B, T, H]`, positions `[B, T]` -> `[B, T, H]`."""
-        h = x + self.self_attn(self.input_layernorm(x), positions, cu_seqlens)
-        y = self.post_attention_layernorm(h)
+        h = x + self.self_attn(self.attn_input(x), positions, cu_seqlens)
+        y = self.mlp_input(h)
         y = self.mlp(y.reshape(-1, y.shape[-1])).view_as(y) if self.is_moe else self.mlp(y)
         return h + y
 

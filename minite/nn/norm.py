@@ -7,7 +7,8 @@ output does not depend on the other rows of the batch (torch's own reduction ker
 the same bits for every batch size on the GPU; the Triton kernel does).
 
 On CUDA (by default; `minite.nn.fused.use_fused_kernels`) `rms_norm` runs the one-launch Triton
-kernel `minite.kernels.norm.rms_norm` instead.
+kernel `minite.kernels.norm.rms_norm` instead; told the recipe of the NVFP4 linears that read its
+output (`quantize_for`), the same launch also quantizes the output for them.
 """
 
 from __future__ import annotations
@@ -15,15 +16,28 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minite.nn import nvfp4_matmul
 from minite.nn.fused import fused_applies
+from minite.recipe import Recipe
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS-normalize `x [..., D]` over its last dimension and scale by `weight [D]`."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize_for: Recipe | None = None
+             ) -> torch.Tensor:
+    """RMS-normalize `x [..., D]` over its last dimension and scale by `weight [D]`. `quantize_for`: the
+    recipe of the linears that read the output next; where they run the NVFP4 kernels inside a forward
+    scope, the kernel also quantizes the output for them (`kernels.norm.rms_norm_quantize`, the same
+    bits as their own quantizer): one launch and one pass over the rows less."""
     if fused_applies(x):
         from minite.kernels import norm as kernel
 
         if x.shape[-1] <= kernel.MAX_D:
+            if quantize_for is not None and nvfp4_matmul.can_seed_quantized_input(x, quantize_for):
+                from minite.kernels import gemm
+
+                out, vals, sdec, amax = kernel.rms_norm_quantize(
+                    x, weight, eps, gemm.operand_dtype(x.device), quantize_for.activation.chain)
+                nvfp4_matmul.seed_quantized_input(out, quantize_for, vals, sdec, amax)
+                return out
             return kernel.rms_norm(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
 
@@ -45,8 +59,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, quantize_for: Recipe | None = None) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, quantize_for)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

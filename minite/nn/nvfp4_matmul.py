@@ -160,11 +160,34 @@ def _kernel_rows(x2: torch.Tensor, recipe: Recipe):
     memo = scope_memo("quantized_input")
     if memo is None:
         return _quantize_rows(x2, recipe)
-    key = (x2.data_ptr(), x2.device, x2.dtype, tuple(x2.shape), x2.stride(), x2._version,
-           recipe.activation.chain, recipe.epilogue == "alpha")
+    key = _memo_key(x2, recipe)
     if memo.get("key") != key:
         memo.update(key=key, x=x2, rows=_quantize_rows(x2, recipe))
     return memo["rows"]
+
+
+def _memo_key(x2: torch.Tensor, recipe: Recipe) -> tuple:
+    return (x2.data_ptr(), x2.device, x2.dtype, tuple(x2.shape), x2.stride(), x2._version,
+            recipe.activation.chain, recipe.epilogue == "alpha")
+
+
+def can_seed_quantized_input(x: torch.Tensor, recipe: Recipe) -> bool:
+    """Whether the op producing x can hand its row quantization to the linears that read x next
+    (`seed_quantized_input`): they run the kernels, inside a forward scope."""
+    return (x.shape[-1] % 16 == 0 and use_kernels(recipe, x.device)
+            and scope_memo("quantized_input") is not None)
+
+
+def seed_quantized_input(x: torch.Tensor, recipe: Recipe, values: torch.Tensor, sdec: torch.Tensor,
+                         amax: torch.Tensor) -> None:
+    """Record x [..., K]'s row quantization (values e2m1 * s_b [..., K] in the kernels' operand dtype,
+    S_dec and amax fp32 [..., 1], bitwise `_quantize_rows`') as the one the next linears on x use in
+    this forward scope: they skip their quantizer launch."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    factor = amax if recipe.epilogue == "alpha" else sdec
+    rows = (values.reshape(-1, k), sdec.reshape(-1, 1), factor.reshape(-1, 1))
+    scope_memo("quantized_input").update(key=_memo_key(x2, recipe), x=x2, rows=rows)
 
 
 def _quantize_rows(x2: torch.Tensor, recipe: Recipe):

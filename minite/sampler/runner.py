@@ -131,7 +131,7 @@ def cached_forward(model, cache: KVCache, batch: CachedBatch) -> torch.Tensor:
     with forward_scope():  # one cos/sin table, one quantization of q/k/v's input, ...
         for i, layer in enumerate(model.layers):
             attn = layer.self_attn
-            q, k, v = attn.project_qkv(layer.input_layernorm(x), batch.positions)  # [N, Hq | Hkv, D]
+            q, k, v = attn.project_qkv(layer.attn_input(x), batch.positions)  # [N, Hq | Hkv, D]
             cache.write(i, batch.slots, k, v)
             if use_kernel:
                 out = paged_attention(q, cache.k[i], cache.v[i], query_seq, batch.positions,
@@ -142,5 +142,5 @@ def cached_forward(model, cache: KVCache, batch: CachedBatch) -> torch.Tensor:
                 out = out.reshape(B * Tq, -1)[batch.unpad]
             # out: [N, Hq * D]
             h = x + attn.o_proj(out)
-            x = h + layer.mlp(layer.post_attention_layernorm(h))
+            x = h + layer.mlp(layer.mlp_input(h))
     return model.logits(model.norm(x[batch.last]))  # [B, V]

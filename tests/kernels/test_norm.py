@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from minite.kernels import norm as kn
+from minite.kernels import nvfp4 as kq
 from minite.nn import norm
 from tests.kernels.helpers import model_through_fused_kernels
 
@@ -55,7 +56,59 @@ def test_backward_kernel_close_to_the_references_autograd(dtype, d, rows, monkey
     assert torch.equal(kn._backward(x.detach(), w.detach(), dy, 1e-6)[1], gw)  # deterministic
 
 
+def _same(a, b):
+    assert a.dtype == b.dtype
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def _fused_against_two_kernels(x, w, out_dtype, chain):
+    out, vals, sdec, amax = kn.rms_norm_quantize(x, w, 1e-6, out_dtype, chain)
+    want = kn.rms_norm(x, w, 1e-6)
+    _same(out, want)
+    wv, ws, _, _, wa = kq.quantize_unscaled(want, out_dtype, chain, return_codes=True)
+    for got, ref in ((vals, wv), (sdec, ws), (amax, wa)):
+        _same(got, ref)
+    return out, vals, sdec
+
+
+@pytest.mark.parametrize("dtype,d,chain", [(torch.float32, 64, "te"), (torch.float16, 80, "vllm"),
+                                           (torch.float16, 256, "torchao")])
+def test_fused_quantizer_is_bitwise_the_two_kernels(dtype, d, chain):
+    """One launch: the norm's output and its row-scaled quantization (values, S_dec, amax), bitwise
+    `rms_norm` then `quantize_unscaled`; heavy-tailed rows, a zero row, a non-finite row; batch invariant."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(21, d, generator=g) ** 3
+    x[4] = 0.0
+    x[7, 3] = float("inf")
+    x = x.to(dtype)
+    w = (torch.rand(d, generator=g) * 4).to(dtype)
+    out, vals, sdec = _fused_against_two_kernels(x, w, torch.float16, chain)
+    assert torch.isnan(sdec[7]).all() and not torch.isnan(sdec[8:]).any()
+    for rows in (1, 6):
+        got = kn.rms_norm_quantize(x[-rows:], w, 1e-6, torch.float16, chain)
+        _same(got[1], vals[-rows:])
+        _same(got[2], sdec[-rows:])
+
+
+def test_fused_quantizer_gradient_is_the_norms():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 5, 32, generator=g, requires_grad=True)
+    w = (torch.rand(32, generator=g) + 0.5).requires_grad_()
+    dy = torch.randn(3, 5, 32, generator=g)
+    out, vals, sdec, amax = kn.rms_norm_quantize(x, w, 1e-6, torch.float16)
+    assert not (vals.requires_grad or sdec.requires_grad or amax.requires_grad)
+    out.backward(dy)
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    kn.rms_norm(x, w, 1e-6).backward(dy)
+    assert torch.equal(gx, x.grad) and torch.equal(gw, w.grad)
+
+
 def test_bad_shapes_raise():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kn.rms_norm_quantize(torch.zeros(2, 40), torch.ones(40), 1e-6)
+    with pytest.raises(TypeError, match="bf16 or fp16"):
+        kn.rms_norm_quantize(torch.zeros(2, 32), torch.ones(32), 1e-6, torch.float32)
     with pytest.raises(ValueError, match="last dimension"):
         kn.rms_norm(torch.zeros(2, 8), torch.ones(4), 1e-6)
     with pytest.raises(ValueError, match="MAX_D"):
@@ -78,6 +131,7 @@ def test_gpu_bf16_close_to_reference_and_batch_invariant():
         torch.testing.assert_close(got, norm.rms_norm_reference(x, w, 1e-6), rtol=1.6e-2, atol=1e-2)
         for rows in (1, 7, 64, 300):
             assert torch.equal(kn.rms_norm(x[:rows], w, 1e-6), got[:rows])
+        _fused_against_two_kernels(x, w, torch.bfloat16, "te")
         xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
         dy = torch.randn(x.shape, device="cuda", generator=g).to(torch.bfloat16)
         rx, rw = torch.autograd.grad(norm.rms_norm_reference(xr, wr, 1e-6), (xr, wr), dy)

@@ -125,6 +125,34 @@ def test_forward_scope_quantizes_a_shared_input_once(monkeypatch):
     assert torch.equal(doubled, lins[0](x))
 
 
+def test_norms_hand_their_quantization_to_the_projections(monkeypatch):
+    """With the fused kernels on, a dense layer's two norms quantize their outputs for q/k/v and
+    gate/up (`kernels.norm.rms_norm_quantize`): two quantizer launches per layer fewer, the same
+    logits bit for bit as with the norm's plain kernel."""
+    from minite.kernels import nvfp4 as kq
+    from minite.nn import nvfp4_matmul
+    from minite.nn.fused import use_fused_kernels
+
+    torch.manual_seed(0)
+    model = Qwen3(tiny_qwen3(), recipe=ALIGNED_TRITON).to(DEVICE)
+    model.init_weights(std=0.2, generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    calls = []
+    real = kq.quantize_unscaled
+    monkeypatch.setattr(kq, "quantize_unscaled", lambda *a, **k: calls.append(1) or real(*a, **k))
+    use_fused_kernels(True)
+    try:
+        got = model(ids)
+        fused_calls = len(calls)
+        monkeypatch.setattr(nvfp4_matmul, "can_seed_quantized_input", lambda *a: False)
+        want = model(ids)
+    finally:
+        use_fused_kernels(None)
+    layers = model.config.num_hidden_layers
+    assert (fused_calls, len(calls) - fused_calls) == (2 * layers, 4 * layers)  # o, down; + qkv, gate/up
+    assert torch.equal(got, want)
+
+
 def test_linear_triton_heavy_tailed_within_bound_and_batch_invariant():
     ref, tri = _pair(Linear, 128, 40, bias=True)
     x = (torch.randn(9, 128, generator=torch.Generator().manual_seed(3)) ** 3).to(DEVICE)
