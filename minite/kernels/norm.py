@@ -8,6 +8,10 @@ depends on that row alone and on D, never on the number of rows or on which prog
 invariant by construction. Against the reference: the same formula, another summation order (close,
 not bitwise).
 
+Rows of bf16 / fp16 x and weight (even D, word-aligned) take `norm_pairs` instead: the same formula,
+the sum of squares in its own order. `rms_norm_quantize` adds the fused activation quantizer of the
+output (in the same launch on that path, after it otherwise), for the NVFP4 GEMMs that read it.
+
 `rms_norm` is differentiable, with a one-launch backward (`_rms_norm_bwd_kernel`, plus a sum of
 per-program dW partials) instead of the reference's ~20 torch kernels under autograd. With
 gy = r(dy * w) (r: rounding to x's dtype, as autograd's product does) and c = sum(gy * x) / D / rms^3:
@@ -22,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minite.kernels.nvfp4 import CHAIN_IDS, _emit_chunk, _max_nan, _row_scales
+from minite.kernels import norm_pairs
+from minite.kernels.nvfp4 import CHAIN_IDS
 from minite.kernels.rounding import round_to
 
 MAX_D = 16384
@@ -30,29 +35,21 @@ ELEMS = 4096  # elements per program: ELEMS // D rows (at least one)
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, vals_ptr, scales_ptr, sdec_ptr, amax_ptr, n_rows, D, stride_x,
-                     stride_o, eps, QUANT: tl.constexpr, K: tl.constexpr, CHAIN: tl.constexpr,
-                     HW: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
-    """QUANT: also the row-scaled NVFP4 quantization of the stored rows (K = D): values e2m1 * s_b at
-    vals_ptr, block scale bytes, S_dec and amax, as `kernels.nvfp4.quantize_unscaled` of out."""
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, D, stride_x, stride_o, eps,
+                     BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
-    row_ok = rows < n_rows
-    m = row_ok[:, None] & col_ok[None, :]
+    m = (rows < n_rows)[:, None] & col_ok[None, :]
     x_in = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
     x = x_in.to(tl.float32)
     ms = tl.div_rn(tl.sum(x * x, axis=1), tl.zeros([BLOCK_R], tl.float32) + D)
     inv = tl.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), tl.sqrt_rn(ms + eps))
     y = (x * inv[:, None]).to(x_in.dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    out = (w[None, :] * y).to(out_ptr.dtype.element_ty)  # both factors exact in fp32: one rounding
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :], out, mask=m)
-    if QUANT:  # the stored values, quantized (columns past D are zeros: they leave the amax alone)
-        q = out.to(tl.float32)
-        s_enc, s_dec = _row_scales(tl.reduce(tl.abs(q), 1, _max_nan), rows, row_ok, sdec_ptr, amax_ptr, CHAIN)
-        _emit_chunk(q, s_enc, s_dec, rows, row_ok, 0, 0, vals_ptr, scales_ptr, vals_ptr, K, CHAIN, False,
-                    False, False, True, HW, BLOCK_R, BLOCK_D)
+    out = w[None, :] * y  # both values exact in fp32: one rounding to the output dtype below
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -110,8 +107,10 @@ def _backward(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, eps: floa
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, quant_dtype=None, chain: str = "te"):
-    """out (and with quant_dtype: (values [..., D] quant_dtype, S_dec fp32 [..., 1], amax fp32 [..., 1]))."""
-    from minite.kernels import interpreted
+    """out (and with quant_dtype: (values [..., D] quant_dtype, S_dec fp32 [..., 1], amax fp32 [..., 1])).
+    16-bit rows take `norm_pairs` (quantizing in the same launch); others this file's kernel (and the
+    quantizer after it)."""
+    from minite.kernels import nvfp4
 
     d = x.shape[-1]
     x2 = x.reshape(-1, d)
@@ -120,23 +119,30 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, quant_dtype=None,
     r = x2.shape[0]
     out_dtype = torch.result_type(weight, torch.empty((), dtype=x.dtype))
     out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
-    quant = quant_dtype is not None
-    vals = torch.empty(x2.shape, dtype=quant_dtype, device=x.device) if quant else out
-    scales = torch.empty(r, d // 16, dtype=torch.uint8, device=x.device) if quant else out
-    sdec = torch.empty(r, 1, dtype=torch.float32, device=x.device) if quant else out
-    amx = torch.empty_like(sdec) if quant else out
+    lead = x.shape[:-1]
+    if norm_pairs.applies(x2, weight):
+        quant = None
+        if quant_dtype is not None:
+            quant = (torch.empty(x2.shape, dtype=quant_dtype, device=x.device),
+                     torch.empty(r, d // 16, dtype=torch.uint8, device=x.device),
+                     torch.empty(r, 1, dtype=torch.float32, device=x.device),
+                     torch.empty(r, 1, dtype=torch.float32, device=x.device))
+        norm_pairs.launch(x2, weight, eps, out, quant, chain)
+        if quant is None:
+            return out.reshape(x.shape)
+        return out.reshape(x.shape), quant[0].reshape(x.shape), quant[2].reshape(*lead, 1), \
+            quant[3].reshape(*lead, 1)
     block_d = triton.next_power_of_2(d)
     block_r = max(1, ELEMS // block_d)
     if r:
-        _rms_norm_kernel[(triton.cdiv(r, block_r),)](
-            x2, weight, out, vals, scales, sdec, amx, r, d, x2.stride(0), out.stride(0), eps, QUANT=quant,
-            K=d if quant else 16, CHAIN=CHAIN_IDS[chain], HW=not interpreted(), BLOCK_D=block_d,
-            BLOCK_R=block_r, num_warps=8 if block_d >= 4096 else 4)
+        _rms_norm_kernel[(triton.cdiv(r, block_r),)](x2, weight, out, r, d, x2.stride(0), out.stride(0), eps,
+                                                     BLOCK_D=block_d, BLOCK_R=block_r,
+                                                     num_warps=8 if block_d >= 4096 else 4)
     out = out.reshape(x.shape)
-    if not quant:
+    if quant_dtype is None:
         return out
-    lead = x.shape[:-1]
-    return out, vals.reshape(x.shape), sdec.reshape(*lead, 1), amx.reshape(*lead, 1)
+    vals, sdec, _, _, amx = nvfp4.quantize_unscaled(out, quant_dtype, chain, return_codes=True)
+    return out, vals, sdec, amx
 
 
 class _RMSNorm(torch.autograd.Function):

@@ -72,7 +72,7 @@ def _fused_against_two_kernels(x, w, out_dtype, chain):
 
 
 @pytest.mark.parametrize("dtype,d,chain", [(torch.float32, 64, "te"), (torch.float16, 80, "vllm"),
-                                           (torch.float16, 256, "torchao")])
+                                           (torch.float16, 256, "torchao"), (torch.bfloat16, 64, "te")])
 def test_fused_quantizer_is_bitwise_the_two_kernels(dtype, d, chain):
     """One launch: the norm's output and its row-scaled quantization (values, S_dec, amax), bitwise
     `rms_norm` then `quantize_unscaled`; heavy-tailed rows, a zero row, a non-finite row; batch invariant."""
