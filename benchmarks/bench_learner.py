@@ -52,6 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--no-fused-kernels", action="store_true",
                    help="the plain torch RMSNorm/RoPE ops, not the fused kernels (the CUDA default)")
+    p.add_argument("--norm-path", default="quantizing", choices=["quantizing", "plain", "element"],
+                   help="quantizing: the norms quantize for the projections (the default); plain: they do "
+                        "not; element: nor do they take the word-layout kernel (the path before s11)")
     p.add_argument("--aligned-small-tile", action="store_true",
                    help="the aligned GEMMs keep the small tile at every M (A/B for `gemm.ALIGNED_LARGE_M`)")
     p.add_argument("--kernels", action="store_true",
@@ -127,6 +130,12 @@ def sync() -> None:
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     use_fused_kernels(False if args.no_fused_kernels else None)
+    if args.norm_path != "quantizing":
+        from minite.kernels import norm_pairs
+        from minite.nn import nvfp4_matmul
+
+        nvfp4_matmul.can_seed_quantized_input = lambda *a: False
+        norm_pairs.ENABLED = args.norm_path == "plain"
     if args.aligned_small_tile:
         from minite.kernels import gemm, grouped_gemm
 

@@ -24,6 +24,9 @@
 #   learner   learner train-step benchmark
 #   learner_ab  the dense learner again with the aligned GEMMs on the small tile at every M
 #   learner_dense  the dense learner alone, default tiles
+#   learner_norm  the dense learner twice with the norms quantizing for the projections, twice on the
+#             element-layout norm kernel without (the path before session 11), alternating
+#   norm      the RMSNorm kernels and the norm that quantizes its output (benchmarks/bench_norm.py)
 #   host      where the dense learner step's host time goes, bf16 vs aligned (profile_learner_host.py)
 #   probe     host and GPU time of the aligned W4A4 launch: small, large pointer, large TMA (probe_aligned_tile.py)
 #   agreement agreement on the benchmark model for bf16/bf16, aligned/aligned, te/vllm
@@ -115,6 +118,14 @@ for part in "$@"; do
     learner_ab)
       step 70 python3 benchmarks/bench_learner.py --models dense --aligned-small-tile \
         --out "$OUT/learner_aligned_small_tile.json" ;;
+    norm)
+      step 90 python3 benchmarks/bench_norm.py --out "$OUT/kernels_norm.json" ;;
+    learner_norm)
+      for path in quantizing element quantizing element; do
+        step 75 python3 benchmarks/bench_learner.py --models dense --norm-path $path \
+          --out "$OUT/extra/learner_dense_$path.json"
+        cp "$OUT/extra/learner_dense_$path.json" "$OUT/extra/learner_dense_${path}_$((++n_norm)).json"
+      done ;;
     learner_dense)
       step 70 python3 benchmarks/bench_learner.py --models dense --out "$OUT/learner_dense.json" ;;
     host)

@@ -1,0 +1,63 @@
+"""RMSNorm kernels, and the norm that quantizes its output for the next GEMM, against a device copy.
+
+Rows: Qwen3-8B hidden rows (4096 wide) at the compute-bound GEMM benchmark's M, the learner's 1.7B
+rows (2048 wide), and q_norm's head rows (128 wide). Variants: the element-layout kernel
+(`norm._rms_norm_kernel`), the word-layout kernel (`norm_pairs`), the norm then the quantizer
+(`quantize_unscaled`, two launches) and both in one launch (`rms_norm_quantize`). CUDA graphs over 4
+input copies (more than L2 holds), interleaved rounds (`bench_common.paired_graph_us`). Bytes
+counted: x read, every output written once.
+"""
+
+# ruff: noqa: B023  (lambdas are timed at once, inside the loop that binds them)
+from statistics import median
+
+import torch
+from bench_common import paired_graph_us, parse_args, report, warm_up
+
+from minite.kernels import norm as kn
+from minite.kernels import norm_pairs
+from minite.kernels import nvfp4 as kq
+
+SHAPES = [(4096, 4096), (16384, 4096), (8192, 2048), (131072, 128)]
+COPIES = 4
+EPS = 1e-6
+
+
+def element_layout(fn):
+    def run():
+        norm_pairs.ENABLED = False
+        try:
+            return fn()
+        finally:
+            norm_pairs.ENABLED = True
+    return run
+
+
+def main():
+    args = parse_args("benchmarks/results/kernels_norm.json")
+    warm_up()
+    rows = []
+    for r, d in SHAPES[:1] if args.quick else SHAPES:
+        xs = [torch.randn(r, d, device="cuda", dtype=torch.bfloat16) for _ in range(COPIES)]
+        w = torch.rand(d, device="cuda", dtype=torch.bfloat16) + 0.5
+        n = r * d
+        variants = {
+            "copy": ([lambda x=x: x.clone() for x in xs], 4 * n),
+            "norm, element layout": ([element_layout(lambda x=x: kn.rms_norm(x, w, EPS)) for x in xs], 4 * n),
+            "norm": ([lambda x=x: kn.rms_norm(x, w, EPS) for x in xs], 4 * n),
+            "norm, then quantize": ([lambda x=x: kq.quantize_unscaled(kn.rms_norm(x, w, EPS)) for x in xs],
+                                    8 * n + n // 16 + 4 * r),
+            "norm+quantize, one launch": ([lambda x=x: kn.rms_norm_quantize(x, w, EPS) for x in xs],
+                                          6 * n + n // 16 + 8 * r),
+        }
+        us = paired_graph_us({k: v[0] for k, v in variants.items()})
+        copy_us = median(us["copy"])
+        for name, (_, nbytes) in variants.items():
+            t = median(us[name])
+            rows.append(dict(shape=f"{r}x{d}", op=name, us=t, tb_s=nbytes / t / 1e6,
+                             frac_copy=(nbytes / t) / (4 * n / copy_us)))
+    report("rms_norm (+ quantize)", rows, args.out)
+
+
+if __name__ == "__main__":
+    main()
