@@ -86,6 +86,18 @@ def paired_graph_us(variants: dict, rounds: int = 7, reps: int = 10) -> dict:
     return out
 
 
+def with_flag(module, name: str, value, fn):
+    """fn run with `module.name` set to value (put back after): a kernel path switched off for one timing."""
+    def run():
+        old = getattr(module, name)
+        setattr(module, name, value)
+        try:
+            return fn()
+        finally:
+            setattr(module, name, old)
+    return run
+
+
 def ratio_stats(base: list, ours: list) -> tuple:
     """Per-round base / ours time ratios -> (median, min, max)."""
     r = sorted(b / o for b, o in zip(base, ours, strict=True))

@@ -16,7 +16,7 @@ call reads its weight from HBM; no launch gaps). The headline `x` columns are th
 import multiprocessing as mp
 
 import torch
-from bench_common import DECODE_CEILING, bench_ms, parse_args, report, warm_up
+from bench_common import DECODE_CEILING, bench_ms, capture_graph, parse_args, report, warm_up
 
 from minite.kernels import decode_gemm as kd
 from minite.kernels import gemm as kg
@@ -39,19 +39,7 @@ def operands(n, k, m):
 
 def graph_us(calls) -> float:
     """Microseconds per call of `calls` (a list of thunks) replayed as one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:  # warm (and allocate) outside the capture
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    return bench_ms(g.replay, warmup=10, rep=60) * 1e3 / len(calls)
+    return bench_ms(capture_graph(calls).replay, warmup=10, rep=60) * 1e3 / len(calls)
 
 
 def copies(t: torch.Tensor, per_copy_bytes: int) -> list:

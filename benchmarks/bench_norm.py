@@ -12,7 +12,7 @@ counted: x read, every output written once.
 from statistics import median
 
 import torch
-from bench_common import paired_graph_us, parse_args, report, warm_up
+from bench_common import paired_graph_us, parse_args, report, warm_up, with_flag
 
 from minite.kernels import norm as kn
 from minite.kernels import norm_pairs
@@ -24,13 +24,7 @@ EPS = 1e-6
 
 
 def element_layout(fn):
-    def run():
-        norm_pairs.ENABLED = False
-        try:
-            return fn()
-        finally:
-            norm_pairs.ENABLED = True
-    return run
+    return with_flag(norm_pairs, "ENABLED", False, fn)
 
 
 def main():

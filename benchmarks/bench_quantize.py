@@ -8,7 +8,7 @@ copies (`graph_frac_copy`, against a copy graphed the same way; s7 run2's do_ben
 
 # ruff: noqa: B023  (lambdas are timed at once, inside the loop that binds them)
 import torch
-from bench_common import HBM_COPY_TBPS, bench_ms, parse_args, report, warm_up
+from bench_common import HBM_COPY_TBPS, bench_ms, parse_args, report, warm_up, with_flag
 from bench_decode_gemm import graph_us
 
 from minite.kernels import nvfp4 as kq
@@ -18,13 +18,7 @@ from minite.ref import nvfp4 as ref
 
 def general_kernel(fn):
     """fn run with the pair kernel off: 16-bit inputs take the general kernel (the previous path)."""
-    def run():
-        kp.ENABLED = False
-        try:
-            return fn()
-        finally:
-            kp.ENABLED = True
-    return run
+    return with_flag(kp, "ENABLED", False, fn)
 
 
 def main():
