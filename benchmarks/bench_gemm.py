@@ -5,9 +5,10 @@ exact values + row scales) and the GEMM on the weight's dequantized bf16 copy; r
 without the quantizer ("+quant": both kernels, timed together), for the fastest (`prefill`) and the
 batch-invariant (`aligned`) configs. Every variant is a CUDA graph of CALLS calls (GPU time alone),
 timed in interleaved rounds with cuBLAS (`bench_common.paired_graph_us`): the x-cuBLAS columns are
-the median of the per-round ratios, with their min and max. For the layers an RMSNorm feeds (q/k/v,
-gate/up), also the layer as the model runs it: the norm and cuBLAS against the norm that quantizes
-its output (`kernels.norm.rms_norm_quantize`, one launch) and our GEMM.
+the median of the per-round ratios, with their min and max. For the layers whose input an RMSNorm
+(q/k/v, gate/up) or the SwiGLU (down) produces, also the layer as the model runs it ("layer"): that
+op and cuBLAS against the op quantizing its output in the same launch
+(`kernels.norm.rms_norm_quantize`, `kernels.swiglu.swiglu_quantize`) and our GEMM.
 """
 
 # ruff: noqa: B023  (lambdas are timed at once, inside the loop that binds them)
@@ -20,11 +21,24 @@ from bench_common import CUBLAS_BF16_TFLOPS, paired_graph_us, parse_args, ratio_
 from minite.kernels import gemm as kg
 from minite.kernels import norm as kn
 from minite.kernels import nvfp4 as kq
+from minite.kernels import swiglu as ks
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate|up": (12288, 4096), "down": (4096, 12288)}
 CALLS = 4  # calls per CUDA graph
-NORM_FED = ("qkv", "gate|up")  # inputs an RMSNorm produces (and quantizes: `kernels.norm.rms_norm_quantize`)
+# the op that produces each layer's input and, in the model, quantizes it for the GEMM in its own launch
+PRODUCERS = {"qkv": "rms_norm", "gate|up": "rms_norm", "down": "swiglu"}
 EPS = 1e-6
+
+
+def producer_ops(producer: str, m: int, k: int):
+    """(the producer alone -> its bf16 output [m, k], the producer quantizing -> (values, row factor))
+    on random inputs: RMSNorm of x [m, k], or SwiGLU of gate / up [m, k]."""
+    if producer == "rms_norm":
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        nw = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+        return lambda: kn.rms_norm(x, nw, EPS), lambda: kn.rms_norm_quantize(x, nw, EPS)[1:3]
+    gate, up = (torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 2 for _ in range(2))
+    return lambda: ks.swiglu(gate, up), lambda: ks.swiglu_quantize(gate, up)[1:3]
 SWEEP = [dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4),  # pointer loads (s4-s6)
          dict(kg.CONFIGS["prefill"]),  # TMA, persistent
          dict(kg.CONFIGS["prefill"], PERSIST=0),  # TMA, one program per tile
@@ -88,12 +102,13 @@ def main():
                 variants[cfg] = [lambda c=cfg: kg.w4a4_gemm(a, sa, wc, wq.global_scale, config=c)] * CALLS
                 variants[f"{cfg}+quant"] = [lambda c=cfg: kg.w4a4_gemm(*kq.quantize_unscaled(x), wc,
                                                                        wq.global_scale, config=c)] * CALLS
-            if layer in NORM_FED:  # the layer as the model runs it: the norm quantizes for the GEMM
-                nw = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
-                variants["norm+cublas"] = [lambda: torch.matmul(kn.rms_norm(x, nw, EPS), w.t())] * CALLS
+            producer = PRODUCERS.get(layer)
+            if producer:  # the layer as the model runs it: the op before the GEMM quantizes for it
+                plain, quantizing = producer_ops(producer, m, k)
+                variants["layer:cublas"] = [lambda: torch.matmul(plain(), w.t())] * CALLS
                 for cfg in ("prefill", "aligned"):
-                    variants[f"norm+{cfg}+quant"] = [lambda c=cfg: kg.w4a4_gemm(
-                        *kn.rms_norm_quantize(x, nw, EPS)[1:3], wc, wq.global_scale, config=c)] * CALLS
+                    variants[f"layer:{cfg}"] = [lambda c=cfg: kg.w4a4_gemm(
+                        *quantizing(), wc, wq.global_scale, config=c)] * CALLS
             us = paired_graph_us(variants)
             base = us["cublas"]
             row = dict(layer=layer, M=m, N=n, K=k, cublas_us=median(base),
@@ -104,12 +119,12 @@ def main():
                 mid, lo, hi = ratio_stats(base, us[v])
                 row.update({f"{v}_us": median(us[v]), f"{v}_vs_cublas": mid, f"{v}_vs_cublas_min": lo,
                             f"{v}_vs_cublas_max": hi})
-            if layer in NORM_FED:
-                row["norm_us"] = median(us["norm+cublas"]) - median(base)
+            if producer:
+                row.update(producer=producer, producer_us=median(us["layer:cublas"]) - median(base))
                 for cfg in ("prefill", "aligned"):
-                    mid, lo, hi = ratio_stats(us["norm+cublas"], us[f"norm+{cfg}+quant"])
-                    row.update({f"norm+{cfg}+quant_vs_norm+cublas": mid, f"norm+{cfg}+quant_min": lo,
-                                f"norm+{cfg}+quant_max": hi})
+                    mid, lo, hi = ratio_stats(us["layer:cublas"], us[f"layer:{cfg}"])
+                    row.update({f"layer_{cfg}_vs_cublas": mid, f"layer_{cfg}_min": lo,
+                                f"layer_{cfg}_max": hi})
             rows.append(row)
             if m == 4096 and layer in ("gate|up", "down") and not args.quick:
                 for i, cfg in enumerate(SWEEP):
@@ -125,9 +140,9 @@ def main():
     if sweep:
         report("gemm config sweep", sweep, None)
     report("gemm (compute-bound)", rows, args.out,
-           dict(target="prefill+quant >= 0.9x cuBLAS bf16 (norm-fed layers: norm+prefill+quant against "
-                       "norm+cublas)", configs=kg.CONFIGS, sweep=sweep,
-                alignment=align))
+           dict(target="prefill+quant >= 0.9x cuBLAS bf16 (layers with a producer: layer_prefill, the "
+                       "producer quantizing + our GEMM against the producer + cuBLAS)",
+                configs=kg.CONFIGS, sweep=sweep, alignment=align))
 
 
 if __name__ == "__main__":

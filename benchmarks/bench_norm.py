@@ -1,9 +1,11 @@
-"""RMSNorm kernels, and the norm that quantizes its output for the next GEMM, against a device copy.
+"""RMSNorm and SwiGLU kernels, and both quantizing their output for the next GEMM, against a device copy.
 
 Rows: Qwen3-8B hidden rows (4096 wide) at the compute-bound GEMM benchmark's M, the learner's 1.7B
 rows (2048 wide), and q_norm's head rows (128 wide). Variants: the element-layout kernel
 (`norm._rms_norm_kernel`), the word-layout kernel (`norm_pairs`), the norm then the quantizer
-(`quantize_unscaled`, two launches) and both in one launch (`rms_norm_quantize`). CUDA graphs over 4
+(`quantize_unscaled`, two launches) and both in one launch (`rms_norm_quantize`). SwiGLU on the MLP
+widths of Qwen3-8B / 1.7B and the 30B-A3B experts: torch's two kernels, ours, ours then the quantizer,
+both in one launch (`swiglu_quantize`). CUDA graphs over 4
 input copies (more than L2 holds), interleaved rounds (`bench_common.paired_graph_us`). Bytes
 counted: x read, every output written once.
 """
@@ -12,13 +14,16 @@ counted: x read, every output written once.
 from statistics import median
 
 import torch
+import torch.nn.functional as F
 from bench_common import paired_graph_us, parse_args, report, warm_up, with_flag
 
 from minite.kernels import norm as kn
 from minite.kernels import norm_pairs
 from minite.kernels import nvfp4 as kq
+from minite.kernels import swiglu as ks
 
 SHAPES = [(4096, 4096), (16384, 4096), (8192, 2048), (131072, 128)]
+SWIGLU_SHAPES = [(4096, 12288), (8192, 6144), (32768, 768)]  # Qwen3-8B MLP, 1.7B MLP, 30B-A3B experts
 COPIES = 4
 EPS = 1e-6
 
@@ -50,7 +55,27 @@ def main():
             t = median(us[name])
             rows.append(dict(shape=f"{r}x{d}", op=name, us=t, tb_s=nbytes / t / 1e6,
                              frac_copy=(nbytes / t) / (4 * n / copy_us)))
-    report("rms_norm (+ quantize)", rows, args.out)
+    for r, i in SWIGLU_SHAPES[:1] if args.quick else SWIGLU_SHAPES:
+        pairs = [[torch.randn(r, i, device="cuda", dtype=torch.bfloat16) * 2 for _ in range(2)]
+                 for _ in range(COPIES)]
+        n = r * i
+        variants = {
+            "copy": ([lambda g=g: g.clone() for g, _ in pairs], 4 * n),
+            "swiglu, torch": ([lambda g=g, u=u: F.silu(g) * u for g, u in pairs], 6 * n),
+            "swiglu": ([lambda g=g, u=u: ks.swiglu(g, u) for g, u in pairs], 6 * n),
+            "swiglu, then quantize": (
+                [lambda g=g, u=u: kq.quantize_unscaled(ks.swiglu(g, u)) for g, u in pairs],
+                10 * n + n // 16 + 4 * r),
+            "swiglu+quantize, one launch": ([lambda g=g, u=u: ks.swiglu_quantize(g, u) for g, u in pairs],
+                                            8 * n + n // 16 + 8 * r),
+        }
+        us = paired_graph_us({k: v[0] for k, v in variants.items()})
+        copy_us = median(us["copy"])
+        for name, (_, nbytes) in variants.items():
+            t = median(us[name])
+            rows.append(dict(shape=f"{r}x{i}", op=name, us=t, tb_s=nbytes / t / 1e6,
+                             frac_copy=(nbytes / t) / (4 * n / copy_us)))
+    report("rms_norm, swiglu (+ quantize)", rows, args.out)
 
 
 if __name__ == "__main__":

@@ -21,20 +21,13 @@ import triton.language as tl
 
 from minite.kernels import interpreted
 from minite.kernels.nvfp4 import CHAIN_IDS, _max_nan, _row_scales
-from minite.kernels.nvfp4_pairs import _emit_blocks, _fp16_bits, _halves
+from minite.kernels.nvfp4_pairs import _bits16, _emit_blocks, _halves
+from minite.kernels.rounding import round_to
 
 WORDS = 2048  # int32 words per program (at least one row)
 WORDS_PER_THREAD = 16
 MAX_WORDS = 8192  # rows of up to 2 * MAX_WORDS elements
 ENABLED = True  # False: every row takes norm._rms_norm_kernel (the benchmark times both)
-
-
-@triton.jit
-def _bits16(v, BF16: tl.constexpr):
-    """fp32 values exact in the 16-bit dtype -> their bits in the low half of an int32."""
-    if BF16:
-        return v.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 65535
-    return _fp16_bits(v)
 
 
 @triton.jit
@@ -59,10 +52,10 @@ def _norm_pairs_kernel(x_ptr, w_ptr, out_ptr, vals_ptr, scales_ptr, sdec_ptr, am
     ss = tl.sum(tl.sum(x_lo * x_lo + x_hi * x_hi, axis=2), axis=1)
     ms = tl.div_rn(ss, tl.zeros([BLOCK_R], tl.float32) + D)
     inv = tl.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), tl.sqrt_rn(ms + eps))[:, None, None]
-    dt = tl.bfloat16 if BF16 else tl.float16
-    # y rounded to x's dtype, then weight * y (both exact in fp32) rounded once, as norm._rms_norm_kernel
-    o_lo = (w_lo * (x_lo * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    o_hi = (w_hi * (x_hi * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    dt: tl.constexpr = tl.bfloat16 if BF16 else tl.float16
+    # y rounded to x's dtype, then weight * y (both exact in fp32) rounded once (on the bits for bf16)
+    o_lo = round_to(w_lo * round_to(x_lo * inv, dt), dt)
+    o_hi = round_to(w_hi * round_to(x_hi * inv, dt), dt)
     word = _bits16(o_lo, BF16) | (_bits16(o_hi, BF16) << 16)
     tl.store(out_ptr + r64 * KW + cols, word, mask=m)
     if QUANT:

@@ -52,6 +52,14 @@ def _fp16_bits(v):
 
 
 @triton.jit
+def _bits16(v, BF16: tl.constexpr):
+    """fp32 values exact in bf16 (BF16) or fp16 -> their bits in the low half of an int32."""
+    if BF16:
+        return v.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 65535
+    return _fp16_bits(v)
+
+
+@triton.jit
 def _load_blocks(w_rows, row_ok, w0, KW: tl.constexpr, IN_BF16: tl.constexpr, EVEN: tl.constexpr,
                  BLOCK_R: tl.constexpr, NB: tl.constexpr):
     """Words [w0, w0 + 8 NB) of BLOCK_R rows as [BLOCK_R, NB, 8] (one 16-element block per row of 8

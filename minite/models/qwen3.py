@@ -24,6 +24,7 @@ from minite.nn.forward_scope import forward_scope
 from minite.nn.linear import Linear
 from minite.nn.moe import MoEExperts
 from minite.nn.norm import RMSNorm
+from minite.nn.swiglu import swiglu
 from minite.recipe import Recipe, get_recipe
 
 
@@ -37,7 +38,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, recipe=recipe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.down_proj.recipe))
 
 
 class DecoderLayer(nn.Module):

@@ -45,6 +45,7 @@ from torch import nn
 from minite.nn.linear import TE_AMAX_TO_SCALE, Linear
 from minite.nn.nvfp4_matmul import grouped_nvfp4_matmul, nvfp4_matmul, use_kernels
 from minite.nn.quantized_weight import QuantizedWeight, quantize_weight, weight_key
+from minite.nn.swiglu import swiglu
 from minite.recipe import Recipe, get_recipe
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
@@ -222,17 +223,18 @@ class MoEExperts(nn.Module):
         if not self.recipe.fp4:
             offs = s.offsets[1:].to(torch.int32)  # group ends
             gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-            return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+            return torch._grouped_mm(swiglu(gate, up), self.down_proj.transpose(1, 2), offs=offs)
         gate_up = grouped_nvfp4_matmul(xs, self.gate_up_proj, self.quantized_weight("gate_up_proj"),
                                        self.recipe, s.offsets, s.experts, self.fast, self.grouped_mm_on())
         gate, up = gate_up.chunk(2, dim=-1)  # [R, I] each
-        return grouped_nvfp4_matmul(F.silu(gate) * up, self.down_proj, self.quantized_weight("down_proj"),
-                                    self.recipe, s.offsets, s.experts, self.fast, self.grouped_mm_on())
+        h = swiglu(gate, up, self.recipe)  # quantized for down in the same launch
+        return grouped_nvfp4_matmul(h, self.down_proj, self.quantized_weight("down_proj"), self.recipe,
+                                    s.offsets, s.experts, self.fast, self.grouped_mm_on())
 
     def experts_forward(self, xg: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """SwiGLU experts on grouped tokens: xg [A, C, H], experts [A] -> [A, C, H]."""
         gate, up = self.expert_matmul(xg, "gate_up_proj", experts).chunk(2, dim=-1)  # [A, C, I] each
-        return self.expert_matmul(F.silu(gate) * up, "down_proj", experts)
+        return self.expert_matmul(swiglu(gate, up), "down_proj", experts)
 
     def expert_matmul(self, xg: torch.Tensor, name: str, experts: torch.Tensor) -> torch.Tensor:
         """xg [A, C, K] times expert weight `name` [E, N, K] of `experts` [A] -> [A, C, N]."""

@@ -125,16 +125,18 @@ def test_forward_scope_quantizes_a_shared_input_once(monkeypatch):
     assert torch.equal(doubled, lins[0](x))
 
 
-def test_norms_hand_their_quantization_to_the_projections(monkeypatch):
+@pytest.mark.parametrize("config,per_layer", [(tiny_qwen3, 1), (tiny_qwen3_moe, 2)])
+def test_norms_and_swiglu_hand_their_quantization_to_the_projections(monkeypatch, config, per_layer):
     """With the fused kernels on, a dense layer's two norms quantize their outputs for q/k/v and
-    gate/up (`kernels.norm.rms_norm_quantize`): two quantizer launches per layer fewer, the same
-    logits bit for bit as with the norm's plain kernel."""
+    gate/up (`kernels.norm.rms_norm_quantize`), its SwiGLU for down (`kernels.swiglu`): three
+    quantizer launches per layer fewer (o's stays), the same logits bit for bit as without. MoE layers:
+    the experts' SwiGLU quantizes for down; gate/up quantize their own gathered rows."""
     from minite.kernels import nvfp4 as kq
     from minite.nn import nvfp4_matmul
     from minite.nn.fused import use_fused_kernels
 
     torch.manual_seed(0)
-    model = Qwen3(tiny_qwen3(), recipe=ALIGNED_TRITON)
+    model = Qwen3(config(), recipe=ALIGNED_TRITON)
     model.init_weights(std=0.2, generator=torch.Generator().manual_seed(0))
     model.to(DEVICE, torch.bfloat16)  # 16-bit rows: the norm quantizes in its own launch (`norm_pairs`)
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
@@ -151,7 +153,8 @@ def test_norms_hand_their_quantization_to_the_projections(monkeypatch):
     finally:
         use_fused_kernels(None)
     layers = model.config.num_hidden_layers
-    assert (fused_calls, len(calls) - fused_calls) == (2 * layers, 4 * layers)  # o, down; + qkv, gate/up
+    # without the handover: qkv, o, gate/up, down
+    assert (fused_calls, len(calls) - fused_calls) == (per_layer * layers, 4 * layers)
     assert torch.equal(got, want)
 
 

@@ -1,0 +1,160 @@
+"""Triton SwiGLU, `h = silu(gate) * up` on 16-bit rows, with the NVFP4 activation quantizer of h fused
+in (`swiglu_quantize`): the MLP's down projection reads h quantized, so the quantizer's pass over h
+(a read of h and a launch) goes.
+
+Per element, torch's formula for bf16 / fp16 tensors: s = gate / (1 + exp(-gate)) in fp32 (IEEE
+division; exp: libdevice's expf on the GPU, numpy's in the interpreter) rounded to the dtype, then
+h = s * up in fp32 rounded to the dtype (`rounding.round_to`: on the bits for bf16). Rows are read as
+int32 words [rows, blocks, 8], the layout of the quantizer's pair kernel (`nvfp4_pairs`), whose
+helpers quantize h while it is in registers: the values, S_dec and amax are bitwise
+`nvfp4.quantize_unscaled` of the stored h. Element-wise, so batch
+invariant. The backward recomputes silu(gate) and runs autograd's own ops (mul, mul, silu_backward):
+the gradients are bitwise those of `F.silu(gate) * up` given the same s.
+"""
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from minite.kernels import interpreted
+from minite.kernels.nvfp4 import CHAIN_IDS, _max_nan, _row_scales
+from minite.kernels.nvfp4_pairs import _bits16, _emit_blocks, _halves
+from minite.kernels.rounding import round_to
+
+WORDS = 2048  # int32 words of h per program (at least one row)
+WORDS_PER_THREAD = 16
+MAX_WORDS = 8192  # rows of up to 2 * MAX_WORDS elements; wider ones take torch's ops
+
+
+@triton.jit
+def _silu_mul(g, u, BF16: tl.constexpr, HW: tl.constexpr):
+    dt: tl.constexpr = tl.bfloat16 if BF16 else tl.float16
+    if HW:
+        e = libdevice.exp(-g)
+    else:
+        e = tl.exp(-g)
+    return round_to(round_to(tl.div_rn(g, 1.0 + e), dt) * u, dt)
+
+
+@triton.jit
+def _swiglu_kernel(g_ptr, u_ptr, h_ptr, vals_ptr, scales_ptr, sdec_ptr, amax_ptr, n_rows, stride_gw,
+                   stride_uw, KW: tl.constexpr, QUANT: tl.constexpr, CHAIN: tl.constexpr, BF16: tl.constexpr,
+                   VALS_BF16: tl.constexpr, HW: tl.constexpr, EVEN: tl.constexpr, BLOCK_R: tl.constexpr,
+                   NB: tl.constexpr):
+    """gate, up: int32 words, row strides stride_gw / stride_uw; h, vals: contiguous words [n_rows, KW]."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_rows
+    cols = tl.arange(0, NB)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]  # [1, NB, 8] words
+    r64 = rows.to(tl.int64)[:, None, None]
+    m = None if EVEN else row_ok[:, None, None] & (cols < KW)
+    if EVEN:
+        gw = tl.load(g_ptr + r64 * stride_gw + cols)
+        uw = tl.load(u_ptr + r64 * stride_uw + cols)
+    else:
+        gw = tl.load(g_ptr + r64 * stride_gw + cols, mask=m, other=0)
+        uw = tl.load(u_ptr + r64 * stride_uw + cols, mask=m, other=0)
+    g_lo, g_hi = _halves(gw, BF16)
+    u_lo, u_hi = _halves(uw, BF16)
+    h_lo = _silu_mul(g_lo, u_lo, BF16, HW)
+    h_hi = _silu_mul(g_hi, u_hi, BF16, HW)
+    word = _bits16(h_lo, BF16) | (_bits16(h_hi, BF16) << 16)
+    tl.store(h_ptr + r64 * KW + cols, word, mask=m)
+    if QUANT:
+        bamax = tl.reduce(_max_nan(tl.abs(h_lo), tl.abs(h_hi)), 2, _max_nan)  # [BLOCK_R, NB]
+        s_enc, s_dec = _row_scales(tl.reduce(bamax, 1, _max_nan), rows, row_ok, sdec_ptr, amax_ptr, CHAIN)
+        _emit_blocks(h_lo, h_hi, word & -2147450880, cols, bamax, s_enc, s_dec, rows, row_ok, 0, vals_ptr,
+                     scales_ptr, vals_ptr, KW, CHAIN, False, True, VALS_BF16, HW, EVEN, BLOCK_R, NB)
+
+
+def applies(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether the kernel takes gate / up [..., I]: both bf16 or both fp16, one shape, I even and at most
+    2 * MAX_WORDS, unit column stride, rows flattenable, words aligned."""
+    i = gate.shape[-1]
+    if gate.dtype not in (torch.bfloat16, torch.float16) or up.dtype != gate.dtype or up.shape != gate.shape:
+        return False
+    if i % 2 or i // 2 > MAX_WORDS or not (gate.is_cuda or interpreted()):
+        return False
+    return all(_rows_view(t) is not None and t.data_ptr() % 4 == 0 for t in (gate, up))
+
+
+def _rows_view(t: torch.Tensor):
+    """t [..., I] as [R, I] without a copy, with an even row stride and unit column stride (or None)."""
+    try:
+        t2 = t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return None
+    return t2 if t2.stride(-1) == 1 and (t2.stride(0) % 2 == 0 or t2.shape[0] <= 1) else None
+
+
+def _launch(gate: torch.Tensor, up: torch.Tensor, quant_dtype=None, chain: str = "te"):
+    i = gate.shape[-1]
+    g2, u2 = _rows_view(gate), _rows_view(up)
+    r, kw = g2.shape[0], i // 2
+    dev, lead = gate.device, gate.shape[:-1]
+    h = torch.empty(r, i, dtype=gate.dtype, device=dev)
+    quant = quant_dtype is not None
+    vals = torch.empty(r, i, dtype=quant_dtype, device=dev) if quant else h
+    scales = torch.empty(r, i // 16, dtype=torch.uint8, device=dev) if quant else h
+    sdec = torch.empty(r, 1, dtype=torch.float32, device=dev) if quant else h
+    amx = torch.empty(r, 1, dtype=torch.float32, device=dev) if quant else h
+    block_w = max(8, triton.next_power_of_2(kw))
+    block_r = max(1, WORDS // block_w)
+    if r:
+        _swiglu_kernel[(triton.cdiv(r, block_r),)](
+            g2.view(torch.int32), u2.view(torch.int32), h.view(torch.int32), vals.view(torch.int32), scales,
+            sdec, amx, r, max(g2.stride(0), i) // 2, max(u2.stride(0), i) // 2, KW=kw, QUANT=quant,
+            CHAIN=CHAIN_IDS[chain], BF16=gate.dtype == torch.bfloat16, VALS_BF16=vals.dtype == torch.bfloat16,
+            HW=not interpreted(), EVEN=r % block_r == 0 and kw == block_w, BLOCK_R=block_r, NB=block_w // 8,
+            num_warps=min(16, max(1, block_r * block_w // (32 * WORDS_PER_THREAD))))
+    h = h.reshape(*lead, i)
+    if not quant:
+        return h
+    return h, vals.reshape(*lead, i), sdec.reshape(*lead, 1), amx.reshape(*lead, 1)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, quant_dtype=None, chain="te"):
+        ctx.save_for_backward(gate, up)
+        outs = _launch(gate, up, quant_dtype, chain)
+        if quant_dtype is not None:
+            ctx.mark_non_differentiable(*outs[1:])
+        return outs
+
+    @staticmethod
+    def backward(ctx, dh, *_):
+        gate, up = ctx.saved_tensors
+        s = F.silu(gate)
+        dgate = torch.ops.aten.silu_backward(dh * up, gate) if ctx.needs_input_grad[0] else None
+        dup = dh * s if ctx.needs_input_grad[1] else None
+        return dgate, dup, None, None
+
+
+def _check(gate: torch.Tensor, up: torch.Tensor) -> None:
+    if not applies(gate, up):
+        raise ValueError(f"swiglu kernel: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} "
+                         f"{up.dtype} must be one shape, both bf16 or both fp16, of even width <= "
+                         f"{2 * MAX_WORDS}, rows with unit column stride (see `applies`)")
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate / up [..., I] (`applies`), differentiable."""
+    _check(gate, up)
+    return _SwiGLU.apply(gate, up)
+
+
+def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, out_dtype=torch.bfloat16, chain: str = "te"):
+    """`swiglu` and the fused activation quantizer of h in one launch: (h [..., I], values e2m1 * s_b
+    [..., I] in out_dtype, S_dec fp32 [..., 1], amax fp32 [..., 1]), the last three bitwise
+    `nvfp4.quantize_unscaled(h, out_dtype, chain, return_codes=True)`'s. I must be a multiple of 16.
+    Differentiable in h."""
+    _check(gate, up)
+    if gate.shape[-1] % 16:
+        raise ValueError(f"swiglu_quantize: width {gate.shape[-1]} is not a multiple of 16")
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"swiglu_quantize writes bf16 or fp16 values, not {out_dtype}")
+    if chain not in CHAIN_IDS:
+        raise ValueError(f"unknown chain {chain!r}; expected one of {sorted(CHAIN_IDS)}")
+    return _SwiGLU.apply(gate, up, out_dtype, chain)
