@@ -20,12 +20,16 @@ from triton.language.extra import libdevice
 
 from minite.kernels import interpreted
 from minite.kernels.nvfp4 import CHAIN_IDS, _max_nan, _row_scales
-from minite.kernels.nvfp4_pairs import _bits16, _emit_blocks, _halves
+from minite.kernels.nvfp4_pairs import _bits16, _emit_blocks, _halves, _load_blocks
 from minite.kernels.rounding import round_to
 
-WORDS = 2048  # int32 words of h per program (at least one row)
-WORDS_PER_THREAD = 16
-MAX_WORDS = 8192  # rows of up to 2 * MAX_WORDS elements; wider ones take torch's ops
+# a program covers WORDS int32 words of h: BLOCK_R rows x one chunk of up to CHUNK_WORDS (8 words a
+# thread). H200, s11 run8: whole rows in registers (16 words a thread, 12288-wide rows padded to 16384)
+# ran at 0.58 of the copy bandwidth, slower than torch's two kernels, and 0.45 with the quantizer
+WORDS = 1024
+CHUNK_WORDS = 1024
+WORDS_PER_THREAD = 8
+MAX_WORDS = 1 << 20  # rows of up to 2 * MAX_WORDS elements; wider ones take torch's ops
 
 
 @triton.jit
@@ -39,15 +43,10 @@ def _silu_mul(g, u, BF16: tl.constexpr, HW: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_kernel(g_ptr, u_ptr, h_ptr, vals_ptr, scales_ptr, sdec_ptr, amax_ptr, n_rows, stride_gw,
-                   stride_uw, KW: tl.constexpr, QUANT: tl.constexpr, CHAIN: tl.constexpr, BF16: tl.constexpr,
-                   VALS_BF16: tl.constexpr, HW: tl.constexpr, EVEN: tl.constexpr, BLOCK_R: tl.constexpr,
-                   NB: tl.constexpr):
-    """gate, up: int32 words, row strides stride_gw / stride_uw; h, vals: contiguous words [n_rows, KW]."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < n_rows
-    cols = tl.arange(0, NB)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]  # [1, NB, 8] words
-    r64 = rows.to(tl.int64)[:, None, None]
+def _swiglu_chunk(g_ptr, u_ptr, h_ptr, r64, row_ok, w0, stride_gw, stride_uw, KW: tl.constexpr,
+                  BF16: tl.constexpr, HW: tl.constexpr, EVEN: tl.constexpr, NB: tl.constexpr):
+    """h of words [w0, w0 + 8 NB) of the rows r64 [BLOCK_R, 1, 1], stored; returned as (even, odd) fp32."""
+    cols = w0 + tl.arange(0, NB)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]  # [1, NB, 8] words
     m = None if EVEN else row_ok[:, None, None] & (cols < KW)
     if EVEN:
         gw = tl.load(g_ptr + r64 * stride_gw + cols)
@@ -59,13 +58,39 @@ def _swiglu_kernel(g_ptr, u_ptr, h_ptr, vals_ptr, scales_ptr, sdec_ptr, amax_ptr
     u_lo, u_hi = _halves(uw, BF16)
     h_lo = _silu_mul(g_lo, u_lo, BF16, HW)
     h_hi = _silu_mul(g_hi, u_hi, BF16, HW)
-    word = _bits16(h_lo, BF16) | (_bits16(h_hi, BF16) << 16)
-    tl.store(h_ptr + r64 * KW + cols, word, mask=m)
+    tl.store(h_ptr + r64 * KW + cols, _bits16(h_lo, BF16) | (_bits16(h_hi, BF16) << 16), mask=m)
+    return h_lo, h_hi
+
+
+@triton.jit
+def _swiglu_kernel(g_ptr, u_ptr, h_ptr, vals_ptr, scales_ptr, sdec_ptr, amax_ptr, n_rows, stride_gw,
+                   stride_uw, KW: tl.constexpr, QUANT: tl.constexpr, CHAIN: tl.constexpr, BF16: tl.constexpr,
+                   VALS_BF16: tl.constexpr, HW: tl.constexpr, EVEN: tl.constexpr, BLOCK_R: tl.constexpr,
+                   NB: tl.constexpr):
+    """gate, up: int32 words, row strides stride_gw / stride_uw; h, vals: contiguous words [n_rows, KW].
+    Without QUANT, program (i, j) does row block i's j-th chunk of 8 NB words. With QUANT, program i walks
+    its rows twice: h chunk by chunk (stored) and the row amax, then h read back (the program's own
+    stores, in L2) and quantized chunk by chunk."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_rows
+    r64 = rows.to(tl.int64)[:, None, None]
     if QUANT:
-        bamax = tl.reduce(_max_nan(tl.abs(h_lo), tl.abs(h_hi)), 2, _max_nan)  # [BLOCK_R, NB]
-        s_enc, s_dec = _row_scales(tl.reduce(bamax, 1, _max_nan), rows, row_ok, sdec_ptr, amax_ptr, CHAIN)
-        _emit_blocks(h_lo, h_hi, word & -2147450880, cols, bamax, s_enc, s_dec, rows, row_ok, 0, vals_ptr,
-                     scales_ptr, vals_ptr, KW, CHAIN, False, True, VALS_BF16, HW, EVEN, BLOCK_R, NB)
+        amax = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for w0 in range(0, KW, 8 * NB):
+            h_lo, h_hi = _swiglu_chunk(g_ptr, u_ptr, h_ptr, r64, row_ok, w0, stride_gw, stride_uw, KW, BF16,
+                                       HW, EVEN, NB)
+            habs = tl.reduce(_max_nan(tl.abs(h_lo), tl.abs(h_hi)), 2, _max_nan)
+            amax = _max_nan(amax, tl.reduce(habs, 1, _max_nan))
+        s_enc, s_dec = _row_scales(amax, rows, row_ok, sdec_ptr, amax_ptr, CHAIN)
+        tl.debug_barrier()  # every thread's h stores before any read back
+        h_rows = h_ptr + rows.to(tl.int64)[:, None] * KW
+        for w0 in range(0, KW, 8 * NB):
+            lo, hi, signs, cols, bamax = _load_blocks(h_rows, row_ok, w0, KW, BF16, EVEN, BLOCK_R, NB)
+            _emit_blocks(lo, hi, signs, cols, bamax, s_enc, s_dec, rows, row_ok, w0, vals_ptr, scales_ptr,
+                         vals_ptr, KW, CHAIN, False, True, VALS_BF16, HW, EVEN, BLOCK_R, NB)
+    else:
+        _swiglu_chunk(g_ptr, u_ptr, h_ptr, r64, row_ok, tl.program_id(1) * 8 * NB, stride_gw, stride_uw, KW,
+                      BF16, HW, EVEN, NB)
 
 
 def applies(gate: torch.Tensor, up: torch.Tensor) -> bool:
@@ -88,6 +113,15 @@ def _rows_view(t: torch.Tensor):
     return t2 if t2.stride(-1) == 1 and (t2.stride(0) % 2 == 0 or t2.shape[0] <= 1) else None
 
 
+def _chunk_words(kw: int) -> int:
+    """Words per chunk: the largest power of two up to CHUNK_WORDS dividing kw (whole 16-element blocks);
+    a row narrower than that, or not made of whole blocks, is one masked chunk."""
+    chunk = CHUNK_WORDS
+    while chunk > 8 and kw % chunk:
+        chunk //= 2
+    return chunk if kw % chunk == 0 else min(CHUNK_WORDS, max(8, triton.next_power_of_2(kw)))
+
+
 def _launch(gate: torch.Tensor, up: torch.Tensor, quant_dtype=None, chain: str = "te"):
     i = gate.shape[-1]
     g2, u2 = _rows_view(gate), _rows_view(up)
@@ -99,15 +133,16 @@ def _launch(gate: torch.Tensor, up: torch.Tensor, quant_dtype=None, chain: str =
     scales = torch.empty(r, i // 16, dtype=torch.uint8, device=dev) if quant else h
     sdec = torch.empty(r, 1, dtype=torch.float32, device=dev) if quant else h
     amx = torch.empty(r, 1, dtype=torch.float32, device=dev) if quant else h
-    block_w = max(8, triton.next_power_of_2(kw))
-    block_r = max(1, WORDS // block_w)
+    chunk = _chunk_words(kw)
+    block_r = max(1, WORDS // chunk)
+    grid = (triton.cdiv(r, block_r),) if quant else (triton.cdiv(r, block_r), triton.cdiv(kw, chunk))
     if r:
-        _swiglu_kernel[(triton.cdiv(r, block_r),)](
+        _swiglu_kernel[grid](
             g2.view(torch.int32), u2.view(torch.int32), h.view(torch.int32), vals.view(torch.int32), scales,
             sdec, amx, r, max(g2.stride(0), i) // 2, max(u2.stride(0), i) // 2, KW=kw, QUANT=quant,
             CHAIN=CHAIN_IDS[chain], BF16=gate.dtype == torch.bfloat16, VALS_BF16=vals.dtype == torch.bfloat16,
-            HW=not interpreted(), EVEN=r % block_r == 0 and kw == block_w, BLOCK_R=block_r, NB=block_w // 8,
-            num_warps=min(16, max(1, block_r * block_w // (32 * WORDS_PER_THREAD))))
+            HW=not interpreted(), EVEN=r % block_r == 0 and kw % chunk == 0, BLOCK_R=block_r, NB=chunk // 8,
+            num_warps=max(1, block_r * chunk // (32 * WORDS_PER_THREAD)))
     h = h.reshape(*lead, i)
     if not quant:
         return h

@@ -32,7 +32,7 @@ def _close_to_torch(h, gate, up):
 
 
 @pytest.mark.parametrize("dtype,rows,width", [(torch.bfloat16, 5, 48), (torch.float16, 9, 80),
-                                              (torch.bfloat16, 3, 256)])
+                                              (torch.bfloat16, 3, 256), (torch.bfloat16, 4, 100)])
 def test_matches_torch_and_is_batch_invariant(dtype, rows, width):
     gate, up = _gate_up(rows, width, dtype, 0)
     h = ks.swiglu(gate, up)
@@ -42,8 +42,11 @@ def test_matches_torch_and_is_batch_invariant(dtype, rows, width):
         _same(ks.swiglu(gate[-r:], up[-r:]), h[-r:])
 
 
-@pytest.mark.parametrize("dtype,chain", [(torch.bfloat16, "te"), (torch.float16, "vllm")])
-def test_fused_quantizer_is_bitwise_the_quantize_kernel(dtype, chain):
+@pytest.mark.parametrize("dtype,chain,chunk", [(torch.bfloat16, "te", 1024), (torch.float16, "vllm", 1024),
+                                               (torch.bfloat16, "te", 8)])
+def test_fused_quantizer_is_bitwise_the_quantize_kernel(dtype, chain, chunk, monkeypatch):
+    """Chunk 8: the row's four chunks walked twice (h and its amax, then h read back and quantized)."""
+    monkeypatch.setattr(ks, "CHUNK_WORDS", chunk)
     gate, up = _gate_up(7, 64, dtype, 1)
     gate[2] = 0.0
     up[4, 5] = float("nan")
