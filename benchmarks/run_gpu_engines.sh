@@ -28,6 +28,7 @@
 #             element-layout norm kernel without (the path before session 11), alternating
 #   norm      the RMSNorm kernels and the norm that quantizes its output (benchmarks/bench_norm.py)
 #   host      where the dense learner step's host time goes, bf16 vs aligned (profile_learner_host.py)
+#   linear_host  host time of one linear's forward + backward, bf16 vs aligned, and its parts
 #   probe     host and GPU time of the aligned W4A4 launch: small, large pointer, large TMA (probe_aligned_tile.py)
 #   agreement agreement on the benchmark model for bf16/bf16, aligned/aligned, te/vllm
 #   diagnose  minite diagnose reports at the benchmark model's full depth, te/vllm and aligned
@@ -61,7 +62,7 @@ step() {
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv | tee "$log"
 for part in "$@"; do
   case $part in
-    tests) step 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
+    tests) step ${TESTS_CAP:-200} python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
     quant_tests)
       step 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_nvfp4.py tests/kernels/test_gemm.py ;;
     tma)
@@ -130,6 +131,8 @@ for part in "$@"; do
       step 70 python3 benchmarks/bench_learner.py --models dense --out "$OUT/learner_dense.json" ;;
     host)
       step 120 python3 benchmarks/profile_learner_host.py --out "$OUT/learner_host_profile.json" ;;
+    linear_host)
+      step 60 python3 benchmarks/probe_linear_host.py --out "$OUT/probe_linear_host.json" ;;
     probe)
       step 60 python3 benchmarks/probe_aligned_tile.py --out "$OUT/probe_aligned_tile.json" ;;
     agreement)

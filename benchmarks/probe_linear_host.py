@@ -1,0 +1,111 @@
+"""Host time of one linear layer's forward + backward, bf16 against NVFP4 `aligned`, and of its parts.
+
+The dense learner step is host-bound on both recipes (session 10: the host returns after about the
+step time); the aligned step spends ~130 ms more host time than bf16's over 392 linear calls. This
+runs each piece many times on small shapes (the GPU never the limit) and reports host microseconds
+per call (`host_us`: the time to enqueue, without synchronizing), plus a cProfile breakdown of the
+aligned linear's forward + backward.
+
+    python benchmarks/probe_linear_host.py --out OUT.json
+"""
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+import triton
+from bench_common import report
+
+from minite.kernels import gemm as kg
+from minite.kernels import nvfp4 as kq
+from minite.kernels.scale import scale_rows
+from minite.nn.forward_scope import forward_scope
+from minite.nn.linear import Linear
+
+M, K, N = 256, 1024, 1024
+CALLS = 300
+
+
+@triton.jit
+def _empty_kernel(x_ptr):
+    pass
+
+
+def host_us(fn, calls: int = CALLS) -> float:
+    """Host microseconds per call of fn (enqueue only; the device drained before and after)."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def linear_step(lin, x, g):
+    def run():
+        with forward_scope():
+            y = lin(x)
+        y.backward(g)
+    return run
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    dev = "cuda"
+    x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
+    lins = {r: Linear(K, N, recipe=r, dtype=torch.bfloat16, device=dev) for r in ("bf16", "aligned")}
+    xq = x.detach()
+    a, sa = kq.quantize_unscaled(xq)
+    qw = lins["aligned"].quantized_weight()
+    w = qw.operand(torch.bfloat16)
+    s_row = torch.rand(M, device=dev) + 0.5
+    s_one = torch.tensor(0.75, device=dev)
+    y = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
+    pieces = {
+        "linear fwd+bwd bf16": linear_step(lins["bf16"], x, g),
+        "linear fwd+bwd aligned": linear_step(lins["aligned"], x, g),
+        "linear fwd bf16": lambda: lins["bf16"](x),
+        "linear fwd aligned": lambda: lins["aligned"](x),
+        "triton empty kernel": lambda: _empty_kernel[(1,)](xq),
+        "torch add": lambda: torch.add(y, y, out=y),
+        "torch matmul bf16": lambda: torch.matmul(xq, w.t()),
+        "quantize_unscaled": lambda: kq.quantize_unscaled(xq),
+        "w4a4_gemm aligned": lambda: kg.w4a4_gemm(a, sa, w, qw.global_scale, None, "sdec", torch.bfloat16,
+                                                  "aligned"),
+        "scale_rows per row": lambda: scale_rows(y, s_row, out=y),
+        "scale_rows one scale": lambda: scale_rows(y, s_one, out=y),
+        "mul_ python float": lambda: y.mul_(0.75),
+        "torch.mul mixed out=bf16": lambda: torch.mul(y, s_row[:, None], out=y),
+    }
+    rows = [dict(piece=name, host_us=host_us(fn)) for name, fn in pieces.items()]
+    prof = cProfile.Profile()
+    step = pieces["linear fwd+bwd aligned"]
+    torch.cuda.synchronize()
+    prof.enable()
+    for _ in range(100):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime")
+    breakdown = []
+    for func in stats.fcn_list[:30]:
+        _, nc, tt, ct, _ = stats.stats[func]
+        breakdown.append(dict(function=f"{func[0].split('site-packages/')[-1]}:{func[1]}({func[2]})",
+                              calls_per_step=nc / 100, tottime_us=tt * 1e4, cumtime_us=ct * 1e4))
+    for b in breakdown:
+        print(f"{b['tottime_us']:8.1f} {b['cumtime_us']:8.1f} {b['calls_per_step']:5.1f}  {b['function']}")
+    report("probe_linear_host", rows, args.out, extra=dict(shape=dict(m=M, k=K, n=N),
+                                                           aligned_profile_per_step=breakdown))
+
+
+if __name__ == "__main__":
+    main()
