@@ -55,6 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--norm-path", default="quantizing", choices=["quantizing", "plain", "element"],
                    help="quantizing: the norms quantize for the projections (the default); plain: they do "
                         "not; element: nor do they take the word-layout kernel (the path before s11)")
+    p.add_argument("--launch-path", default="direct", choices=["direct", "triton"],
+                   help="direct: repeat kernel launches skip Triton's binding (minite.kernels.launch), dX "
+                        "takes the weight scale as a host float (the default); triton: neither (before s12)")
     p.add_argument("--aligned-small-tile", action="store_true",
                    help="the aligned GEMMs keep the small tile at every M (A/B for `gemm.ALIGNED_LARGE_M`)")
     p.add_argument("--kernels", action="store_true",
@@ -136,6 +139,12 @@ def main(argv=None) -> list[dict]:
 
         nvfp4_matmul.can_seed_quantized_input = lambda *a: False
         norm_pairs.ENABLED = args.norm_path == "plain"
+    if args.launch_path == "triton":
+        from minite.kernels import launch
+        from minite.nn.quantized_weight import QuantizedWeight
+
+        launch.ENABLED = False
+        QuantizedWeight.host_global_scale = lambda self: None
     if args.aligned_small_tile:
         from minite.kernels import gemm, grouped_gemm
 

@@ -23,6 +23,7 @@ from minite.kernels import nvfp4 as kq
 from minite.kernels.scale import scale_rows
 from minite.nn.forward_scope import forward_scope
 from minite.nn.linear import Linear
+from minite.recipe import get_recipe
 
 M, K, N = 256, 1024, 1024
 CALLS = 300
@@ -61,7 +62,8 @@ def main():
     dev = "cuda"
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
-    lins = {r: Linear(K, N, recipe=r, dtype=torch.bfloat16, device=dev) for r in ("bf16", "aligned")}
+    recipes = {"bf16": "bf16", "aligned": get_recipe("aligned", backend="triton")}
+    lins = {name: Linear(K, N, recipe=r, dtype=torch.bfloat16, device=dev) for name, r in recipes.items()}
     xq = x.detach()
     a, sa = kq.quantize_unscaled(xq)
     qw = lins["aligned"].quantized_weight()
@@ -86,25 +88,33 @@ def main():
         "torch.mul mixed out=bf16": lambda: torch.mul(y, s_row[:, None], out=y),
     }
     rows = [dict(piece=name, host_us=host_us(fn)) for name, fn in pieces.items()]
+    profiles = {name: profile(pieces[name]) for name in PROFILED}
+    report("probe_linear_host", rows, args.out, extra=dict(shape=dict(m=M, k=K, n=N), profiles=profiles))
+
+
+PROFILED = ("linear fwd+bwd aligned", "scale_rows per row", "w4a4_gemm aligned", "quantize_unscaled")
+
+
+def profile(fn, calls: int = 100, top: int = 25) -> list[dict]:
+    """cProfile of `calls` calls of fn: the functions with the most own time, microseconds per call."""
     prof = cProfile.Profile()
-    step = pieces["linear fwd+bwd aligned"]
     torch.cuda.synchronize()
     prof.enable()
-    for _ in range(100):
-        step()
+    for _ in range(calls):
+        fn()
     prof.disable()
     torch.cuda.synchronize()
     stats = pstats.Stats(prof)
     stats.sort_stats("tottime")
-    breakdown = []
-    for func in stats.fcn_list[:30]:
+    rows = []
+    for func in stats.fcn_list[:top]:
         _, nc, tt, ct, _ = stats.stats[func]
-        breakdown.append(dict(function=f"{func[0].split('site-packages/')[-1]}:{func[1]}({func[2]})",
-                              calls_per_step=nc / 100, tottime_us=tt * 1e4, cumtime_us=ct * 1e4))
-    for b in breakdown:
-        print(f"{b['tottime_us']:8.1f} {b['cumtime_us']:8.1f} {b['calls_per_step']:5.1f}  {b['function']}")
-    report("probe_linear_host", rows, args.out, extra=dict(shape=dict(m=M, k=K, n=N),
-                                                           aligned_profile_per_step=breakdown))
+        rows.append(dict(function=f"{func[0].split('site-packages/')[-1]}:{func[1]}({func[2]})",
+                         calls=nc / calls, tottime_us=tt / calls * 1e6, cumtime_us=ct / calls * 1e6))
+    print(f"\n== cProfile: {fn.__name__ if hasattr(fn, '__name__') else fn}")
+    for r in rows:
+        print(f"{r['tottime_us']:8.1f} {r['cumtime_us']:8.1f} {r['calls']:5.1f}  {r['function']}")
+    return rows
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@
 #   tiles_step  aligned tiles at a rollout decode step (M = 512, CUDA graphs; sweep_aligned_gemm.py --decode-step)
 #   learner   learner train-step benchmark
 #   learner_ab  the dense learner again with the aligned GEMMs on the small tile at every M
+#   learner_launch  the dense learner twice with the direct kernel launches (`minite.kernels.launch`), twice
+#             on Triton's own launch path (before session 12), alternating
 #   learner_dense  the dense learner alone, default tiles
 #   learner_norm  the dense learner twice with the norms quantizing for the projections, twice on the
 #             element-layout norm kernel without (the path before session 11), alternating
@@ -126,6 +128,12 @@ for part in "$@"; do
         step 75 python3 benchmarks/bench_learner.py --models dense --norm-path $path \
           --out "$OUT/extra/learner_dense_$path.json"
         cp "$OUT/extra/learner_dense_$path.json" "$OUT/extra/learner_dense_${path}_$((++n_norm)).json"
+      done ;;
+    learner_launch)
+      for path in direct triton direct triton; do
+        step 75 python3 benchmarks/bench_learner.py --models dense --launch-path $path \
+          --out "$OUT/extra/learner_dense_$path.json"
+        cp "$OUT/extra/learner_dense_$path.json" "$OUT/extra/learner_dense_${path}_$((++n_launch)).json"
       done ;;
     learner_dense)
       step 70 python3 benchmarks/bench_learner.py --models dense --out "$OUT/learner_dense.json" ;;

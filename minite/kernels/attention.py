@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minite.kernels.launch import launch as launch_kernel
 from minite.ref.attention import KV_BLOCK, LOG2E
 
 CONFIGS = {
@@ -222,10 +223,10 @@ def _launch(q, k, v, query_seq, query_pos, table, start, context_lens, block_siz
     scale = D ** -0.5 if scale is None else scale
     dot_f32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreted())
     grid = (tiles.shape[0], Hkv)
-    _attention_kernel[grid](
+    launch_kernel(_attention_kernel, grid, (
         q, k, v, out, tiles, query_pos, table, start, context_lens, scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
-        out.stride(1), table.stride(0) if paged else 0,
+        out.stride(1), table.stride(0) if paged else 0),
         G=G, D=D, BLOCK_SIZE=block_size, PAGED=paged, DOT_F32=dot_f32,
         PRECISION="ieee" if dot_f32 else "tf32", WHILE_LOOP=interpreted(),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],

@@ -45,6 +45,7 @@ import triton.language as tl
 
 from minite.kernels import interpreted
 from minite.kernels.epilogue import EPILOGUES, epilogue
+from minite.kernels.launch import launch as launch_kernel
 
 # by M padded to 16 / 32 / 64; SPLIT_K doubles (`decode_config`) until the grid has MIN_PROGRAMS (at
 # most MAX_SPLIT_K); from SPLIT["FROM"] splits on, the tile takes SPLIT's K step and stages. H200,
@@ -414,9 +415,9 @@ def launch(a, sa, w: DecodeWeight, w_scale, out, epilogue_id: int, cfg: dict) ->
         counters = _split_counters(tiles, a.device)
     else:
         part = counters = out
-    _w4a4_decode_kernel[(tiles, split)](
+    launch_kernel(_w4a4_decode_kernel, (tiles, split), (
         a, w.codes, w.scales, sa, w_scale, out, part, counters, m, n,
-        a.stride(0), out.stride(0), 0 if sa.numel() == 1 else 1, K=k, TK=w.tk, EPILOGUE=epilogue_id,
+        a.stride(0), out.stride(0), 0 if sa.numel() == 1 else 1), K=k, TK=w.tk, EPILOGUE=epilogue_id,
         BF16=a.dtype == torch.bfloat16, HW=not interpreted(), W_SHIFT=W_SHIFT[a.dtype], BM=bm, BN=bn, BK=bk,
         SPLIT_K=split, EVEN_N=w.n_pad % bn == 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

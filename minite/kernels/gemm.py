@@ -33,6 +33,7 @@ import triton.language as tl
 
 from minite.kernels import decode_gemm
 from minite.kernels.epilogue import EPILOGUES, store_tile
+from minite.kernels.launch import launch as launch_kernel
 
 CONFIGS = {
     # M < ALIGNED_LARGE_M (the rollout's decode steps): operands by TMA, one program per tile; at
@@ -228,11 +229,12 @@ def w4a4_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: 
     if cfg.get("TMA") and not packed and _tma_ok(a, w):
         _launch_tma(a, sa, w, w_scale, out, epilogue, cfg, tiles)
         return out
-    _w4a4_kernel[(tiles,)](a, w, ws, sa, w_scale, out, m, n,
-                       a.stride(0), w.stride(0), ws.stride(0), out.stride(0), 0 if sa.numel() == 1 else 1,
-                       K=k, EPILOGUE=EPILOGUES[epilogue], W_PACKED=packed,
-                       DOT_F16=a.dtype == torch.float16, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
-                       GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    launch_kernel(_w4a4_kernel, (tiles,),
+                  (a, w, ws, sa, w_scale, out, m, n, a.stride(0), w.stride(0), ws.stride(0), out.stride(0),
+                   0 if sa.numel() == 1 else 1),
+                  K=k, EPILOGUE=EPILOGUES[epilogue], W_PACKED=packed,
+                  DOT_F16=a.dtype == torch.float16, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
+                  GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
@@ -248,12 +250,12 @@ def _launch_tma(a, sa, w, w_scale, out, epilogue, cfg, tiles):
     programs = tiles
     if cfg.get("PERSIST"):
         programs = min(tiles, cfg["PERSIST"] * _sm_count(a.device.index if a.is_cuda else None))
-    _w4a4_tma_kernel[(programs,)](a, w, sa, w_scale, out, m, w.shape[0], a.stride(0), w.stride(0),
-                                  out.stride(0), 0 if sa.numel() == 1 else 1, programs, K=k,
-                                  EPILOGUE=EPILOGUES[epilogue],
-                                  BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
-                                  PERSISTENT=programs < tiles, FLATTEN=flatten(cfg, out),
-                                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    launch_kernel(_w4a4_tma_kernel, (programs,),
+                  (a, w, sa, w_scale, out, m, w.shape[0], a.stride(0), w.stride(0), out.stride(0),
+                   0 if sa.numel() == 1 else 1, programs),
+                  K=k, EPILOGUE=EPILOGUES[epilogue], BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
+                  GROUP_M=cfg["GROUP_M"], PERSISTENT=programs < tiles, FLATTEN=flatten(cfg, out),
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def flatten(cfg: dict, out: torch.Tensor) -> bool:

@@ -19,6 +19,7 @@ import triton.language as tl
 from minite.kernels import gemm
 from minite.kernels.epilogue import EPILOGUES, store_tile
 from minite.kernels.gemm import tile_acc
+from minite.kernels.launch import launch as launch_kernel
 
 CONFIGS = {
     # the dense aligned tiles' shapes and K order: an expert's rows get the bits of a dense aligned GEMM;
@@ -169,20 +170,20 @@ def grouped_w4a4_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w
         programs = grid[0]
         if cfg.get("PERSIST") and not interpreted():
             programs = min(programs, cfg["PERSIST"] * gemm._sm_count(a.device.index))
-        _grouped_tma_kernel[(programs,)](
+        launch_kernel(_grouped_tma_kernel, (programs,), (
             a, w, sa, w_scale, offsets, out, t, n, e, a.stride(0), w.stride(1), out.stride(0),
-            0 if sa.numel() == 1 else 1, programs, K=k, EPILOGUE=EPILOGUES[epilogue],
+            0 if sa.numel() == 1 else 1, programs), K=k, EPILOGUE=EPILOGUES[epilogue],
             E_P2=max(16, triton.next_power_of_2(e)), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
             PERSISTENT=programs < grid[0], FLATTEN=gemm.flatten(cfg, out), num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])
         return out
-    _grouped_kernel[grid](a, w, ws, sa, w_scale, offsets, out, n, e,
-                          a.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), out.stride(0),
-                          0 if sa.numel() == 1 else 1,
-                          K=k, EPILOGUE=EPILOGUES[epilogue], W_PACKED=packed,
-                          DOT_F16=a.dtype == torch.float16, E_P2=max(16, triton.next_power_of_2(e)),
-                          BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"],
-                          num_stages=cfg["num_stages"])
+    launch_kernel(_grouped_kernel, grid,
+                  (a, w, ws, sa, w_scale, offsets, out, n, e, a.stride(0), w.stride(0), w.stride(1),
+                   ws.stride(0), ws.stride(1), out.stride(0), 0 if sa.numel() == 1 else 1),
+                  K=k, EPILOGUE=EPILOGUES[epilogue], W_PACKED=packed,
+                  DOT_F16=a.dtype == torch.float16, E_P2=max(16, triton.next_power_of_2(e)),
+                  BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])
     return out
 
 

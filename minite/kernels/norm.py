@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from minite.kernels import norm_pairs
+from minite.kernels.launch import launch as launch_kernel
 from minite.kernels.nvfp4 import CHAIN_IDS
 from minite.kernels.rounding import round_to
 
@@ -97,10 +98,10 @@ def _backward(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, eps: floa
     dx = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     part = torch.empty(programs, block_d, dtype=torch.float32, device=x.device)
     if x2.shape[0]:
-        _rms_norm_bwd_kernel[(programs,)](x2, weight, dy2, dx, part, x2.shape[0], d, x2.stride(0),
-                                          dy2.stride(0), dx.stride(0), eps, programs, ITERS=iters,
-                                          BLOCK_D=block_d, BLOCK_R=block_r,
-                                          num_warps=8 if block_d >= 4096 else 4)
+        launch_kernel(_rms_norm_bwd_kernel, (programs,),
+                      (x2, weight, dy2, dx, part, x2.shape[0], d, x2.stride(0), dy2.stride(0), dx.stride(0),
+                       eps, programs),
+                      ITERS=iters, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=8 if block_d >= 4096 else 4)
     else:
         part.zero_()
     return dx.reshape(x.shape), part[:, :d].sum(0).to(weight.dtype)
@@ -135,9 +136,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, quant_dtype=None,
     block_d = triton.next_power_of_2(d)
     block_r = max(1, ELEMS // block_d)
     if r:
-        _rms_norm_kernel[(triton.cdiv(r, block_r),)](x2, weight, out, r, d, x2.stride(0), out.stride(0), eps,
-                                                     BLOCK_D=block_d, BLOCK_R=block_r,
-                                                     num_warps=8 if block_d >= 4096 else 4)
+        launch_kernel(_rms_norm_kernel, (triton.cdiv(r, block_r),),
+                      (x2, weight, out, r, d, x2.stride(0), out.stride(0), eps),
+                      BLOCK_D=block_d, BLOCK_R=block_r, num_warps=8 if block_d >= 4096 else 4)
     out = out.reshape(x.shape)
     if quant_dtype is None:
         return out

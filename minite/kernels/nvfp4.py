@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minite.kernels.launch import launch as launch_kernel
 from minite.ref import nvfp4 as ref
 from minite.ref.hadamard import apply_rht
 
@@ -421,11 +422,12 @@ def _launch(x2, codes, scales, vals_buf, sdec, amx, gs, seed, gs_mode, chain, bl
         block_k = k_p2 if single else min(cfg["CHUNK_K"], k_p2)
         block_r = max(1, cfg["ELEMS"] // block_k)
     grid = (triton.cdiv(r, block_r),)
-    _quantize_kernel[grid](x2, codes, scales, vals if vals is not None else vals_buf, sdec, amx, gs,
-                           r, x2.stride(0), seed, rows_per_gs or max(r, 1), K=k,
-                           GS=gs_mode, CHAIN=CHAIN_IDS[chain], TILE16=block == (16, 16),
-                           STOCHASTIC=stochastic, WRITE_CODES=write_codes, WRITE_VALUES=vals is not None,
-                           HW=not interpreted(), BLOCK_R=block_r, BLOCK_K=block_k, num_warps=cfg["num_warps"])
+    launch_kernel(_quantize_kernel, grid,
+                  (x2, codes, scales, vals if vals is not None else vals_buf, sdec, amx, gs, r, x2.stride(0),
+                   seed, rows_per_gs or max(r, 1)),
+                  K=k, GS=gs_mode, CHAIN=CHAIN_IDS[chain], TILE16=block == (16, 16),
+                  STOCHASTIC=stochastic, WRITE_CODES=write_codes, WRITE_VALUES=vals is not None,
+                  HW=not interpreted(), BLOCK_R=block_r, BLOCK_K=block_k, num_warps=cfg["num_warps"])
 
 
 def _seed(generator, device) -> int:

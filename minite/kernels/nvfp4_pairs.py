@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from minite.kernels import interpreted
+from minite.kernels.launch import launch as launch_kernel
 from minite.kernels.nvfp4 import (
     _block_scales,
     _e2m1_rint,
@@ -162,9 +163,9 @@ def launch(x2, codes, scales, vals, sdec, amx, gs, gs_mode, chain_id, write_code
     per_thread = CONFIG["VALUES_WORDS_PER_THREAD" if vals is not None else "WORDS_PER_THREAD"]
     warps = min(16, max(1, block_r * block_w // (32 * per_thread)))
     words = x2.view(torch.int32)
-    _pairs_kernel[(triton.cdiv(r, block_r),)](
+    launch_kernel(_pairs_kernel, (triton.cdiv(r, block_r),), (
         words, codes, scales, vals.view(torch.int32) if vals is not None else codes, sdec, amx, gs,
-        r, x2.stride(0) // 2, rows_per_gs, KW=kw, GS=gs_mode, CHAIN=chain_id,
+        r, x2.stride(0) // 2, rows_per_gs), KW=kw, GS=gs_mode, CHAIN=chain_id,
         IN_BF16=x2.dtype == torch.bfloat16, WRITE_CODES=write_codes, WRITE_VALUES=vals is not None,
         OUT_BF16=vals is not None and vals.dtype == torch.bfloat16, HW=not interpreted(),
         EVEN=r % block_r == 0 and kw % block_w == 0,

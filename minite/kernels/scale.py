@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minite.kernels.launch import launch as launch_kernel
 from minite.kernels.rounding import round_bf16
 
 ELEMS = 4096  # elements per program
@@ -54,6 +55,7 @@ def scale_rows(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = 
     block_r = max(1, ELEMS // block_c)
     if r and c:
         grid = (triton.cdiv(r, block_r), triton.cdiv(c, block_c))
-        _scale_rows_kernel[grid](x2, s, o2, r, c, x2.stride(0), o2.stride(0), 0 if s.numel() == 1 else 1,
-                                 BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+        launch_kernel(_scale_rows_kernel, grid,
+                      (x2, s, o2, r, c, x2.stride(0), o2.stride(0), 0 if s.numel() == 1 else 1),
+                      BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
     return out.view(x.shape)

@@ -19,6 +19,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from minite.kernels import interpreted
+from minite.kernels.launch import launch as launch_kernel
 from minite.kernels.nvfp4 import CHAIN_IDS, _max_nan, _row_scales
 from minite.kernels.nvfp4_pairs import _bits16, _emit_blocks, _halves, _load_blocks
 from minite.kernels.rounding import round_to
@@ -137,9 +138,9 @@ def _launch(gate: torch.Tensor, up: torch.Tensor, quant_dtype=None, chain: str =
     block_r = max(1, WORDS // chunk)
     grid = (triton.cdiv(r, block_r),) if quant else (triton.cdiv(r, block_r), triton.cdiv(kw, chunk))
     if r:
-        _swiglu_kernel[grid](
+        launch_kernel(_swiglu_kernel, grid, (
             g2.view(torch.int32), u2.view(torch.int32), h.view(torch.int32), vals.view(torch.int32), scales,
-            sdec, amx, r, max(g2.stride(0), i) // 2, max(u2.stride(0), i) // 2, KW=kw, QUANT=quant,
+            sdec, amx, r, max(g2.stride(0), i) // 2, max(u2.stride(0), i) // 2), KW=kw, QUANT=quant,
             CHAIN=CHAIN_IDS[chain], BF16=gate.dtype == torch.bfloat16, VALS_BF16=vals.dtype == torch.bfloat16,
             HW=not interpreted(), EVEN=r % block_r == 0 and kw % chunk == 0, BLOCK_R=block_r, NB=chunk // 8,
             num_warps=max(1, block_r * chunk // (32 * WORDS_PER_THREAD)))

@@ -302,7 +302,8 @@ class NVFP4Matmul(torch.autograd.Function):
         wu, ws, _ = ctx.qweight.batched()
         if ctx.experts is not None:
             wu, ws = wu[ctx.experts], ws[ctx.experts]
-        dx, dw = _grads(ctx, dy, wu, ws, ctx.saved_tensors)
+        host_ws = ctx.qweight.host_global_scale() if ctx.experts is None and wu.shape[0] == 1 else None
+        dx, dw = _grads(ctx, dy, wu, ws, ctx.saved_tensors, host_ws[0] if host_ws else None)
         if dx is not None:
             dx = dx.to(ctx.x_dtype)
         if dw is not None:
@@ -385,8 +386,10 @@ def _scale_bf16(x: torch.Tensor, row_scale: torch.Tensor, inplace: bool = False)
     return torch.mul(x, row_scale, out=out)
 
 
-def _grads(ctx, dy: torch.Tensor, wu: torch.Tensor, ws: torch.Tensor, saved):
-    """(dX [B, M, K], dW [B, N, K]) from dY [B, M, N] (None where not needed).
+def _grads(ctx, dy: torch.Tensor, wu: torch.Tensor, ws: torch.Tensor, saved, host_ws: float | None = None):
+    """(dX [B, M, K], dW [B, N, K]) from dY [B, M, N] (None where not needed). `host_ws`: the one
+    weight's S_dec as a host float, when known (then dX's scale is torch's bf16 times a Python scalar:
+    the same fp32 product and rounding as `_scale_bf16`, one cheap launch).
 
     'dequantized' with bf16 dY (bf16 models), results in bf16: the two GEMMs run in bf16 with fp32
     accumulation, on the unscaled operands (e2m1 * s_b: exact in bf16) with the global and row scales
@@ -400,7 +403,10 @@ def _grads(ctx, dy: torch.Tensor, wu: torch.Tensor, ws: torch.Tensor, saved):
         dx = dw = None
         if need_dx:  # bf16 GEMM output times the fp32 scale, rounded once more to bf16
             dx = torch.matmul(dy, wu.to(dy.dtype))
-            _scale_bf16(dx, ws, inplace=True)  # ws [B, 1, 1] broadcasts over the rows
+            if host_ws is not None:
+                dx.mul_(host_ws)
+            else:
+                _scale_bf16(dx, ws, inplace=True)  # ws [B, 1, 1] broadcasts over the rows
         if need_dw:
             dyx = _scale_bf16(dy, xs)  # fp32 product, rounded to bf16
             dw = torch.matmul(dyx.transpose(1, 2), xu.to(dy.dtype))  # [B, N, K]

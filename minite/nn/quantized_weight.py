@@ -52,6 +52,12 @@ class QuantizedWeight:
         b = u.shape[0]
         return u, self.q.global_scale.reshape(b, 1, 1), self.q.amax.reshape(b, 1, 1)
 
+    def host_global_scale(self) -> tuple[float, ...] | None:
+        """S_dec as host floats (one per expert), where the refresh that made this weight brought them
+        over with its one sync (`deferred_finite_checks`: every weight after an optimizer step); None
+        otherwise (reading them now would synchronize)."""
+        return self._operands.get("host_global_scale")
+
     def operand(self, dtype: torch.dtype, k_multiple: int = 1) -> torch.Tensor:
         """The unscaled copy as a GEMM kernel operand: [..., N, Kp] in dtype (exact in bf16 and fp16),
         K zero-padded to a multiple of k_multiple, contiguous; made once and cached."""
@@ -86,14 +92,16 @@ def weight_key(weight: torch.Tensor, spec: QuantSpec) -> tuple:
     return (weight._version, weight.data_ptr(), weight.dtype, weight.device, tuple(weight.shape), spec)
 
 
-_DEFERRED: list[list] = []  # inside `deferred_finite_checks`: (weight shape, amax) to check at the end
+# inside `deferred_finite_checks`: (weight shape, QuantizedWeight) to check at the end
+_DEFERRED: list[list] = []
 
 
 @contextmanager
 def deferred_finite_checks():
     """Within the block, `quantize_weight` does not check its weight for inf/NaN on the spot (a host
     sync per weight); at the end one sync checks every weight quantized meanwhile (a non-finite
-    weight has a non-finite amax) and raises ValueError if any was not finite."""
+    weight has a non-finite amax) and raises ValueError if any was not finite. That sync also
+    records each weight's S_dec on the host (`QuantizedWeight.host_global_scale`)."""
     _DEFERRED.append([])
     try:
         yield
@@ -101,10 +109,17 @@ def deferred_finite_checks():
     finally:
         _DEFERRED.pop()
     if pending:
-        ok = torch.stack([torch.isfinite(a).all() for _, a in pending]).tolist()
-        bad = [shape for (shape, _), fine in zip(pending, ok) if not fine]
+        # the same sync also brings every S_dec to the host (`QuantizedWeight.host_global_scale`)
+        ok = torch.stack([torch.isfinite(qw.amax).all() for _, qw in pending]).float()
+        host = torch.cat([ok, *(qw.global_scale.reshape(-1).float() for _, qw in pending)]).tolist()
+        bad = [shape for (shape, _), fine in zip(pending, host) if not fine]
         if bad:
             raise ValueError(f"{len(bad)} weight(s) hold inf or NaN (shapes {bad[:4]}); not quantizable")
+        i = len(pending)
+        for _, qw in pending:
+            n = qw.global_scale.numel()
+            qw._operands["host_global_scale"] = tuple(host[i:i + n])
+            i += n
 
 
 @torch.no_grad()
@@ -129,11 +144,12 @@ def quantize_weight(weight: torch.Tensor, spec: QuantSpec, backend: str = "auto"
         else:
             q = _stack([quantize(we, **kw) for we in w])
         unscaled = q.unscaled()[..., :n, :].to(torch.bfloat16)  # drop rows padded to a 16x16 tile
-    if _DEFERRED:
-        _DEFERRED[-1].append((tuple(weight.shape), q.amax))
     if unscaled.shape[-1] != k:
         raise ValueError(f"weight in_features {k} must be divisible by 16")
-    return QuantizedWeight(q, unscaled, spec, key)
+    qw = QuantizedWeight(q, unscaled, spec, key)
+    if _DEFERRED:
+        _DEFERRED[-1].append((tuple(weight.shape), qw))
+    return qw
 
 
 def _one_launch(w: torch.Tensor, spec: QuantSpec, backend: str) -> bool:

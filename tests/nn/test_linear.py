@@ -231,6 +231,26 @@ def test_bf16_dequantized_backward_runs_bf16_gemms_close_to_straight_through(rec
     assert _rel(lin.weight.grad.float(), wd.grad) <= 5e-3
 
 
+def test_refresh_brings_the_weight_scales_to_the_host_and_dgrad_keeps_its_bits():
+    """After refresh_quantized_weights every weight knows its S_dec as host floats (fetched with the
+    refresh's one sync); the bf16 backward then scales dX by that Python float instead of the fp32
+    tensor: the same bits (one fp32 product, one bf16 rounding)."""
+    torch.manual_seed(3)
+    lin = Linear(64, 48, recipe="aligned").to(torch.bfloat16)
+    x = torch.randn(2, 40, 64, dtype=torch.bfloat16)
+    g = torch.randn(2, 40, 48, dtype=torch.bfloat16)
+    grads = []
+    for refresh in (False, True):
+        lin.refresh_quantized_weight() if not refresh else refresh_quantized_weights(lin)
+        qw = lin.quantized_weight()
+        assert (qw.host_global_scale() is not None) == refresh
+        xr = x.clone().requires_grad_()
+        lin(xr).backward(g)
+        grads.append(xr.grad)
+    assert qw.host_global_scale() == (qw.global_scale.item(),)
+    assert torch.equal(grads[0], grads[1])
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_refresh_checks_all_weights_for_non_finite_values_at_once(bad, monkeypatch):
     """refresh_quantized_weights checks every weight with one host sync at the end (a non-finite

@@ -1,0 +1,87 @@
+"""Repeat launches of our Triton kernels without Triton's per-call argument binding.
+
+The learner step is host-bound: on the H200's host a launch through `kernel[grid](...)` costs about
+15 us for an empty kernel and 40-50 us for our GEMM or quantizer with 15-20 arguments
+(`benchmarks/probe_linear_host.py`, session 12), most of it Triton's binder: argument
+specialization, cache key, launch metadata.
+
+`launch(kernel, grid, args, **meta)`: `args` are the kernel's leading runtime arguments in signature
+order (tensors, ints, floats), `meta` its remaining (constexpr) parameters and launch options by
+name. The first launch of a specialization goes through Triton, which compiles and returns the
+compiled kernel; later launches with the same specialization call its launcher directly. The key
+covers everything Triton specializes on: each tensor's dtype and 16-byte alignment, each integer's
+`== 1`, divisibility by 16 and 32/64-bit range, the other arguments' types, `meta`, the device.
+Triton's own path runs under the interpreter, while launch hooks are installed (profilers), for
+argument types the key does not know, and when `ENABLED` is off.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+ENABLED = True
+_COMPILED: dict = {}  # key -> (compiled kernel, the constexpr values in signature order)
+_I32 = (-(2**31), 2**31)
+_CONSTANT_TYPES = (int, bool, float, str)
+
+
+def _arg_key(v):
+    if isinstance(v, torch.Tensor):
+        return v.dtype, v.data_ptr() % 16 == 0
+    if isinstance(v, bool):
+        return bool
+    if isinstance(v, int):
+        return v == 1, v % 16 == 0, _I32[0] <= v < _I32[1], v >= 2**63
+    if isinstance(v, float):
+        return float
+    raise TypeError
+
+
+def specialization_key(kernel, meta: dict, args: tuple, device: int):
+    """The cache key of a launch (module docstring); None for argument types it does not cover (meta
+    holds plain constants only: a tensor there would be kept alive by the cache)."""
+    try:
+        if not all(type(v) in _CONSTANT_TYPES for v in meta.values()):
+            return None
+        return kernel, device, tuple(map(_arg_key, args)), tuple(meta.items())
+    except TypeError:
+        return None
+
+
+def _hooks_installed() -> bool:
+    rt = triton.knobs.runtime
+    return bool(getattr(rt.launch_enter_hook, "calls", rt.launch_enter_hook)) or \
+        bool(getattr(rt.launch_exit_hook, "calls", rt.launch_exit_hook))
+
+
+def _constexpr_tail(kernel, n_args: int, meta: dict):
+    """The values of the kernel's parameters after the first n_args, in order, from meta; None when
+    some parameter is missing there (Triton's own path fills defaults)."""
+    names = kernel.arg_names[n_args:]
+    if any(name not in meta for name in names):
+        return None
+    return tuple(meta[name] for name in names)
+
+
+def launch(kernel, grid: tuple, args: tuple, **meta):
+    """`kernel[grid](*args, **meta)`, the binding skipped after the first launch of a specialization."""
+    from minite.kernels import interpreted
+
+    if not ENABLED or interpreted() or _hooks_installed():
+        return kernel[grid](*args, **meta)
+    device = torch.cuda.current_device()
+    key = specialization_key(kernel, meta, args, device)
+    hit = _COMPILED.get(key) if key is not None else None
+    if hit is None:
+        compiled = kernel[grid](*args, **meta)
+        tail = _constexpr_tail(kernel, len(args), meta)
+        if key is not None and tail is not None:
+            _COMPILED[key] = (compiled, tail)
+        return compiled
+    compiled, tail = hit
+    g = (*grid, 1, 1)
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None, None, None,
+                 *args, *tail)
+    return compiled
