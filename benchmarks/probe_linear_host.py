@@ -3,8 +3,8 @@
 The dense learner step is host-bound on both recipes (session 10: the host returns after about the
 step time); the aligned step spends ~130 ms more host time than bf16's over 392 linear calls. This
 runs each piece many times on small shapes (the GPU never the limit) and reports host microseconds
-per call (`host_us`: the time to enqueue, without synchronizing), plus a cProfile breakdown of the
-aligned linear's forward + backward.
+per call (`host_us`: the time to enqueue, without synchronizing; `triton_launch_us` the same on
+Triton's own launch path instead of `minite.kernels.launch`), plus cProfile breakdowns.
 
     python benchmarks/probe_linear_host.py --out OUT.json
 """
@@ -19,8 +19,10 @@ import triton
 from bench_common import report
 
 from minite.kernels import gemm as kg
+from minite.kernels import launch
 from minite.kernels import nvfp4 as kq
 from minite.kernels.scale import scale_rows
+from minite.nn import refresh_quantized_weights
 from minite.nn.forward_scope import forward_scope
 from minite.nn.linear import Linear
 from minite.recipe import get_recipe
@@ -87,7 +89,14 @@ def main():
         "mul_ python float": lambda: y.mul_(0.75),
         "torch.mul mixed out=bf16": lambda: torch.mul(y, s_row[:, None], out=y),
     }
-    rows = [dict(piece=name, host_us=host_us(fn)) for name, fn in pieces.items()]
+    refresh_quantized_weights(lins["aligned"])  # as after an optimizer step: S_dec known on the host
+    rows = []
+    for name, fn in pieces.items():
+        row = dict(piece=name, host_us=host_us(fn))
+        launch.ENABLED = False  # Triton's own launch path (before session 12)
+        row["triton_launch_us"] = host_us(fn)
+        launch.ENABLED = True
+        rows.append(row)
     profiles = {name: profile(pieces[name]) for name in PROFILED}
     report("probe_linear_host", rows, args.out, extra=dict(shape=dict(m=M, k=K, n=N), profiles=profiles))
 

@@ -5,8 +5,8 @@
 #   profile   where a rollout decode step spends its time (benchmarks/profile_rollout.py): dense aligned,
 #             MoE (24 layers) bf16 and aligned; profile_moe: the MoE ones only
 #   rollout   rollout benchmark: dense 1.7B against HF generate
-#   moe       MoE rollout, 24 layers of 48: bf16 vs aligned (experts on the grouped decode kernel), and
-#             aligned with the experts on the aligned tile over the bf16 copy
+#   moe       MoE rollout, 24 layers of 48: bf16 vs aligned (experts on the grouped decode kernel; 3 paired
+#             rounds), and aligned with the experts on the aligned tile over the bf16 copy
 #   decode    the dense decode GEMM (M <= 64) vs cuBLAS bf16, fast and aligned K order (bench_decode_gemm.py)
 #   ncu_decode  Nsight Compute counters of the decode GEMM (benchmarks/ncu_decode.py): HBM, L2, stalls
 #   decode_wide  the decode GEMM's wide N tiles at M = 32 / 64 (sweep_decode_gemm.py --wide)
@@ -79,8 +79,8 @@ for part in "$@"; do
     rollout)
       step 170 python3 benchmarks/bench_rollout.py --models dense --backend triton --out "$OUT/rollout_dense.json" ;;
     moe)
-      step 90 python3 benchmarks/bench_rollout.py --models moe --moe-layers 24 --new-tokens 256 --backend triton \
-        --no-hf --out "$OUT/rollout_moe24.json"
+      step 150 python3 benchmarks/bench_rollout.py --models moe --moe-layers 24 --new-tokens 256 --backend triton \
+        --no-hf --rounds 3 --out "$OUT/rollout_moe24.json"
       step 60 python3 benchmarks/bench_rollout.py --models moe --moe-layers 24 --new-tokens 256 --backend triton \
         --no-hf --recipes aligned --moe-decode-rows 0 --out "$OUT/rollout_moe24_bf16_copy.json" ;;
     decode)

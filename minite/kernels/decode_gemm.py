@@ -45,6 +45,7 @@ import triton.language as tl
 
 from minite.kernels import interpreted
 from minite.kernels.epilogue import EPILOGUES, epilogue
+from minite.kernels.launch import cdiv
 from minite.kernels.launch import launch as launch_kernel
 
 # by M padded to 16 / 32 / 64; SPLIT_K doubles (`decode_config`) until the grid has MIN_PROGRAMS (at
@@ -331,7 +332,7 @@ def _fit_bk(cfg: dict, k: int) -> dict:
 def _split(n: int, k: int, cfg: dict, min_programs: int, most: int) -> int:
     """SPLIT_K: doubles while the grid is below min_programs and K still splits into whole K steps."""
     split = 1
-    while (triton.cdiv(n, cfg["BN"]) * split < min_programs and split < most
+    while (cdiv(n, cfg["BN"]) * split < min_programs and split < most
            and k % (2 * split * cfg["BK"]) == 0):
         split *= 2
     return split
@@ -409,7 +410,7 @@ def launch(a, sa, w: DecodeWeight, w_scale, out, epilogue_id: int, cfg: dict) ->
     if k % (split * bk) or bk % KGROUP or bk > w.tk:
         raise ValueError(f"K={k} must be a multiple of SPLIT_K * BK = {split * bk}, BK of {KGROUP} and at "
                          f"most the layout's tile width {w.tk}")
-    tiles = triton.cdiv(n, bn)
+    tiles = cdiv(n, bn)
     if split > 1:
         part = torch.empty(split, bm, n, dtype=torch.float32, device=a.device)
         counters = _split_counters(tiles, a.device)

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from minite.kernels import decode_gemm
 from minite.kernels.epilogue import EPILOGUES, store_tile
+from minite.kernels.launch import cdiv
 from minite.kernels.launch import launch as launch_kernel
 
 CONFIGS = {
@@ -225,7 +226,7 @@ def w4a4_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: 
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     sa = a_scale.reshape(-1)
     ws = w_block_scales.view(torch.uint8) if packed else w
-    tiles = triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"])
+    tiles = cdiv(m, cfg["BM"]) * cdiv(n, cfg["BN"])
     if cfg.get("TMA") and not packed and _tma_ok(a, w):
         _launch_tma(a, sa, w, w_scale, out, epilogue, cfg, tiles)
         return out

@@ -25,6 +25,7 @@ from minite.kernels import interpreted
 from minite.kernels.decode_gemm import KGROUP, W_SHIFT, DecodeWeight, decode_acc, layout_rows
 from minite.kernels.epilogue import EPILOGUES, store_tile
 from minite.kernels.grouped_gemm import expert_tile
+from minite.kernels.launch import cdiv, next_power_of_2
 from minite.kernels.launch import launch as launch_kernel
 
 # (most average rows per expert, tile): bench_grouped_decode.py's sweep on the H200 at Qwen3-30B-A3B
@@ -124,12 +125,12 @@ def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight,
     out = torch.empty(t, n, dtype=out_dtype, device=a.device)
     sa = a_scale.reshape(-1)
     bm, bn = cfg["BM"], cfg["BN"]
-    grid = (triton.cdiv(n, bn), triton.cdiv(t, bm) + e)
+    grid = (cdiv(n, bn), cdiv(t, bm) + e)
     launch_kernel(_grouped_decode_kernel, grid, (
         a, w.codes, w.scales, sa, w_scale.reshape(-1), offsets, out, n, e,
         a.stride(0), w.codes.stride(0), w.scales.stride(0), out.stride(0), 0 if sa.numel() == 1 else 1),
         K=k, TK=w.tk, EPILOGUE=EPILOGUES[epilogue], BF16=a.dtype == torch.bfloat16, HW=not interpreted(),
-        W_SHIFT=W_SHIFT[a.dtype], E_P2=max(16, triton.next_power_of_2(e)), BM=bm, BN=bn, BK=cfg["BK"],
+        W_SHIFT=W_SHIFT[a.dtype], E_P2=max(16, next_power_of_2(e)), BM=bm, BN=bn, BK=cfg["BK"],
         EVEN_N=w.n_pad % bn == 0, HALVES=cfg.get("HALVES", False), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     return out

@@ -19,6 +19,7 @@ import triton.language as tl
 from minite.kernels import gemm
 from minite.kernels.epilogue import EPILOGUES, store_tile
 from minite.kernels.gemm import tile_acc
+from minite.kernels.launch import cdiv, next_power_of_2
 from minite.kernels.launch import launch as launch_kernel
 
 CONFIGS = {
@@ -164,7 +165,7 @@ def grouped_w4a4_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w
     out = torch.empty(t, n, dtype=out_dtype, device=a.device)
     sa = a_scale.reshape(-1)
     ws = w_block_scales.view(torch.uint8) if packed else w
-    grid = ((triton.cdiv(t, cfg["BM"]) + e) * triton.cdiv(n, cfg["BN"]),)
+    grid = ((cdiv(t, cfg["BM"]) + e) * cdiv(n, cfg["BN"]),)
     if cfg.get("TMA") and not packed and w.stride(0) == n * w.stride(1) and gemm._tma_ok(a, w[0]):
         gemm._set_tma_allocator()
         programs = grid[0]
@@ -173,7 +174,7 @@ def grouped_w4a4_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w
         launch_kernel(_grouped_tma_kernel, (programs,), (
             a, w, sa, w_scale, offsets, out, t, n, e, a.stride(0), w.stride(1), out.stride(0),
             0 if sa.numel() == 1 else 1, programs), K=k, EPILOGUE=EPILOGUES[epilogue],
-            E_P2=max(16, triton.next_power_of_2(e)), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
+            E_P2=max(16, next_power_of_2(e)), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
             PERSISTENT=programs < grid[0], FLATTEN=gemm.flatten(cfg, out), num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])
         return out
@@ -181,7 +182,7 @@ def grouped_w4a4_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w
                   (a, w, ws, sa, w_scale, offsets, out, n, e, a.stride(0), w.stride(0), w.stride(1),
                    ws.stride(0), ws.stride(1), out.stride(0), 0 if sa.numel() == 1 else 1),
                   K=k, EPILOGUE=EPILOGUES[epilogue], W_PACKED=packed,
-                  DOT_F16=a.dtype == torch.float16, E_P2=max(16, triton.next_power_of_2(e)),
+                  DOT_F16=a.dtype == torch.float16, E_P2=max(16, next_power_of_2(e)),
                   BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"])
     return out

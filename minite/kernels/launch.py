@@ -26,27 +26,28 @@ _I32 = (-(2**31), 2**31)
 _CONSTANT_TYPES = (int, bool, float, str)
 
 
-def _arg_key(v):
-    if isinstance(v, torch.Tensor):
-        return v.dtype, v.data_ptr() % 16 == 0
-    if isinstance(v, bool):
-        return bool
-    if isinstance(v, int):
-        return v == 1, v % 16 == 0, _I32[0] <= v < _I32[1], v >= 2**63
-    if isinstance(v, float):
-        return float
-    raise TypeError
+class _Declined(Exception):
+    pass
+
+
+def _decline(v):
+    raise _Declined
 
 
 def specialization_key(kernel, meta: dict, args: tuple, device: int):
     """The cache key of a launch (module docstring); None for argument types it does not cover (meta
-    holds plain constants only: a tensor there would be kept alive by the cache)."""
-    try:
-        if not all(type(v) in _CONSTANT_TYPES for v in meta.values()):
-            return None
-        return kernel, device, tuple(map(_arg_key, args)), tuple(meta.items())
-    except TypeError:
+    holds plain constants only: a tensor there would be kept alive by the cache). Inlined: this runs
+    on every launch."""
+    if not all(type(v) in _CONSTANT_TYPES for v in meta.values()):
         return None
+    lo, hi = _I32
+    try:
+        spec = tuple((v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor)
+                     else (v == 1, v % 16 == 0, lo <= v < hi, v >= 2**63) if type(v) is int
+                     else float if type(v) is float else _decline(v) for v in args)
+    except _Declined:
+        return None
+    return kernel, device, spec, tuple(meta.items())
 
 
 def _hooks_installed() -> bool:
@@ -85,3 +86,13 @@ def launch(kernel, grid: tuple, args: tuple, **meta):
     compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None, None, None,
                  *args, *tail)
     return compiled
+
+
+def cdiv(x: int, y: int) -> int:
+    """`triton.cdiv` for host code: Triton 3.6 makes that a constexpr function, a few us a host call."""
+    return (x + y - 1) // y
+
+
+def next_power_of_2(n: int) -> int:
+    """`triton.next_power_of_2` for host code (the same values; 0 for n <= 0)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0

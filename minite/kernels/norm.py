@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from minite.kernels import norm_pairs
+from minite.kernels.launch import cdiv, next_power_of_2
 from minite.kernels.launch import launch as launch_kernel
 from minite.kernels.nvfp4 import CHAIN_IDS
 from minite.kernels.rounding import round_to
@@ -89,12 +90,12 @@ def _backward(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, eps: floa
     x2, dy2 = x.reshape(-1, d), dy.reshape(-1, d)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     dy2 = dy2 if dy2.stride(-1) == 1 else dy2.contiguous()
-    block_d = triton.next_power_of_2(d)
+    block_d = next_power_of_2(d)
     block_r = max(1, ELEMS // block_d)
-    blocks = triton.cdiv(x2.shape[0], block_r)
+    blocks = cdiv(x2.shape[0], block_r)
     # a power of two row blocks per program (a compile-time loop: few variants, interpreter-safe)
-    iters = triton.next_power_of_2(triton.cdiv(blocks, MAX_BWD_PROGRAMS))
-    programs = max(1, triton.cdiv(blocks, iters))
+    iters = next_power_of_2(cdiv(blocks, MAX_BWD_PROGRAMS))
+    programs = max(1, cdiv(blocks, iters))
     dx = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     part = torch.empty(programs, block_d, dtype=torch.float32, device=x.device)
     if x2.shape[0]:
@@ -133,10 +134,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, quant_dtype=None,
             return out.reshape(x.shape)
         return out.reshape(x.shape), quant[0].reshape(x.shape), quant[2].reshape(*lead, 1), \
             quant[3].reshape(*lead, 1)
-    block_d = triton.next_power_of_2(d)
+    block_d = next_power_of_2(d)
     block_r = max(1, ELEMS // block_d)
     if r:
-        launch_kernel(_rms_norm_kernel, (triton.cdiv(r, block_r),),
+        launch_kernel(_rms_norm_kernel, (cdiv(r, block_r),),
                       (x2, weight, out, r, d, x2.stride(0), out.stride(0), eps),
                       BLOCK_D=block_d, BLOCK_R=block_r, num_warps=8 if block_d >= 4096 else 4)
     out = out.reshape(x.shape)

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from minite.kernels import interpreted
+from minite.kernels.launch import cdiv, next_power_of_2
 from minite.kernels.launch import launch as launch_kernel
 from minite.kernels.nvfp4 import CHAIN_IDS, _max_nan, _row_scales
 from minite.kernels.nvfp4_pairs import _bits16, _emit_blocks, _halves
@@ -82,12 +83,12 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor
     row-scaled quantization of out."""
     r, d = x2.shape
     kw = d // 2
-    block_w = max(8, triton.next_power_of_2(kw))
+    block_w = max(8, next_power_of_2(kw))
     block_r = max(1, WORDS // block_w)
     warps = min(16, max(1, block_r * block_w // (32 * WORDS_PER_THREAD)))
     vals, scales, sdec, amx = quant if quant is not None else (out, out, out, out)
     if r:
-        launch_kernel(_norm_pairs_kernel, (triton.cdiv(r, block_r),), (
+        launch_kernel(_norm_pairs_kernel, (cdiv(r, block_r),), (
             x2.view(torch.int32), weight.view(torch.int32), out.view(torch.int32), vals.view(torch.int32),
             scales, sdec, amx, r, x2.stride(0) // 2, eps, d), KW=kw, QUANT=quant is not None,
             CHAIN=CHAIN_IDS[chain], BF16=x2.dtype == torch.bfloat16, VALS_BF16=vals.dtype == torch.bfloat16,

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minite.kernels.launch import cdiv, next_power_of_2
 from minite.kernels.launch import launch as launch_kernel
 from minite.ref import nvfp4 as ref
 from minite.ref.hadamard import apply_rht
@@ -282,7 +283,7 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     _check_device(x)
     flat = x.contiguous().reshape(-1)
     cfg = CONFIGS["amax"]
-    n_prog = triton.cdiv(flat.numel(), cfg["BLOCK"])
+    n_prog = cdiv(flat.numel(), cfg["BLOCK"])
     partial = torch.empty(n_prog, dtype=torch.float32, device=x.device)
     _amax_kernel[(n_prog,)](flat, partial, flat.numel(), BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"])
     return partial.amax()
@@ -412,7 +413,7 @@ def _launch(x2, codes, scales, vals_buf, sdec, amx, gs, seed, gs_mode, chain, bl
             x2, codes, scales, vals, sdec, amx, gs, gs_mode, CHAIN_IDS[chain], write_codes,
             rows_per_gs or max(r, 1)):
         return
-    k_p2 = max(16, triton.next_power_of_2(k))
+    k_p2 = max(16, next_power_of_2(k))
     if block == (16, 16):
         cfg = CONFIGS["16x16"]
         block_r, block_k = cfg["BLOCK_R"], min(cfg["BLOCK_K"], k_p2)
@@ -421,7 +422,7 @@ def _launch(x2, codes, scales, vals_buf, sdec, amx, gs, seed, gs_mode, chain, bl
         single = gs_mode == 0 and k_p2 <= cfg["MAX_K"]
         block_k = k_p2 if single else min(cfg["CHUNK_K"], k_p2)
         block_r = max(1, cfg["ELEMS"] // block_k)
-    grid = (triton.cdiv(r, block_r),)
+    grid = (cdiv(r, block_r),)
     launch_kernel(_quantize_kernel, grid,
                   (x2, codes, scales, vals if vals is not None else vals_buf, sdec, amx, gs, r, x2.stride(0),
                    seed, rows_per_gs or max(r, 1)),

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from minite.kernels import interpreted
+from minite.kernels.launch import cdiv, next_power_of_2
 from minite.kernels.launch import launch as launch_kernel
 from minite.kernels.nvfp4 import (
     _block_scales,
@@ -152,7 +153,7 @@ def launch(x2, codes, scales, vals, sdec, amx, gs, gs_mode, chain_id, write_code
     out_ok = vals is None or (vals.dtype in (torch.bfloat16, torch.float16) and vals.data_ptr() % 4 == 0)
     if not ENABLED or not aligned or not out_ok or x2.dtype not in (torch.bfloat16, torch.float16):
         return False
-    w_p2 = max(8, triton.next_power_of_2(kw))
+    w_p2 = max(8, next_power_of_2(kw))
     if w_p2 <= CONFIG["MAX_WORDS"]:
         block_w = w_p2  # whole rows: one load of everything, then the math (no chunk loop)
     elif gs_mode == 0:
@@ -163,7 +164,7 @@ def launch(x2, codes, scales, vals, sdec, amx, gs, gs_mode, chain_id, write_code
     per_thread = CONFIG["VALUES_WORDS_PER_THREAD" if vals is not None else "WORDS_PER_THREAD"]
     warps = min(16, max(1, block_r * block_w // (32 * per_thread)))
     words = x2.view(torch.int32)
-    launch_kernel(_pairs_kernel, (triton.cdiv(r, block_r),), (
+    launch_kernel(_pairs_kernel, (cdiv(r, block_r),), (
         words, codes, scales, vals.view(torch.int32) if vals is not None else codes, sdec, amx, gs,
         r, x2.stride(0) // 2, rows_per_gs), KW=kw, GS=gs_mode, CHAIN=chain_id,
         IN_BF16=x2.dtype == torch.bfloat16, WRITE_CODES=write_codes, WRITE_VALUES=vals is not None,

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minite.kernels.launch import cdiv
 from minite.kernels.launch import launch as launch_kernel
 from minite.kernels.rounding import round_to
 
@@ -65,7 +66,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: 
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     block_r = max(1, ELEMS // d)
     if x2.shape[0]:
-        launch_kernel(_rope_kernel, (triton.cdiv(x2.shape[0], block_r),), (
+        launch_kernel(_rope_kernel, (cdiv(x2.shape[0], block_r),), (
             x2, c2, s2, out, x2.shape[0], h, x2.stride(0), c2.stride(0), out.stride(0)),
             HALF=d // 2, BLOCK_R=block_r, BACKWARD=backward, num_warps=4)
     return out.reshape(x.shape)

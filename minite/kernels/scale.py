@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minite.kernels.launch import cdiv, next_power_of_2
 from minite.kernels.launch import launch as launch_kernel
 from minite.kernels.rounding import round_bf16
 
@@ -51,10 +52,10 @@ def scale_rows(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = 
     o2 = out.view(r, c)
     if o2.stride(-1) != 1:
         raise ValueError("out needs unit stride along its last dimension")
-    block_c = min(triton.next_power_of_2(max(c, 1)), MAX_BLOCK_C)
+    block_c = min(next_power_of_2(max(c, 1)), MAX_BLOCK_C)
     block_r = max(1, ELEMS // block_c)
     if r and c:
-        grid = (triton.cdiv(r, block_r), triton.cdiv(c, block_c))
+        grid = (cdiv(r, block_r), cdiv(c, block_c))
         launch_kernel(_scale_rows_kernel, grid,
                       (x2, s, o2, r, c, x2.stride(0), o2.stride(0), 0 if s.numel() == 1 else 1),
                       BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)

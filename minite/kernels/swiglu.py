@@ -19,6 +19,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from minite.kernels import interpreted
+from minite.kernels.launch import cdiv, next_power_of_2
 from minite.kernels.launch import launch as launch_kernel
 from minite.kernels.nvfp4 import CHAIN_IDS, _max_nan, _row_scales
 from minite.kernels.nvfp4_pairs import _bits16, _emit_blocks, _halves, _load_blocks
@@ -120,7 +121,7 @@ def _chunk_words(kw: int) -> int:
     chunk = CHUNK_WORDS
     while chunk > 8 and kw % chunk:
         chunk //= 2
-    return chunk if kw % chunk == 0 else min(CHUNK_WORDS, max(8, triton.next_power_of_2(kw)))
+    return chunk if kw % chunk == 0 else min(CHUNK_WORDS, max(8, next_power_of_2(kw)))
 
 
 def _launch(gate: torch.Tensor, up: torch.Tensor, quant_dtype=None, chain: str = "te"):
@@ -136,7 +137,7 @@ def _launch(gate: torch.Tensor, up: torch.Tensor, quant_dtype=None, chain: str =
     amx = torch.empty(r, 1, dtype=torch.float32, device=dev) if quant else h
     chunk = _chunk_words(kw)
     block_r = max(1, WORDS // chunk)
-    grid = (triton.cdiv(r, block_r),) if quant else (triton.cdiv(r, block_r), triton.cdiv(kw, chunk))
+    grid = (cdiv(r, block_r),) if quant else (cdiv(r, block_r), cdiv(kw, chunk))
     if r:
         launch_kernel(_swiglu_kernel, grid, (
             g2.view(torch.int32), u2.view(torch.int32), h.view(torch.int32), vals.view(torch.int32), scales,

@@ -27,6 +27,15 @@ def test_key_declines_what_it_does_not_cover():
     assert _key((x,), {"OTHER": x}) is None  # a tensor in meta would be kept alive by the cache
 
 
+def test_host_helpers_equal_triton_s():
+    import triton
+
+    for n in [0, 1, 2, 3, 15, 16, 17, 1000, 2**31 + 5]:
+        assert launch.next_power_of_2(n) == triton.next_power_of_2(n)
+        for d in (1, 16, 128):
+            assert launch.cdiv(n, d) == triton.cdiv(n, d)
+
+
 @pytest.mark.gpu
 def test_gpu_direct_launches_equal_triton_s():
     """scale_rows and the W4A4 GEMM through the direct path (repeat launches, an unaligned view
