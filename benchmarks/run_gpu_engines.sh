@@ -131,7 +131,7 @@ for part in "$@"; do
       done ;;
     learner_launch)
       for path in direct triton direct triton; do
-        step 75 python3 benchmarks/bench_learner.py --models dense --launch-path $path \
+        step 75 python3 benchmarks/bench_learner.py --models dense --steps 5 --launch-path $path \
           --out "$OUT/extra/learner_dense_$path.json"
         cp "$OUT/extra/learner_dense_$path.json" "$OUT/extra/learner_dense_${path}_$((++n_launch)).json"
       done ;;
