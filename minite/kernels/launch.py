@@ -20,8 +20,10 @@ from __future__ import annotations
 import torch
 import triton
 
+from minite.kernels import interpreted
+
 ENABLED = True
-_COMPILED: dict = {}  # key -> (compiled kernel, the constexpr values in signature order)
+_COMPILED: dict = {}  # key -> (launch function, the constexpr values in signature order)
 _I32 = (-(2**31), 2**31)
 _CONSTANT_TYPES = (int, bool, float, str)
 
@@ -35,19 +37,16 @@ def _decline(v):
 
 
 def specialization_key(kernel, meta: dict, args: tuple, device: int):
-    """The cache key of a launch (module docstring); None for argument types it does not cover (meta
-    holds plain constants only: a tensor there would be kept alive by the cache). Inlined: this runs
-    on every launch."""
-    if not all(type(v) in _CONSTANT_TYPES for v in meta.values()):
-        return None
+    """The cache key of a launch (module docstring), None for argument types it does not cover. Runs
+    on every launch, hence inline and flat."""
     lo, hi = _I32
     try:
-        spec = tuple((v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor)
-                     else (v == 1, v % 16 == 0, lo <= v < hi, v >= 2**63) if type(v) is int
-                     else float if type(v) is float else _decline(v) for v in args)
+        spec = [(v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor)
+                else (v == 1, v % 16 == 0, lo <= v < hi, v >= 2**63) if type(v) is int
+                else float if type(v) is float else _decline(v) for v in args]
     except _Declined:
         return None
-    return kernel, device, spec, tuple(meta.items())
+    return (id(kernel), device, *spec, *meta.items())
 
 
 def _hooks_installed() -> bool:
@@ -58,34 +57,48 @@ def _hooks_installed() -> bool:
 
 def _constexpr_tail(kernel, n_args: int, meta: dict):
     """The values of the kernel's parameters after the first n_args, in order, from meta; None when
-    some parameter is missing there (Triton's own path fills defaults)."""
+    some parameter is missing there (Triton's own path fills defaults) or meta holds anything but
+    plain constants (a tensor there would be kept alive by the cache)."""
     names = kernel.arg_names[n_args:]
-    if any(name not in meta for name in names):
+    if any(name not in meta for name in names) or any(type(v) not in _CONSTANT_TYPES for v in meta.values()):
         return None
     return tuple(meta[name] for name in names)
 
 
+def _direct(compiled):
+    """A function (grid3, stream, args, tail) launching `compiled`: its raw launcher where the kernel
+    needs no scratch memory, else Triton's launcher object (which allocates the scratch)."""
+    runner, function, packed = compiled.run, compiled.function, compiled.packed_metadata
+    raw = getattr(runner, "launch", None)
+    if raw is not None and getattr(runner, "global_scratch_size", 1) == 0 and \
+            getattr(runner, "profile_scratch_size", 1) == 0:
+        coop, pdl = runner.launch_cooperative_grid, runner.launch_pdl
+
+        def run_raw(g, stream, args, tail):
+            raw(g[0], g[1], g[2], stream, function, coop, pdl, None, None, packed, None, None, None, *args,
+                *tail)
+        return run_raw
+
+    def run(g, stream, args, tail):
+        runner(g[0], g[1], g[2], stream, function, packed, None, None, None, *args, *tail)
+    return run
+
+
 def launch(kernel, grid: tuple, args: tuple, **meta):
     """`kernel[grid](*args, **meta)`, the binding skipped after the first launch of a specialization."""
-    from minite.kernels import interpreted
-
     if not ENABLED or interpreted() or _hooks_installed():
         return kernel[grid](*args, **meta)
-    device = torch.cuda.current_device()
+    device = torch._C._cuda_getDevice()
     key = specialization_key(kernel, meta, args, device)
     hit = _COMPILED.get(key) if key is not None else None
     if hit is None:
         compiled = kernel[grid](*args, **meta)
         tail = _constexpr_tail(kernel, len(args), meta)
         if key is not None and tail is not None:
-            _COMPILED[key] = (compiled, tail)
-        return compiled
-    compiled, tail = hit
-    g = (*grid, 1, 1)
-    stream = torch._C._cuda_getCurrentRawStream(device)
-    compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None, None, None,
-                 *args, *tail)
-    return compiled
+            _COMPILED[key] = (_direct(compiled), tail)
+        return
+    run, tail = hit
+    run((*grid, 1, 1), torch._C._cuda_getCurrentRawStream(device), args, tail)
 
 
 def cdiv(x: int, y: int) -> int:

@@ -92,15 +92,28 @@ def kernels_cover(recipe: Recipe) -> bool:
             and not a.hadamard and recipe.weight.scaling != "row")
 
 
+_USE_KERNELS: dict = {}  # (id(recipe), device type) -> (recipe, answer): asked on every linear call
+
+
 def use_kernels(recipe: Recipe, device: torch.device) -> bool:
     """Whether a forward on `device` under `recipe` runs the Triton kernels (module docstring)."""
+    dev = device.type if isinstance(device, torch.device) else torch.device(device).type
+    hit = _USE_KERNELS.get((id(recipe), dev))
+    if hit is not None and hit[0] is recipe:
+        return hit[1]
+    answer = _use_kernels(recipe, dev)
+    _USE_KERNELS[(id(recipe), dev)] = (recipe, answer)
+    return answer
+
+
+def _use_kernels(recipe: Recipe, device_type: str) -> bool:
     if recipe.backend != "triton" or not kernels_cover(recipe):
         return False
     from minite import kernels
 
     if not kernels.available():
         return False
-    return torch.device(device).type == "cuda" or kernels.interpreted()
+    return device_type == "cuda" or kernels.interpreted()
 
 
 def _mark_non_finite(x: torch.Tensor, scales, per_row: bool) -> list[torch.Tensor]:
@@ -386,6 +399,12 @@ def _scale_bf16(x: torch.Tensor, row_scale: torch.Tensor, inplace: bool = False)
     return torch.mul(x, row_scale, out=out)
 
 
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [B, M, K] @ b [B, K, N]; B == 1 (a Linear) as one 2D `torch.mm`, as a bf16 Linear's own
+    backward runs it (and with less host work than the batched call)."""
+    return torch.mm(a[0], b[0]).unsqueeze(0) if a.shape[0] == 1 else torch.bmm(a, b)
+
+
 def _grads(ctx, dy: torch.Tensor, wu: torch.Tensor, ws: torch.Tensor, saved, host_ws: float | None = None):
     """(dX [B, M, K], dW [B, N, K]) from dY [B, M, N] (None where not needed). `host_ws`: the one
     weight's S_dec as a host float, when known (then dX's scale is torch's bf16 times a Python scalar:
@@ -402,14 +421,14 @@ def _grads(ctx, dy: torch.Tensor, wu: torch.Tensor, ws: torch.Tensor, saved, hos
         xu, xs = saved
         dx = dw = None
         if need_dx:  # bf16 GEMM output times the fp32 scale, rounded once more to bf16
-            dx = torch.matmul(dy, wu.to(dy.dtype))
+            dx = _bmm(dy, wu.to(dy.dtype))
             if host_ws is not None:
                 dx.mul_(host_ws)
             else:
                 _scale_bf16(dx, ws, inplace=True)  # ws [B, 1, 1] broadcasts over the rows
         if need_dw:
             dyx = _scale_bf16(dy, xs)  # fp32 product, rounded to bf16
-            dw = torch.matmul(dyx.transpose(1, 2), xu.to(dy.dtype))  # [B, N, K]
+            dw = _bmm(dyx.transpose(1, 2), xu.to(dy.dtype))  # [B, N, K]
         return dx, dw
     dyf = dy.float()
     w_dq = wu.float() * ws  # [B, N, K]

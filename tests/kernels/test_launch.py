@@ -24,7 +24,17 @@ def test_key_declines_what_it_does_not_cover():
     x = torch.zeros(8)
     assert _key((x, None)) is None
     assert _key((x, [1, 2])) is None
-    assert _key((x,), {"OTHER": x}) is None  # a tensor in meta would be kept alive by the cache
+
+
+def test_only_plain_constexprs_are_cached():
+    """The constexpr tail comes from meta in signature order; a missing one (Triton fills its default)
+    or a tensor there (the cache would keep it alive) leaves the launch on Triton's path."""
+    class Kernel:
+        arg_names = ["x_ptr", "n", "BLOCK", "EVEN"]
+
+    assert launch._constexpr_tail(Kernel, 2, {"EVEN": True, "BLOCK": 64, "num_warps": 4}) == (64, True)
+    assert launch._constexpr_tail(Kernel, 2, {"BLOCK": 64}) is None
+    assert launch._constexpr_tail(Kernel, 2, {"BLOCK": 64, "EVEN": torch.zeros(1)}) is None
 
 
 def test_host_helpers_equal_triton_s():

@@ -216,8 +216,8 @@ def test_bf16_dequantized_backward_runs_bf16_gemms_close_to_straight_through(rec
     x = torch.randn(3, 40, 256, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(3, 40, 128, dtype=torch.bfloat16)
     dtypes = []
-    real_matmul = torch.matmul
-    monkeypatch.setattr(torch, "matmul", lambda a, b: dtypes.append(a.dtype) or real_matmul(a, b))
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: dtypes.append(a.dtype) or real_mm(a, b))
     lin(x).backward(g)
     monkeypatch.undo()
     assert dtypes == [torch.bfloat16, torch.bfloat16]  # dgrad and wgrad, nothing in fp32
