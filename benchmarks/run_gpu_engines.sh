@@ -117,7 +117,7 @@ for part in "$@"; do
     tiles_step)
       step 300 python3 benchmarks/sweep_aligned_gemm.py --decode-step --out "$OUT/aligned_tiles_decode_step.json" ;;
     learner)
-      step 100 python3 benchmarks/bench_learner.py --kernels --out "$OUT/learner.json" ;;
+      step 160 python3 benchmarks/bench_learner.py --kernels --out "$OUT/learner.json" ;;
     learner_ab)
       step 70 python3 benchmarks/bench_learner.py --models dense --aligned-small-tile \
         --out "$OUT/learner_aligned_small_tile.json" ;;
