@@ -29,7 +29,7 @@ import triton.language as tl
 from minite.kernels import norm_pairs
 from minite.kernels.launch import cdiv, next_power_of_2
 from minite.kernels.launch import launch as launch_kernel
-from minite.kernels.nvfp4 import CHAIN_IDS
+from minite.kernels.nvfp4 import check_fused_output
 from minite.kernels.rounding import round_to
 
 MAX_D = 16384
@@ -185,10 +185,5 @@ def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dty
     [..., 1]), bitwise `rms_norm(x)` and `kernels.nvfp4.quantize_unscaled(out, out_dtype, chain,
     return_codes=True)`'s values, S_dec and amax. D must be a multiple of 16. Differentiable in out."""
     _check(x, weight)
-    if x.shape[-1] % 16:
-        raise ValueError(f"rms_norm_quantize: D={x.shape[-1]} is not a multiple of 16")
-    if out_dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"rms_norm_quantize writes bf16 or fp16 values, not {out_dtype}")
-    if chain not in CHAIN_IDS:
-        raise ValueError(f"unknown chain {chain!r}; expected one of {sorted(CHAIN_IDS)}")
+    check_fused_output("rms_norm_quantize", x.shape[-1], out_dtype, chain)
     return _RMSNorm.apply(x, weight, eps, out_dtype, chain)

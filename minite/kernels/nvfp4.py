@@ -344,6 +344,17 @@ def quantize(x: torch.Tensor, scaling: str = "tensor", block=(1, 16), rounding: 
     return nvfp4.NVFP4Tensor(codes, sb, s_dec, amx, tuple(x.shape), block, scaling, chain, hadamard)
 
 
+def check_fused_output(op: str, width: int, out_dtype, chain: str) -> None:
+    """The arguments of an op that also quantizes its output row by row for the NVFP4 GEMMs (norm,
+    SwiGLU): 1x16 blocks along a width of a multiple of 16, values written in bf16 or fp16."""
+    if width % 16:
+        raise ValueError(f"{op}: width {width} is not a multiple of 16")
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"{op} writes bf16 or fp16 values, not {out_dtype}")
+    if chain not in CHAIN_IDS:
+        raise ValueError(f"unknown chain {chain!r}; expected one of {sorted(CHAIN_IDS)}")
+
+
 def quantize_unscaled(x: torch.Tensor, out_dtype=torch.bfloat16, chain: str = "te",
                       return_codes: bool = False):
     """Fused activation quantizer (row scaling, 1x16 blocks, RNE): x [..., K] ->

@@ -21,7 +21,7 @@ from triton.language.extra import libdevice
 from minite.kernels import interpreted
 from minite.kernels.launch import cdiv, next_power_of_2
 from minite.kernels.launch import launch as launch_kernel
-from minite.kernels.nvfp4 import CHAIN_IDS, _max_nan, _row_scales
+from minite.kernels.nvfp4 import CHAIN_IDS, _max_nan, _row_scales, check_fused_output
 from minite.kernels.nvfp4_pairs import _bits16, _emit_blocks, _halves, _load_blocks
 from minite.kernels.rounding import round_to
 
@@ -188,10 +188,5 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, out_dtype=torch.bfloat
     `nvfp4.quantize_unscaled(h, out_dtype, chain, return_codes=True)`'s. I must be a multiple of 16.
     Differentiable in h."""
     _check(gate, up)
-    if gate.shape[-1] % 16:
-        raise ValueError(f"swiglu_quantize: width {gate.shape[-1]} is not a multiple of 16")
-    if out_dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"swiglu_quantize writes bf16 or fp16 values, not {out_dtype}")
-    if chain not in CHAIN_IDS:
-        raise ValueError(f"unknown chain {chain!r}; expected one of {sorted(CHAIN_IDS)}")
+    check_fused_output("swiglu_quantize", gate.shape[-1], out_dtype, chain)
     return _SwiGLU.apply(gate, up, out_dtype, chain)

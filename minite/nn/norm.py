@@ -32,12 +32,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize_for: Re
 
         if x.shape[-1] <= kernel.MAX_D:
             if quantize_for is not None and nvfp4_matmul.can_seed_quantized_input(x, quantize_for):
-                from minite.kernels import gemm
-
-                out, vals, sdec, amax = kernel.rms_norm_quantize(
-                    x, weight, eps, gemm.operand_dtype(x.device), quantize_for.activation.chain)
-                nvfp4_matmul.seed_quantized_input(out, quantize_for, vals, sdec, amax)
-                return out
+                def produce(dtype, chain):
+                    return kernel.rms_norm_quantize(x, weight, eps, dtype, chain)
+                return nvfp4_matmul.produce_quantized(quantize_for, x.device, produce)
             return kernel.rms_norm(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
 

@@ -203,6 +203,17 @@ def seed_quantized_input(x: torch.Tensor, recipe: Recipe, values: torch.Tensor, 
     scope_memo("quantized_input").update(key=_memo_key(x2, recipe), x=x2, rows=rows)
 
 
+def produce_quantized(recipe: Recipe, device: torch.device, produce) -> torch.Tensor:
+    """Run an op that also quantizes its output for the NVFP4 linears reading it next (where
+    `can_seed_quantized_input`): `produce(operand dtype, chain)` -> (out, values e2m1 * s_b, S_dec,
+    amax); the quantization is handed to those linears (`seed_quantized_input`); returns out."""
+    from minite.kernels import gemm
+
+    out, values, sdec, amax = produce(gemm.operand_dtype(device), recipe.activation.chain)
+    seed_quantized_input(out, recipe, values, sdec, amax)
+    return out
+
+
 def _quantize_rows(x2: torch.Tensor, recipe: Recipe):
     from minite.kernels import gemm as kg
     from minite.kernels import nvfp4 as kq

@@ -23,11 +23,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, quantize_for: Recipe | None = N
 
         if kernel.applies(gate, up):
             if quantize_for is not None and nvfp4_matmul.can_seed_quantized_input(gate, quantize_for):
-                from minite.kernels import gemm
-
-                h, vals, sdec, amax = kernel.swiglu_quantize(gate, up, gemm.operand_dtype(gate.device),
-                                                             quantize_for.activation.chain)
-                nvfp4_matmul.seed_quantized_input(h, quantize_for, vals, sdec, amax)
-                return h
+                def produce(dtype, chain):
+                    return kernel.swiglu_quantize(gate, up, dtype, chain)
+                return nvfp4_matmul.produce_quantized(quantize_for, gate.device, produce)
             return kernel.swiglu(gate, up)
     return F.silu(gate) * up
