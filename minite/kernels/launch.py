@@ -1,18 +1,22 @@
 """Repeat launches of our Triton kernels without Triton's per-call argument binding.
 
-The learner step is host-bound: on the H200's host a launch through `kernel[grid](...)` costs about
-15 us for an empty kernel and 40-50 us for our GEMM or quantizer with 15-20 arguments
-(`benchmarks/probe_linear_host.py`, session 12), most of it Triton's binder: argument
-specialization, cache key, launch metadata.
+The learner step is host-bound: on the H200 machines' hosts a launch through `kernel[grid](...)`
+costs 9-16 us for an empty kernel, and our GEMM or quantizer call with its 15-20 arguments 80-100
+us, wrapper included (`benchmarks/probe_linear_host.py`, session 12), a good part of it Triton's
+per-call binding: argument specialization, cache key, launch metadata. The direct path below saves
+~20 us a launch there (s12 run4: a dense learner step 1.10 s instead of 1.18).
 
 `launch(kernel, grid, args, **meta)`: `args` are the kernel's leading runtime arguments in signature
 order (tensors, ints, floats), `meta` its remaining (constexpr) parameters and launch options by
 name. The first launch of a specialization goes through Triton, which compiles and returns the
-compiled kernel; later launches with the same specialization call its launcher directly. The key
+compiled kernel; later launches with the same specialization call its launcher directly (the raw
+launcher where the kernel needs no scratch memory, else Triton's launcher object). The key
 covers everything Triton specializes on: each tensor's dtype and 16-byte alignment, each integer's
 `== 1`, divisibility by 16 and 32/64-bit range, the other arguments' types, `meta`, the device.
 Triton's own path runs under the interpreter, while launch hooks are installed (profilers), for
-argument types the key does not know, and when `ENABLED` is off.
+grids given as functions, argument types the key does not know, kernels that are not plain
+`@triton.jit` functions, and when `ENABLED` is off. The launcher arguments are those of Triton 3.6
+(`tests/kernels/test_launch.py` checks the results against Triton's own path on the GPU).
 """
 
 from __future__ import annotations
@@ -59,7 +63,10 @@ def _constexpr_tail(kernel, n_args: int, meta: dict):
     """The values of the kernel's parameters after the first n_args, in order, from meta; None when
     some parameter is missing there (Triton's own path fills defaults) or meta holds anything but
     plain constants (a tensor there would be kept alive by the cache)."""
-    names = kernel.arg_names[n_args:]
+    names = getattr(kernel, "arg_names", None)  # None: not a plain @triton.jit function (autotuner, ...)
+    if names is None:
+        return None
+    names = names[n_args:]
     if any(name not in meta for name in names) or any(type(v) not in _CONSTANT_TYPES for v in meta.values()):
         return None
     return tuple(meta[name] for name in names)
@@ -86,7 +93,7 @@ def _direct(compiled):
 
 def launch(kernel, grid: tuple, args: tuple, **meta):
     """`kernel[grid](*args, **meta)`, the binding skipped after the first launch of a specialization."""
-    if not ENABLED or interpreted() or _hooks_installed():
+    if not ENABLED or interpreted() or _hooks_installed() or callable(grid):
         return kernel[grid](*args, **meta)
     device = torch._C._cuda_getDevice()
     key = specialization_key(kernel, meta, args, device)
