@@ -91,10 +91,11 @@ def _direct(compiled):
     return run
 
 
-def launch(kernel, grid: tuple, args: tuple, **meta):
+def launch(kernel, grid: tuple, args: tuple, **meta) -> None:
     """`kernel[grid](*args, **meta)`, the binding skipped after the first launch of a specialization."""
     if not ENABLED or interpreted() or _hooks_installed() or callable(grid):
-        return kernel[grid](*args, **meta)
+        kernel[grid](*args, **meta)
+        return
     device = torch._C._cuda_getDevice()
     key = specialization_key(kernel, meta, args, device)
     hit = _COMPILED.get(key) if key is not None else None

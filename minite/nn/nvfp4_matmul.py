@@ -102,6 +102,8 @@ def use_kernels(recipe: Recipe, device: torch.device) -> bool:
     if hit is not None and hit[0] is recipe:
         return hit[1]
     answer = _use_kernels(recipe, dev)
+    if len(_USE_KERNELS) > 1024:  # recipes made over and over (sweeps): keep the cache small
+        _USE_KERNELS.clear()
     _USE_KERNELS[(id(recipe), dev)] = (recipe, answer)
     return answer
 
