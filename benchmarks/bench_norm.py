@@ -49,12 +49,7 @@ def main():
             "norm+quantize, one launch": ([lambda x=x: kn.rms_norm_quantize(x, w, EPS) for x in xs],
                                           6 * n + n // 16 + 8 * r),
         }
-        us = paired_graph_us({k: v[0] for k, v in variants.items()})
-        copy_us = median(us["copy"])
-        for name, (_, nbytes) in variants.items():
-            t = median(us[name])
-            rows.append(dict(shape=f"{r}x{d}", op=name, us=t, tb_s=nbytes / t / 1e6,
-                             frac_copy=(nbytes / t) / (4 * n / copy_us)))
+        rows += timed_rows(f"{r}x{d}", variants, n)
     for r, i in SWIGLU_SHAPES[:1] if args.quick else SWIGLU_SHAPES:
         pairs = [[torch.randn(r, i, device="cuda", dtype=torch.bfloat16) * 2 for _ in range(2)]
                  for _ in range(COPIES)]
@@ -69,13 +64,21 @@ def main():
             "swiglu+quantize, one launch": ([lambda g=g, u=u: ks.swiglu_quantize(g, u) for g, u in pairs],
                                             8 * n + n // 16 + 8 * r),
         }
-        us = paired_graph_us({k: v[0] for k, v in variants.items()})
-        copy_us = median(us["copy"])
-        for name, (_, nbytes) in variants.items():
-            t = median(us[name])
-            rows.append(dict(shape=f"{r}x{i}", op=name, us=t, tb_s=nbytes / t / 1e6,
-                             frac_copy=(nbytes / t) / (4 * n / copy_us)))
+        rows += timed_rows(f"{r}x{i}", variants, n)
     report("rms_norm, swiglu (+ quantize)", rows, args.out)
+
+
+def timed_rows(shape: str, variants: dict, n: int) -> list[dict]:
+    """{name: (thunks, bytes moved)} timed in paired CUDA-graph rounds -> one row each: us, TB/s and the
+    fraction of the "copy" variant's bandwidth (it moves 4 bytes for each of the n elements)."""
+    us = paired_graph_us({k: v[0] for k, v in variants.items()})
+    copy_us = median(us["copy"])
+    rows = []
+    for name, (_, nbytes) in variants.items():
+        t = median(us[name])
+        rows.append(dict(shape=shape, op=name, us=t, tb_s=nbytes / t / 1e6,
+                         frac_copy=(nbytes / t) / (4 * n / copy_us)))
+    return rows
 
 
 if __name__ == "__main__":
