@@ -58,6 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--launch-path", default="direct", choices=["direct", "triton"],
                    help="direct: repeat kernel launches skip Triton's binding (minite.kernels.launch), dX "
                         "takes the weight scale as a host float (the default); triton: neither (before s12)")
+    p.add_argument("--attention-backward", default="kernel", choices=["kernel", "reference"],
+                   help="the attention kernel's backward: the Triton kernels, or the fp32 reference "
+                        "recomputed under autograd (the path before session 13)")
     p.add_argument("--aligned-small-tile", action="store_true",
                    help="the aligned GEMMs keep the small tile at every M (A/B for `gemm.ALIGNED_LARGE_M`)")
     p.add_argument("--kernels", action="store_true",
@@ -157,6 +160,10 @@ def main(argv=None) -> list[dict]:
 
         launch.ENABLED = False
         QuantizedWeight.host_global_scale = lambda self: None
+    if args.attention_backward == "reference":
+        from minite.nn.attention import use_kernel_backward
+
+        use_kernel_backward(False)
     if args.aligned_small_tile:
         from minite.kernels import gemm, grouped_gemm
 
@@ -180,7 +187,8 @@ def main(argv=None) -> list[dict]:
                 r["vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
     setup = {k: getattr(args, k) for k in ("seqs", "seq_len", "prompt_len", "micro_batch_tokens", "backend",
                                            "activation_checkpointing", "no_moe_grouped_mm",
-                                           "no_fused_kernels", "steps", "warmup", "tiny")}
+                                           "no_fused_kernels", "steps", "warmup", "tiny",
+                                           "attention_backward")}
     table_rows = [{k: v for k, v in r.items() if k != "kernels"} for r in rows]
     report("learner train step (tokens/s)", table_rows, None)
     if args.out:

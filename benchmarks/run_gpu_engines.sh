@@ -26,6 +26,9 @@
 #   learner_launch  the dense learner twice with the direct kernel launches (`minite.kernels.launch`), twice
 #             on Triton's own launch path (before session 12), alternating
 #   learner_dense  the dense learner alone, default tiles
+#   learner_attn  the dense learner twice with the Triton attention backward, twice with the reference
+#             backward (before session 13), alternating
+#   attention_backward  the attention backward kernels against SDPA's flash backward and the reference
 #   learner_norm  the dense learner twice with the norms quantizing for the projections, twice on the
 #             element-layout norm kernel without (the path before session 11), alternating
 #   norm      the RMSNorm kernels and the norm that quantizes its output (benchmarks/bench_norm.py)
@@ -135,6 +138,14 @@ for part in "$@"; do
           --out "$OUT/extra/learner_dense_$path.json"
         cp "$OUT/extra/learner_dense_$path.json" "$OUT/extra/learner_dense_${path}_$((++n_launch)).json"
       done ;;
+    learner_attn)
+      for path in kernel reference kernel reference; do
+        step 75 python3 benchmarks/bench_learner.py --models dense --steps 5 --attention-backward $path \
+          --out "$OUT/extra/learner_dense_attn_$path.json"
+        cp "$OUT/extra/learner_dense_attn_$path.json" "$OUT/extra/learner_dense_attn_${path}_$((++n_attn)).json"
+      done ;;
+    attention_backward)
+      step 150 python3 benchmarks/bench_attention_backward.py --out "$OUT/kernels_attention_backward.json" ;;
     learner_dense)
       step 70 python3 benchmarks/bench_learner.py --models dense --out "$OUT/learner_dense.json" ;;
     host)

@@ -80,10 +80,11 @@ def _chunk(q, qpos, m_i, l_i, acc, j0, kv_end, seq, kv_base, kvh, k_ptr, v_ptr, 
 
 
 @triton.jit
-def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tiles_ptr, pos_ptr, table_ptr, start_ptr, ctx_ptr,
-                      qk_scale, stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
-                      stride_on, stride_oh, stride_bt,
+def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, tiles_ptr, pos_ptr, table_ptr, start_ptr,
+                      ctx_ptr, qk_scale, stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+                      stride_on, stride_oh, stride_bt, stride_ln,
                       G: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
+                      STORE_LSE: tl.constexpr,
                       DOT_F32: tl.constexpr, PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     tile = tl.program_id(0)
@@ -128,6 +129,9 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tiles_ptr, pos_ptr, table_pt
         out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
         tl.store(out_ptr + rows[:, None] * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+        if STORE_LSE:  # the backward's base-2 log-sum-exp of the scaled scores
+            lse = m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))
+            tl.store(lse_ptr + rows * stride_ln + heads, lse, mask=valid)
 
 
 def config(dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -194,19 +198,26 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def contiguous_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_seq: torch.Tensor,
                          query_pos: torch.Tensor, kv_start: torch.Tensor, context_lens: torch.Tensor,
                          scale: float | None = None, tiles: torch.Tensor | None = None,
-                         cfg: dict | None = None) -> torch.Tensor:
+                         cfg: dict | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, Hq, D], k / v [M, Hkv, D] (sequence s's keys at rows kv_start[s] + 0, 1, ...),
     query_seq / query_pos [N], kv_start / context_lens [S] -> [N, Hq, D]: the same arithmetic as
-    `paged_attention`, for packed sequences whose keys were not written to a cache."""
+    `paged_attention`, for packed sequences whose keys were not written to a cache. `lse`: a
+    contiguous fp32 [N, Hq] the kernel fills with each row's base-2 log-sum-exp of its scaled scores
+    (for `attention_backward`; the output's bits do not change)."""
     _check_common(q, k, v, query_seq, query_pos, context_lens, "k", 3)
     if kv_start.shape != context_lens.shape:
         raise ValueError(f"kv_start {tuple(kv_start.shape)} must match context_lens "
                          f"{tuple(context_lens.shape)}")
+    if lse is not None and (lse.shape != q.shape[:2] or lse.dtype != torch.float32
+                            or not lse.is_contiguous()):
+        raise ValueError(f"lse must be contiguous fp32 [N, Hq] = {tuple(q.shape[:2])}, got {lse.dtype} "
+                         f"{tuple(lse.shape)}")
     return _launch(q, k, v, query_seq, query_pos, kv_start, kv_start, context_lens, 1, False, scale, tiles,
-                   cfg)
+                   cfg, lse)
 
 
-def _launch(q, k, v, query_seq, query_pos, table, start, context_lens, block_size, paged, scale, tiles, cfg):
+def _launch(q, k, v, query_seq, query_pos, table, start, context_lens, block_size, paged, scale, tiles, cfg,
+            lse=None):
     from minite.kernels import interpreted
 
     N, Hq, D = q.shape
@@ -224,10 +235,10 @@ def _launch(q, k, v, query_seq, query_pos, table, start, context_lens, block_siz
     dot_f32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreted())
     grid = (tiles.shape[0], Hkv)
     launch_kernel(_attention_kernel, grid, (
-        q, k, v, out, tiles, query_pos, table, start, context_lens, scale * LOG2E,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
-        out.stride(1), table.stride(0) if paged else 0),
-        G=G, D=D, BLOCK_SIZE=block_size, PAGED=paged, DOT_F32=dot_f32,
+        q, k, v, out, out if lse is None else lse, tiles, query_pos, table, start, context_lens,
+        scale * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), table.stride(0) if paged else 0, 0 if lse is None else lse.stride(0)),
+        G=G, D=D, BLOCK_SIZE=block_size, PAGED=paged, STORE_LSE=lse is not None, DOT_F32=dot_f32,
         PRECISION="ieee" if dot_f32 else "tf32", WHILE_LOOP=interpreted(),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])

@@ -16,7 +16,8 @@ On CUDA (with Triton, and `use_kernel(True)`, the default) the layer runs the pa
 kernel and launch configuration the sampler runs on its KV cache, so a token's attention output is
 the same bits in the learner's full-sequence forward as in the sampler's decode step. The kernel
 reads key slot j of a sequence as position j, so it is taken only when the positions are 0, 1, ...
-within each sequence (the models' default); its backward recomputes through the reference math.
+within each sequence (the models' default); its backward is the Triton backward
+(`minite.kernels.attention_backward`), or the reference math recomputed under autograd.
 The CPU always runs the reference functions above.
 """
 
@@ -31,12 +32,21 @@ from minite.nn.norm import RMSNorm
 from minite.nn.rope import apply_rope, rope_cos_sin
 
 _USE_KERNEL = True
+_USE_KERNEL_BACKWARD = True
 
 
 def use_kernel(enabled: bool) -> bool:
     """Switch the CUDA attention kernel on or off (for tests and benchmarks); -> the previous setting."""
     global _USE_KERNEL
     previous, _USE_KERNEL = _USE_KERNEL, bool(enabled)
+    return previous
+
+
+def use_kernel_backward(enabled: bool) -> bool:
+    """Switch the kernel attention's Triton backward on or off (off: the reference math under autograd,
+    for tests and benchmarks); -> the previous setting."""
+    global _USE_KERNEL_BACKWARD
+    previous, _USE_KERNEL_BACKWARD = _USE_KERNEL_BACKWARD, bool(enabled)
     return previous
 
 
@@ -132,17 +142,20 @@ class PackedLayout:
         lengths = self.cu[1:] - self.cu[:-1]
         self.seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=dev), lengths, output_size=n)
         self.kernel_ok = torch.equal(self.positions, torch.arange(n, device=dev) - self.cu[:-1][self.seq])
-        self._tiles: dict[int, torch.Tensor] = {}
+        self._tiles: dict[tuple, torch.Tensor] = {}
         self._plans: dict[int, list] = {}
-        # a backward will need the bounds: read them now, beside the sync above, not mid-backward
-        self._bounds = self.cu.tolist() if torch.is_grad_enabled() else None
+        # the reference backward will need the bounds: read them now, beside the sync above, not
+        # mid-backward (the kernel backward needs none)
+        self._bounds = self.cu.tolist() if torch.is_grad_enabled() and not _USE_KERNEL_BACKWARD else None
 
-    def tiles(self, group: int) -> torch.Tensor:
+    def tiles(self, group: int, block_m: int | None = None) -> torch.Tensor:
+        """The kernels' query tiles of `group` heads (`plan_tiles`; block_m None: the forward's)."""
         from minite.kernels.attention import plan_tiles
 
-        if group not in self._tiles:
-            self._tiles[group] = plan_tiles(self.seq, self.cu.numel() - 1, group)
-        return self._tiles[group]
+        key = (group, block_m)
+        if key not in self._tiles:
+            self._tiles[key] = plan_tiles(self.seq, self.cu.numel() - 1, group, block_m)
+        return self._tiles[key]
 
     def plan(self, num_heads: int) -> list:
         if num_heads not in self._plans:
@@ -225,24 +238,41 @@ def packed_kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
 
 
 class _KernelAttention(torch.autograd.Function):
-    """Forward: the kernel over contiguous packed k/v. Backward: the reference math (`varlen_attention`,
-    fp32, padded groups of sequences) recomputed under autograd: the exact softmax attention's gradient.
-    The layout (tiles, backward plan) is shared by every layer of a forward."""
+    """Forward: the kernel over contiguous packed k/v (with each row's log-sum-exp when a gradient is
+    needed). Backward: the Triton backward (`minite.kernels.attention_backward`), or with
+    `use_kernel_backward(False)` the reference math (`varlen_attention`, fp32, padded groups of
+    sequences) recomputed under autograd. The layout (tiles, backward plan) is shared by every layer."""
 
     @staticmethod
     def forward(ctx, q, k, v, layout: PackedLayout):
         from minite.kernels.attention import contiguous_attention
 
-        ctx.save_for_backward(q, k, v)
-        ctx.layout = layout
         cu = layout.cu
-        return contiguous_attention(q, k, v, layout.seq, layout.positions, cu[:-1], cu[1:] - cu[:-1],
-                                    tiles=layout.tiles(q.shape[1] // k.shape[1]))
+        ctx.layout = layout
+        ctx.kernel_backward = _USE_KERNEL_BACKWARD and any(ctx.needs_input_grad)
+        lse = q.new_empty(q.shape[:2], dtype=torch.float32) if ctx.kernel_backward else None
+        out = contiguous_attention(q, k, v, layout.seq, layout.positions, cu[:-1], cu[1:] - cu[:-1],
+                                   tiles=layout.tiles(q.shape[1] // k.shape[1]), lse=lse)
+        if ctx.kernel_backward:
+            ctx.save_for_backward(q, k, v, out, lse)
+        else:
+            ctx.save_for_backward(q, k, v)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v = ctx.saved_tensors
         layout = ctx.layout
+        if ctx.kernel_backward:
+            from minite.kernels.attention_backward import config, contiguous_attention_backward
+
+            q, k, v, out, lse = ctx.saved_tensors
+            cfg, group, cu = config(q.dtype), q.shape[1] // k.shape[1], layout.cu
+            dq, dk, dv = contiguous_attention_backward(
+                grad, q, k, v, out, lse, layout.seq, layout.positions, cu[:-1], cu[1:] - cu[:-1],
+                q_tiles=layout.tiles(group, cfg["dq"]["BLOCK_M"]),
+                k_tiles=layout.tiles(1, cfg["dkdv"]["BLOCK_N"]))
+            return dq, dk, dv, None
+        q, k, v = ctx.saved_tensors
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_() for t in (q, k, v)]
             out = varlen_attention(*inputs, layout.positions, layout.cu, plan=layout.plan(q.shape[1]))

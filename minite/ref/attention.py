@@ -20,6 +20,14 @@ Math, per query row and head, with `c = fl32(scale * log2(e))` (scale defaults t
 Chunks entirely past the query change nothing (alpha = 1, p = 0), so a query's result depends only
 on its own sequence's keys up to its position, never on other rows of the batch.
 
+Backward (`contiguous_attention_backward`, the learner's), exact softmax attention in fp32: with
+P = softmax_j(s_j) over the visible keys (s_j = scale * q . k_j) and dO the output's gradient,
+    dV_j += P_j dO,  dP_j = dO . v_j,  dS_j = P_j (dP_j - sum_i P_i dP_i),
+    dQ = scale * sum_j dS_j k_j,  dK_j += scale * dS_j q
+(sums over every query head that reads kv head j's group). The Triton backward
+(`minite.kernels.attention_backward`) recomputes P from the forward's log-sum-exp chunk by chunk and
+takes sum_i P_i dP_i as dO . O; it matches this closely, not bitwise.
+
 Agreement. In fp32 this equals `minite.nn.attention.attention` up to fp32 rounding (tested). The
 Triton kernel (`minite.kernels.attention`) follows these steps but sums inside tensor-core MMAs and
 tree reductions in its own order, so it matches this reference closely, not bitwise. What is bitwise
@@ -95,3 +103,32 @@ def _chunked(q, k, v, query_seq, query_pos, slots, context_lens, scale, kv_block
         m = m_new
     out = torch.where(l[..., None] > 0, acc / l[..., None], 0.0)
     return out.reshape(N, Hq, D).to(q.dtype)
+
+
+def contiguous_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                  query_seq: torch.Tensor, query_pos: torch.Tensor, kv_start: torch.Tensor,
+                                  context_lens: torch.Tensor, scale: float | None = None):
+    """Gradients (dq, dk, dv) of `contiguous_attention` (the module docstring's formulas, fp32, in the
+    operands' dtype) for grad [N, Hq, D] of its output."""
+    N, Hq, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    scale = D ** -0.5 if scale is None else scale
+    width = max(int(context_lens.max()), 1) if context_lens.numel() else 1
+    seq, qpos = query_seq.long(), query_pos.long()
+    j = torch.arange(width, device=q.device)
+    slots = (kv_start.long()[seq][:, None] + j).clamp(max=k.shape[0] - 1)  # [N, W]
+    visible = (j[None, :] <= qpos[:, None]) & (j[None, :] < context_lens.long()[seq][:, None])
+    qf, do = q.float().view(N, Hkv, G, D), grad.float().view(N, Hkv, G, D)
+    kj, vj = k[slots].float(), v[slots].float()  # [N, W, Hkv, D]
+    s = torch.einsum("nhgd,nwhd->nhgw", qf, kj) * scale
+    p = torch.softmax(s.masked_fill(~visible[:, None, None, :], float("-inf")), -1).nan_to_num(0.0)
+    dp = torch.einsum("nhgd,nwhd->nhgw", do, vj)
+    ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+    dq = torch.einsum("nhgw,nwhd->nhgd", ds, kj) * scale
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    flat = slots.reshape(-1)
+    dk.index_add_(0, flat, torch.einsum("nhgw,nhgd->nwhd", ds, qf).reshape(-1, Hkv, D) * scale)
+    dv.index_add_(0, flat, torch.einsum("nhgw,nhgd->nwhd", p, do).reshape(-1, Hkv, D))
+    return dq.reshape(N, Hq, D).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

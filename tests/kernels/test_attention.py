@@ -210,9 +210,11 @@ def test_wiring_under_the_interpreter(monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real wiring (end-to-end test)")
-def test_model_forward_builds_one_packed_layout_for_all_layers(monkeypatch):
+@pytest.mark.parametrize("kernel_backward", [True, False])
+def test_model_forward_builds_one_packed_layout_for_all_layers(monkeypatch, kernel_backward):
     """A packed model forward with the kernel (interpreter, fp32) lays the sequences out once for every
-    layer (one host sync, not one per layer and per backward) and keeps the reference's gradients."""
+    layer (one host sync, not one per layer and per backward) and keeps the reference's gradients,
+    with the Triton backward or the reference one (which plans its padded groups once)."""
     import sys
 
     from tests.sampler.common import tiny_model
@@ -235,8 +237,9 @@ def test_model_forward_builds_one_packed_layout_for_all_layers(monkeypatch):
     monkeypatch.setattr(nn_attention.PackedLayout, "__init__", lambda *a: built.append(1) or real_init(*a))
     monkeypatch.setattr(nn_attention, "varlen_plan", lambda *a: plans.append(1) or real_plan(*a))
     monkeypatch.setattr(nn_attention, "kernel_enabled", lambda device: True)
+    monkeypatch.setattr(nn_attention, "_USE_KERNEL_BACKWARD", kernel_backward)
     got = loss_and_grads()
-    assert model.config.num_hidden_layers > 1 and len(built) == 1 and len(plans) == 1
+    assert model.config.num_hidden_layers > 1 and len(built) == 1 and len(plans) == (not kernel_backward)
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=0)
     for a, b in zip(got[1], want[1]):  # the kernel's forward sums in another order than the reference
         assert ((a - b).norm() / b.norm()).item() < 1e-4
