@@ -15,6 +15,7 @@ import pstats
 import time
 
 import torch
+import torch.nn.functional as F
 import triton
 from bench_common import report
 
@@ -57,6 +58,32 @@ def linear_step(lin, x, g):
     return run
 
 
+class _MmBackward(torch.autograd.Function):
+    """F.linear forward; a Python backward of `mms` torch.mm calls (dX, dW, then repeats of dX): what a
+    custom Function's backward costs the host beside the GEMMs it launches."""
+
+    @staticmethod
+    def forward(ctx, x, w, mms):
+        ctx.save_for_backward(x, w)
+        ctx.mms = mms
+        return F.linear(x, w)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dx = torch.mm(dy, w)
+        dw = torch.mm(dy.t(), x)
+        for _ in range(ctx.mms - 2):
+            torch.mm(dy, w)
+        return dx, dw, None
+
+
+def function_step(x, w, g, mms):
+    def run():
+        _MmBackward.apply(x, w, mms).backward(g)
+    return run
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
@@ -76,6 +103,9 @@ def main():
     pieces = {
         "linear fwd+bwd bf16": linear_step(lins["bf16"], x, g),
         "linear fwd+bwd aligned": linear_step(lins["aligned"], x, g),
+        "Function fwd+bwd, 2 mm in backward": function_step(x, lins["bf16"].weight, g, 2),
+        "Function fwd+bwd, 12 mm in backward": function_step(x, lins["bf16"].weight, g, 12),
+        "12 torch.mm": lambda: [torch.mm(g, lins["bf16"].weight) for _ in range(12)],
         "linear fwd bf16": lambda: lins["bf16"](x),
         "linear fwd aligned": lambda: lins["aligned"](x),
         "triton empty kernel": lambda: _empty_kernel[(1,)](xq),

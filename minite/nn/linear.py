@@ -92,9 +92,10 @@ class Linear(nn.Module):
             self._qweight = quantize_weight(self.weight, self.recipe.weight)
         return self._qweight
 
-    def refresh_quantized_weight(self) -> None:
-        self._qweight = None
-        if self.recipe.fp4:
+    def refresh_quantized_weight(self, qweight: QuantizedWeight | None = None) -> None:
+        """Re-quantize the weight now, or install `qweight` (made from it by `quantize_weights`)."""
+        self._qweight = qweight
+        if self.recipe.fp4 and qweight is None:
             self.quantized_weight()
 
     def set_quantized_weight(self, qw: QuantizedWeight) -> None:

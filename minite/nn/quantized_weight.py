@@ -176,16 +176,56 @@ def _quantize_at_once(w: torch.Tensor, spec: QuantSpec) -> tuple[NVFP4Tensor, to
     return q, vals
 
 
+# bytes of weights stacked for one `quantize_weights` launch (the stack is a transient copy)
+STACK_BYTES = 1 << 29
+
+
 def refresh_quantized_weights(model: torch.nn.Module) -> int:
     """Re-quantize every cached weight in `model` now (checking them all for inf/NaN with one host
-    sync); returns how many modules were refreshed."""
+    sync); returns how many modules were refreshed. 2D weights of one shape, dtype and spec are
+    quantized together (`quantize_weights`: a launch per group, not per weight; the same bits)."""
+    groups: dict[tuple, list] = {}
     n = 0
     with deferred_finite_checks():
         for m in model.modules():
-            if hasattr(m, "refresh_quantized_weight"):
+            if not hasattr(m, "refresh_quantized_weight"):
+                continue
+            n += 1
+            w, recipe = getattr(m, "weight", None), getattr(m, "recipe", None)
+            spec = getattr(recipe, "weight", None)
+            if (getattr(recipe, "fp4", False) and isinstance(w, torch.Tensor) and w.ndim == 2
+                    and _one_launch(w.detach(), spec, "auto")):
+                groups.setdefault((tuple(w.shape), w.dtype, w.device, spec), []).append(m)
+            else:
                 m.refresh_quantized_weight()
-                n += 1
+        for (_, _, _, spec), mods in groups.items():
+            per = max(1, STACK_BYTES // (mods[0].weight.numel() * mods[0].weight.element_size()))
+            for i in range(0, len(mods), per):
+                chunk = mods[i:i + per]
+                for m, qw in zip(chunk, quantize_weights([m.weight for m in chunk], spec)):
+                    m.refresh_quantized_weight(qw)
     return n
+
+
+@torch.no_grad()
+def quantize_weights(weights: list[torch.Tensor], spec: QuantSpec) -> list[QuantizedWeight]:
+    """`quantize_weight` of several 2D weights of one shape and dtype, stacked into one launch (each
+    keeps its own per-tensor scale: bitwise the separate calls); the kernels' case (`_one_launch`)."""
+    w = torch.stack([t.detach() for t in weights])  # [E, N, K]
+    if not _one_launch(w, spec, "auto"):
+        raise ValueError("quantize_weights serves the one-launch case (kernels, per-tensor RNE scaling)")
+    if not _DEFERRED:
+        nvfp4._check_finite(w)
+    q, vals = _quantize_at_once(w, spec)
+    out = []
+    for e, t in enumerate(weights):
+        qe = NVFP4Tensor(q.codes[e], q.block_scales[e], q.global_scale[e].reshape(()), q.amax[e].reshape(()),
+                         tuple(t.shape), q.block, "tensor", q.chain, False)
+        qw = QuantizedWeight(qe, vals[e], spec, weight_key(t, spec))
+        if _DEFERRED:
+            _DEFERRED[-1].append((tuple(t.shape), qw))
+        out.append(qw)
+    return out
 
 
 def _stack(qs: list[NVFP4Tensor]) -> NVFP4Tensor:

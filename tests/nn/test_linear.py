@@ -251,6 +251,40 @@ def test_refresh_brings_the_weight_scales_to_the_host_and_dgrad_keeps_its_bits()
     assert torch.equal(grads[0], grads[1])
 
 
+@pytest.mark.parametrize("stack_bytes", [1 << 29, 1])
+def test_refresh_quantizes_same_shape_weights_together_with_the_same_bits(stack_bytes, monkeypatch):
+    """refresh_quantized_weights stacks the 2D weights of one shape and spec into one quantize launch
+    (chunked by STACK_BYTES); every module gets bitwise its own `quantize_weight`, host S_dec included."""
+    from minite import kernels
+    from minite.models import Qwen3, tiny_qwen3
+    from minite.nn import quantized_weight as qwm
+
+    if not kernels.available():
+        pytest.skip("Triton is not installed")
+    model = Qwen3(tiny_qwen3(), recipe="aligned").to(torch.bfloat16)
+    model.init_weights(std=0.2, generator=torch.Generator().manual_seed(1))
+    launches = []
+    real = qwm._quantize_at_once
+    monkeypatch.setattr(qwm, "_quantize_at_once",
+                        lambda w, spec: launches.append(w.shape[0]) or real(w, spec))
+    monkeypatch.setattr(qwm, "STACK_BYTES", stack_bytes)
+    one_launch = qwm._one_launch  # the kernels' path on the CPU too (interpreter), as on CUDA
+    monkeypatch.setattr(qwm, "_one_launch", lambda w, spec, backend: one_launch(w, spec, "triton"))
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.recipe.fp4]
+    assert refresh_quantized_weights(model) >= len(linears)
+    shapes = {tuple(m.weight.shape) for m in linears}
+    assert sum(launches) == len(linears)
+    assert len(launches) == (len(shapes) if stack_bytes > 1 else len(linears))
+    for m in linears:
+        got, want = m.quantized_weight(), quantize_weight(m.weight, m.recipe.weight)
+        assert got.key == want.key and got.host_global_scale() == (want.global_scale.item(),)
+        for a, b in [(got.q.codes, want.q.codes), (got.q.block_scales.view(torch.uint8),
+                                                   want.q.block_scales.view(torch.uint8)),
+                     (got.q.global_scale, want.q.global_scale), (got.q.amax, want.q.amax),
+                     (got.unscaled, want.unscaled)]:
+            assert a.shape == b.shape and torch.equal(a, b)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_refresh_checks_all_weights_for_non_finite_values_at_once(bad, monkeypatch):
     """refresh_quantized_weights checks every weight with one host sync at the end (a non-finite
