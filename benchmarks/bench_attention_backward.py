@@ -20,9 +20,9 @@ from minite.nn.attention import varlen_attention
 
 HEADS = {"qwen3-1.7b": (16, 8), "qwen3-30b-a3b": (32, 4)}
 # (dq, dkdv) launch configurations tried beside the default: (BLOCK_M, BLOCK_N, num_warps, num_stages)
-CANDIDATES = [((64, 64, 4, 2), (64, 64, 4, 2)), ((64, 64, 4, 3), (64, 64, 4, 3)), ((128, 64, 8, 2), (64, 128, 8, 2)),
-              ((64, 32, 4, 2), (32, 64, 4, 2)), ((128, 32, 4, 2), (64, 64, 8, 2)),
-              ((64, 64, 8, 2), (64, 64, 8, 2))]
+CANDIDATES = [((64, 64, 4, 2), (64, 64, 4, 2)), ((64, 64, 4, 3), (64, 64, 4, 3)),
+              ((128, 64, 8, 2), (64, 128, 8, 2)), ((128, 32, 4, 2), (64, 64, 8, 2)),
+              ((64, 64, 8, 2), (64, 64, 8, 2)), ((64, 32, 4, 3), (32, 64, 4, 3))]
 
 
 def cfg_of(dq, dkdv) -> dict:
