@@ -47,6 +47,32 @@ def grads_scale_kernel(ctx, dy, wu, ws, saved, host_ws=None):
     return dx, torch.mm(dyx[0].t(), xu[0]).unsqueeze(0)
 
 
+class _SevenArgs(torch.autograd.Function):
+    """The NVFP4 Function's signature (x, weight, then five non-tensor arguments) around F.linear and
+    a two-mm backward: what the autograd machinery costs with our arguments."""
+
+    @staticmethod
+    def forward(ctx, x, weight, qweight, recipe, static_scale, experts, fast):
+        ctx.save_for_backward(x, weight)
+        ctx.qweight, ctx.recipe = qweight, recipe
+        return torch.nn.functional.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        return dy.matmul(w), dy.flatten(0, -2).t().mm(x.flatten(0, -2)), None, None, None, None, None
+
+
+def trivial_forward(ctx, x, weight, qweight, recipe, static_scale, experts, fast):
+    ctx.save_for_backward(x, weight)
+    return torch.nn.functional.linear(x, weight)
+
+
+def trivial_backward(ctx, dy):
+    x, w = ctx.saved_tensors
+    return dy.matmul(w), dy.flatten(0, -2).t().mm(x.flatten(0, -2)), None, None, None, None, None
+
+
 VARIANTS = {"as is": None, "two mm only": grads_bare, "two mm + mul_": grads_mul,
             "two mm + torch.mul row scale": grads_scale_torch, "two mm + scale_rows": grads_scale_kernel}
 
@@ -128,6 +154,18 @@ def main():
             rows.append(dict(variant=name, host_us=host_us(linear_step(lin, x, g))))
         finally:
             nm._grads = real
+    qw = lin.quantized_weight()
+    rows.append(dict(variant="Function with our 7 arguments, F.linear + 2 mm", host_us=host_us(
+        lambda: _SevenArgs.apply(x.reshape(1, M, K), lin.weight, qw, lin.recipe, None, None, False).backward(
+            g.reshape(1, M, N)))))
+    real_fwd, real_bwd = nm.NVFP4Matmul.forward, nm.NVFP4Matmul.backward
+    nm.NVFP4Matmul.forward = staticmethod(trivial_forward)
+    nm.NVFP4Matmul.backward = staticmethod(trivial_backward)
+    try:
+        rows.append(dict(variant="aligned Linear, Function bodies F.linear + 2 mm",
+                         host_us=host_us(linear_step(lin, x, g))))
+    finally:
+        nm.NVFP4Matmul.forward, nm.NVFP4Matmul.backward = staticmethod(real_fwd), staticmethod(real_bwd)
     x.grad = lin.weight.grad = None
     rows.append(dict(variant="as is, grads set to None before each call",
                      host_us=host_us(lambda: (setattr(x, "grad", None), setattr(lin.weight, "grad", None),

@@ -223,20 +223,38 @@ def w4a4_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: 
         return out
     if k % cfg["BK"]:
         raise ValueError(f"K={k} must be a multiple of the config's BK={cfg['BK']}")
+    if not packed:
+        return gemm_on_copy(a, a_scale.reshape(-1), w, w_scale, epilogue, out_dtype, cfg)
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
-    sa = a_scale.reshape(-1)
-    ws = w_block_scales.view(torch.uint8) if packed else w
-    tiles = cdiv(m, cfg["BM"]) * cdiv(n, cfg["BN"])
-    if cfg.get("TMA") and not packed and _tma_ok(a, w):
-        _launch_tma(a, sa, w, w_scale, out, epilogue, cfg, tiles)
-        return out
-    launch_kernel(_w4a4_kernel, (tiles,),
+    _launch_pointer(a, w, w_block_scales.view(torch.uint8), a_scale.reshape(-1), w_scale, out, epilogue, cfg)
+    return out
+
+
+def gemm_on_copy(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, epilogue: str,
+                 out_dtype, cfg: dict) -> torch.Tensor:
+    """`w4a4_gemm` on the weight's unscaled copy w [N, K] without its checks (callers that built the
+    operands: `minite.nn`): sa fp32 [M] or [1], cfg from `pick_config`."""
+    m, k = a.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if cfg.get("TMA") and _tma_ok(a, w):
+        _launch_tma(a, sa, w, w_scale, out, epilogue, cfg, cdiv(m, cfg["BM"]) * cdiv(n, cfg["BN"]))
+    else:
+        _launch_pointer(a, w, w, sa, w_scale, out, epilogue, cfg)
+    return out
+
+
+def _launch_pointer(a, w, ws, sa, w_scale, out, epilogue, cfg) -> None:
+    """The pointer-load kernel: w the unscaled copy (ws = w) or packed codes with block scales ws."""
+    m, k = a.shape
+    n = w.shape[0]
+    packed = w.dtype == torch.uint8
+    launch_kernel(_w4a4_kernel, (cdiv(m, cfg["BM"]) * cdiv(n, cfg["BN"]),),
                   (a, w, ws, sa, w_scale, out, m, n, a.stride(0), w.stride(0), ws.stride(0), out.stride(0),
                    0 if sa.numel() == 1 else 1),
                   K=k, EPILOGUE=EPILOGUES[epilogue], W_PACKED=packed,
                   DOT_F16=a.dtype == torch.float16, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
                   GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return out
 
 
 def _tma_ok(a, w) -> bool:

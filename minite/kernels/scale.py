@@ -52,6 +52,14 @@ def scale_rows(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = 
     o2 = out.view(r, c)
     if o2.stride(-1) != 1:
         raise ValueError("out needs unit stride along its last dimension")
+    scale_rows_2d(x2, s, o2)
+    return out.view(x.shape)
+
+
+def scale_rows_2d(x2: torch.Tensor, s: torch.Tensor, o2: torch.Tensor) -> torch.Tensor:
+    """`scale_rows` without its checks, for callers that hold the layout already: x2 / o2 bf16 [R, C]
+    with unit column stride, s fp32 contiguous [R] or [1]. -> o2."""
+    r, c = x2.shape
     block_c = min(next_power_of_2(max(c, 1)), MAX_BLOCK_C)
     block_r = max(1, ELEMS // block_c)
     if r and c:
@@ -59,4 +67,4 @@ def scale_rows(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = 
         launch_kernel(_scale_rows_kernel, grid,
                       (x2, s, o2, r, c, x2.stride(0), o2.stride(0), 0 if s.numel() == 1 else 1),
                       BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
-    return out.view(x.shape)
+    return o2

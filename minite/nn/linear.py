@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minite.nn.nvfp4_matmul import nvfp4_matmul, use_kernels
+from minite.nn.nvfp4_matmul import LinearMatmul, use_kernels
 from minite.nn.quantized_weight import QuantizedWeight, quantize_weight, weight_key
 from minite.recipe import Recipe, get_recipe
 
@@ -110,10 +110,10 @@ class Linear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         if not self.recipe.fp4:
             return F.linear(x, self.weight, self.bias)
-        x3 = x.reshape(1, -1, self.in_features)  # [1, M, K]
-        y = nvfp4_matmul(x3, self.weight, self.quantized_weight(), self.recipe, self._static_scale(),
-                         fast=self.fast)
-        y = y.reshape(*x.shape[:-1], self.out_features)
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"{self!r} expects in_features={self.in_features}, got x {tuple(x.shape)}")
+        y = LinearMatmul.apply(x, self.weight, self.quantized_weight(), self.recipe, self._static_scale(),
+                               self.fast)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def graph_safe(self) -> bool:

@@ -241,9 +241,10 @@ def _pad_k(a: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _weight_scale(qweight: QuantizedWeight, recipe: Recipe) -> torch.Tensor:
-    """The weight's epilogue factor, fp32 flat: [] (a Linear) or [E] (experts)."""
+    """The weight's epilogue factor, fp32 flat: [] (a Linear) or [E] (experts); made once per weight."""
     s = qweight.amax if recipe.epilogue == "alpha" else qweight.global_scale
-    return s.reshape(-1 if s.ndim else ()).float()
+    return qweight.cached(("epilogue scale", recipe.epilogue == "alpha"),
+                          lambda: s.reshape(-1 if s.ndim else ()).float())
 
 
 def _dense_kernel(x2: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe, fast: bool):
@@ -261,8 +262,10 @@ def _dense_kernel(x2: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe, fa
         out = kd.decode_gemm(a, row_factor, qweight.decode_weight(a.dtype), sw, recipe.epilogue,
                              x2.dtype, None if fast else kd.aligned_decode_config(m, k))
     else:
-        w = qweight.operand(a.dtype, kg.pick_config(config, m, n)["BK"])  # [N, Kp]
-        out = kg.w4a4_gemm(_pad_k(a, w.shape[-1]), row_factor, w, sw, None, recipe.epilogue, x2.dtype, config)
+        cfg = kg.pick_config(config, m, n)
+        w = qweight.operand(a.dtype, cfg["BK"])  # [N, Kp]
+        ap = _pad_k(a, w.shape[-1])
+        out = kg.gemm_on_copy(ap, row_factor.reshape(-1), w, sw, recipe.epilogue, x2.dtype, cfg)
     return out, a, sdec
 
 
@@ -321,10 +324,16 @@ class NVFP4Matmul(torch.autograd.Function):
         ctx.mode, ctx.experts, ctx.weight_meta = recipe.backward, experts, (weight.shape, weight.dtype)
         ctx.qweight, ctx.x_dtype, ctx.backend = qweight, x.dtype, quantize_backend(recipe)
         ctx.save_for_backward(*((xu, xs) if recipe.backward == "dequantized" else (x,)))
+        host_ws = qweight.host_global_scale()
+        ctx.dense_bf16 = (qweight.unscaled, host_ws[0]) if (
+            recipe.backward == "dequantized" and host_ws is not None and qweight.unscaled.ndim == 2
+            and x.dtype == weight.dtype == xu.dtype == torch.bfloat16) else None
         return out
 
     @staticmethod
     def backward(ctx, dy):
+        if ctx.dense_bf16 is not None and dy.dtype == torch.bfloat16:
+            return (*_dense_bf16_grads(ctx, dy), None, None, None, None, None)
         wu, ws, _ = ctx.qweight.batched()
         if ctx.experts is not None:
             wu, ws = wu[ctx.experts], ws[ctx.experts]
@@ -396,6 +405,46 @@ def _grouped_mm_grads(ctx, dy, offsets, row_experts, a, sdec):
     if ctx.needs_input_grad[1]:
         dyx = _scale_bf16(dy, sdec)  # [R, N], the fp32 product rounded to bf16
         dw = torch._grouped_mm(dyx.t(), a.to(dy.dtype), offs=offs).to(ctx.w_dtype)  # [E, N, K]
+    return dx, dw
+
+
+class LinearMatmul(NVFP4Matmul):
+    """`NVFP4Matmul` for a Linear: x [..., K] as one batch entry -> [..., N]. The reshapes happen
+    inside, so autograd records no view nodes around the GEMM (host time on every call)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, qweight: QuantizedWeight, recipe: Recipe, static_scale, fast):
+        ctx.x_shape = x.shape
+        out = NVFP4Matmul.forward(ctx, x.reshape(1, -1, x.shape[-1]), weight, qweight, recipe, static_scale,
+                                  None, fast)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        dx, dw, *_ = NVFP4Matmul.backward(ctx, dy.reshape(1, -1, dy.shape[-1]))
+        return None if dx is None else dx.reshape(ctx.x_shape), dw, None, None, None, None
+
+
+def _dense_bf16_grads(ctx, dy: torch.Tensor):
+    """`_grads`' bf16 'dequantized' case for one 2D weight whose S_dec the host knows, with the same
+    ops (the same bits) and less host work: 2D GEMMs, the dW row scale launched without re-checks.
+    dy [1, M, N] -> (dX [1, M, K] or None, dW [N, K] or None)."""
+    xu, xs = ctx.saved_tensors  # [1, M, K] bf16, [1, M | 1, 1] fp32
+    wu, s = ctx.dense_bf16  # [N, K] bf16, S_dec_w as a float
+    m, k = xu.shape[1:]
+    dy2 = dy.view(m, -1) if dy.is_contiguous() else dy.reshape(m, -1)
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        dx = torch.mm(dy2, wu).mul_(s).view(1, m, k)
+    if ctx.needs_input_grad[1]:
+        dyx = torch.empty_like(dy2, memory_format=torch.contiguous_format)
+        if dy2.is_cuda and dy2.is_contiguous():
+            from minite.kernels.scale import scale_rows_2d
+
+            scale_rows_2d(dy2, xs.reshape(-1), dyx)
+        else:
+            torch.mul(dy2, xs.reshape(-1, 1), out=dyx)
+        dw = torch.mm(dyx.t(), xu.view(m, k))
     return dx, dw
 
 

@@ -58,6 +58,12 @@ class QuantizedWeight:
         otherwise (reading them now would synchronize)."""
         return self._operands.get("host_global_scale")
 
+    def cached(self, key, make):
+        """`make()` computed once per quantized weight (i.e. once per update) under `key`."""
+        if key not in self._operands:
+            self._operands[key] = make()
+        return self._operands[key]
+
     def operand(self, dtype: torch.dtype, k_multiple: int = 1) -> torch.Tensor:
         """The unscaled copy as a GEMM kernel operand: [..., N, Kp] in dtype (exact in bf16 and fp16),
         K zero-padded to a multiple of k_multiple, contiguous; made once and cached."""

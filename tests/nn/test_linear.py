@@ -231,12 +231,13 @@ def test_bf16_dequantized_backward_runs_bf16_gemms_close_to_straight_through(rec
     assert _rel(lin.weight.grad.float(), wd.grad) <= 5e-3
 
 
-def test_refresh_brings_the_weight_scales_to_the_host_and_dgrad_keeps_its_bits():
+@pytest.mark.parametrize("recipe", ["aligned", "te"])
+def test_refresh_brings_the_weight_scales_to_the_host_and_dgrad_keeps_its_bits(recipe):
     """After refresh_quantized_weights every weight knows its S_dec as host floats (fetched with the
-    refresh's one sync); the bf16 backward then scales dX by that Python float instead of the fp32
-    tensor: the same bits (one fp32 product, one bf16 rounding)."""
+    refresh's one sync); the bf16 backward then takes its lean path (`_dense_bf16_grads`: dX scaled
+    by that Python float instead of the fp32 tensor, 2D GEMMs): the same bits for dX and dW."""
     torch.manual_seed(3)
-    lin = Linear(64, 48, recipe="aligned").to(torch.bfloat16)
+    lin = Linear(64, 48, recipe=recipe).to(torch.bfloat16)
     x = torch.randn(2, 40, 64, dtype=torch.bfloat16)
     g = torch.randn(2, 40, 48, dtype=torch.bfloat16)
     grads = []
@@ -245,10 +246,11 @@ def test_refresh_brings_the_weight_scales_to_the_host_and_dgrad_keeps_its_bits()
         qw = lin.quantized_weight()
         assert (qw.host_global_scale() is not None) == refresh
         xr = x.clone().requires_grad_()
+        lin.weight.grad = None
         lin(xr).backward(g)
-        grads.append(xr.grad)
+        grads.append((xr.grad, lin.weight.grad))
     assert qw.host_global_scale() == (qw.global_scale.item(),)
-    assert torch.equal(grads[0], grads[1])
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
 @pytest.mark.parametrize("stack_bytes", [1 << 29, 1])
