@@ -115,17 +115,21 @@ def deferred_finite_checks():
     finally:
         _DEFERRED.pop()
     if pending:
-        # the same sync also brings every S_dec to the host (`QuantizedWeight.host_global_scale`)
-        ok = torch.stack([torch.isfinite(qw.amax).all() for _, qw in pending]).float()
-        host = torch.cat([ok, *(qw.global_scale.reshape(-1).float() for _, qw in pending)]).tolist()
-        bad = [shape for (shape, _), fine in zip(pending, host) if not fine]
+        # the same sync also brings every S_dec to the host (`QuantizedWeight.host_global_scale`): one
+        # entry per tensor (or expert) each, finiteness flags first, in a few launches for all weights
+        amax = torch.cat([qw.amax.reshape(-1).float() for _, qw in pending])
+        total = amax.numel()
+        host = torch.cat([torch.isfinite(amax).float(),
+                          *(qw.global_scale.reshape(-1).float() for _, qw in pending)]).tolist()
+        bad, at = [], 0
+        for shape, qw in pending:
+            n = qw.global_scale.numel()
+            if not all(host[at:at + n]):
+                bad.append(shape)
+            qw._operands["host_global_scale"] = tuple(host[total + at:total + at + n])
+            at += n
         if bad:
             raise ValueError(f"{len(bad)} weight(s) hold inf or NaN (shapes {bad[:4]}); not quantizable")
-        i = len(pending)
-        for _, qw in pending:
-            n = qw.global_scale.numel()
-            qw._operands["host_global_scale"] = tuple(host[i:i + n])
-            i += n
 
 
 @torch.no_grad()
