@@ -64,6 +64,15 @@ step() {
   echo "rc=$?" >> "$OUT/extra/step.txt"
   tail -n 40 "$OUT/extra/step.txt" | tee -a "$log"
 }
+# learner_ab PREFIX FLAG A B: the dense learner with --FLAG A, B, A, B (alternating, one process each)
+learner_ab() {
+  local prefix=$1 flag=$2 n=0 path
+  for path in "$3" "$4" "$3" "$4"; do
+    step 75 python3 benchmarks/bench_learner.py --models dense --steps 5 "--$flag" "$path" \
+      --out "$OUT/extra/learner_dense_$prefix$path.json"
+    cp "$OUT/extra/learner_dense_$prefix$path.json" "$OUT/extra/learner_dense_$prefix${path}_$((++n)).json"
+  done
+}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv | tee "$log"
 for part in "$@"; do
   case $part in
@@ -126,24 +135,9 @@ for part in "$@"; do
         --out "$OUT/learner_aligned_small_tile.json" ;;
     norm)
       step 90 python3 benchmarks/bench_norm.py --out "$OUT/kernels_norm.json" ;;
-    learner_norm)
-      for path in quantizing element quantizing element; do
-        step 75 python3 benchmarks/bench_learner.py --models dense --norm-path $path \
-          --out "$OUT/extra/learner_dense_$path.json"
-        cp "$OUT/extra/learner_dense_$path.json" "$OUT/extra/learner_dense_${path}_$((++n_norm)).json"
-      done ;;
-    learner_launch)
-      for path in direct triton direct triton; do
-        step 75 python3 benchmarks/bench_learner.py --models dense --steps 5 --launch-path $path \
-          --out "$OUT/extra/learner_dense_$path.json"
-        cp "$OUT/extra/learner_dense_$path.json" "$OUT/extra/learner_dense_${path}_$((++n_launch)).json"
-      done ;;
-    learner_attn)
-      for path in kernel reference kernel reference; do
-        step 75 python3 benchmarks/bench_learner.py --models dense --steps 5 --attention-backward $path \
-          --out "$OUT/extra/learner_dense_attn_$path.json"
-        cp "$OUT/extra/learner_dense_attn_$path.json" "$OUT/extra/learner_dense_attn_${path}_$((++n_attn)).json"
-      done ;;
+    learner_norm) learner_ab "" norm-path quantizing element ;;
+    learner_launch) learner_ab "" launch-path direct triton ;;
+    learner_attn) learner_ab attn_ attention-backward kernel reference ;;
     attention_backward)
       step 150 python3 benchmarks/bench_attention_backward.py --out "$OUT/kernels_attention_backward.json" ;;
     learner_dense)

@@ -60,6 +60,20 @@ def _load_rows(ptr, offs, valid, D: tl.constexpr):
 
 
 @triton.jit
+def _query_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, pos_ptr, rows, heads, valid, stride_qn, stride_qh,
+                stride_don, stride_doh, stride_ln, D: tl.constexpr, DOT_F32: tl.constexpr):
+    """(q, dO [R, D], lse, delta, position [R]) of (query row, head) pairs (zeros where not valid)."""
+    q = _load_rows(q_ptr, rows * stride_qn + heads * stride_qh, valid, D)
+    do = _load_rows(do_ptr, rows * stride_don + heads * stride_doh, valid, D)
+    if DOT_F32:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse = tl.load(lse_ptr + rows * stride_ln + heads, mask=valid, other=0.0)
+    delta = tl.load(delta_ptr + rows * stride_ln + heads, mask=valid, other=0.0)
+    return q, do, lse, delta, tl.load(pos_ptr + rows, mask=valid, other=-1)
+
+
+@triton.jit
 def _dq_chunk(q, do, lse, delta, qpos, dq, j0, kv_end, kv_base, kvh, k_ptr, v_ptr, qk_scale, stride_kn,
               stride_kh, stride_vn, stride_vh, D: tl.constexpr, DOT_F32: tl.constexpr,
               PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -88,14 +102,9 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, tiles_pt
     kvh = tl.program_id(1)
     seq, valid, rows, heads, any_rows = _rows_of(tiles_ptr, tl.program_id(0), kvh, G, BLOCK_M)
     if any_rows:
-        q = _load_rows(q_ptr, rows * stride_qn + heads * stride_qh, valid, D)
-        do = _load_rows(do_ptr, rows * stride_don + heads * stride_doh, valid, D)
-        if DOT_F32:
-            q = q.to(tl.float32)
-            do = do.to(tl.float32)
-        lse = tl.load(lse_ptr + rows * stride_ln + heads, mask=valid, other=0.0)
-        delta = tl.load(delta_ptr + rows * stride_ln + heads, mask=valid, other=0.0)
-        qpos = tl.load(pos_ptr + rows, mask=valid, other=-1)
+        q, do, lse, delta, qpos = _query_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, pos_ptr, rows, heads, valid,
+                                              stride_qn, stride_qh, stride_don, stride_doh, stride_ln, D,
+                                              DOT_F32)
         kv_end = tl.max(qpos + 1, axis=0).to(tl.int32)
         kv_base = tl.load(start_ptr + seq).to(tl.int64)
         dq = tl.zeros([BLOCK_M, D], tl.float32)
@@ -123,15 +132,9 @@ def _dkdv_chunk(k, v, kpos, kvalid, dk, dv, q0, q_end, kvh, q_ptr, do_ptr, lse_p
     qrows = q0 + r // G
     qvalid = (r // G < BLOCK_M // G) & (qrows < q_end)  # BLOCK_M % G rows left over: padding
     qrows = tl.where(qvalid, qrows, 0).to(tl.int64)
-    heads = kvh * G + r % G
-    q = _load_rows(q_ptr, qrows * stride_qn + heads * stride_qh, qvalid, D)  # [BLOCK_M, D]
-    do = _load_rows(do_ptr, qrows * stride_don + heads * stride_doh, qvalid, D)
-    if DOT_F32:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
-    lse = tl.load(lse_ptr + qrows * stride_ln + heads, mask=qvalid, other=0.0)
-    delta = tl.load(delta_ptr + qrows * stride_ln + heads, mask=qvalid, other=0.0)
-    qpos = tl.load(pos_ptr + qrows, mask=qvalid, other=-1)
+    q, do, lse, delta, qpos = _query_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, pos_ptr, qrows,
+                                          kvh * G + r % G, qvalid, stride_qn, stride_qh, stride_don,
+                                          stride_doh, stride_ln, D, DOT_F32)
     s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
     visible = (kpos[:, None] <= qpos[None, :]) & kvalid[:, None] & qvalid[None, :]
     p_t = tl.where(visible, tl.exp2(s_t - lse[None, :]), 0.0)
