@@ -4,6 +4,9 @@ pieces taken away one at a time (`_grads` replaced), host microseconds per forwa
 Session 13: a 1024 x 1024 aligned linear on 256 rows took ~810 us of host per forward + backward
 against ~180 for bf16, and a custom Function whose Python backward runs the same two torch.mm ~170:
 the NVFP4 backward's own pieces (two mm, a mul_, the dW row scale) add up to ~200 us, not ~575.
+Since dd347cc a Linear whose S_dec is on the host takes the lean backward (`_dense_bf16_grads`); the
+`_grads` variants run the general one (S_dec hidden from the host). Runs before dd347cc (s13 run3)
+time the general one in every row; run5's variant rows timed the lean one whatever `_grads` was.
 
     python benchmarks/probe_backward_host.py --out OUT.json
 """
@@ -19,6 +22,7 @@ from probe_linear_host import K, M, N, host_us, linear_step
 from minite.nn import nvfp4_matmul as nm
 from minite.nn import refresh_quantized_weights
 from minite.nn.linear import Linear
+from minite.nn.quantized_weight import QuantizedWeight
 from minite.recipe import get_recipe
 
 
@@ -87,7 +91,6 @@ def timed_sections(lin, x, g, calls: int = 300) -> dict:
     from minite.kernels import nvfp4 as kq
     from minite.kernels import nvfp4_pairs
     from minite.kernels import scale as ks
-    from minite.nn.quantized_weight import QuantizedWeight
 
     totals: dict = {}
 
@@ -147,13 +150,23 @@ def main():
     bf16 = Linear(K, N, recipe="bf16", dtype=torch.bfloat16, device=dev)
     refresh_quantized_weights(lin)
     real = nm._grads
-    rows = [dict(variant="bf16 linear", host_us=host_us(linear_step(bf16, x, g)))]
-    for name, fn in VARIANTS.items():
-        nm._grads = fn or real
-        try:
-            rows.append(dict(variant=name, host_us=host_us(linear_step(lin, x, g))))
-        finally:
-            nm._grads = real
+    rows = [dict(variant="bf16 linear", host_us=host_us(linear_step(bf16, x, g))),
+            dict(variant="as is (the lean backward, `_dense_bf16_grads`)",
+                 host_us=host_us(linear_step(lin, x, g)))]
+    # the variants replace `_grads`, the general backward: with S_dec not on the host, which a Linear
+    # takes since dd347cc only when the lean one does not apply
+    lean_off = QuantizedWeight.host_global_scale
+    QuantizedWeight.host_global_scale = lambda self: None
+    try:
+        for name, fn in VARIANTS.items():
+            nm._grads = fn or real
+            try:
+                us = host_us(linear_step(lin, x, g))
+                rows.append(dict(variant=f"general backward, {name}", host_us=us))
+            finally:
+                nm._grads = real
+    finally:
+        QuantizedWeight.host_global_scale = lean_off
     qw = lin.quantized_weight()
     rows.append(dict(variant="Function with our 7 arguments, F.linear + 2 mm", host_us=host_us(
         lambda: _SevenArgs.apply(x.reshape(1, M, K), lin.weight, qw, lin.recipe, None, None, False).backward(
