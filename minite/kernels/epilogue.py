@@ -34,3 +34,29 @@ def store_tile(acc, sa_ptr, sw, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_
     out = epilogue(acc, sa, sw, EPILOGUE)
     tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def store_segments(acc, sa_ptr, sw0, sw1, sw2, out_ptr, offs_m, offs_n, M, N, N1, N2, stride_sa,
+                   EPILOGUE: tl.constexpr):
+    """`store_tile` for the GEMM of several weights concatenated along N (`gemm.gemm_segments`):
+    columns [0, N1), [N1, N2), [N2, N) belong to weights 0, 1, 2, each with its own scalar scale, and
+    each stored to its own contiguous [M, width] block of out (one after the other). Every element
+    gets the fp32 operations `epilogue` gives it in its own weight's GEMM: the same bits."""
+    mask_m = offs_m < M
+    sa = tl.load(sa_ptr + offs_m * stride_sa, mask=mask_m, other=1.0)
+    sw = tl.where(offs_n < N1, sw0, tl.where(offs_n < N2, sw1, sw2))  # [BN]
+    if EPILOGUE == 1:
+        scale = (sa[:, None] * sw[None, :]) * 1.3840171485260771e-07
+    else:
+        scale = sa[:, None] * sw[None, :]
+    if EPILOGUE == 2:
+        out = round_bf16(round_bf16(acc) * round_bf16(scale))
+    else:
+        out = acc * scale
+    m = offs_m.to(tl.int64)[:, None]
+    n = offs_n[None, :]
+    rows = m * 0 + M  # int64 (M itself may be a 32-bit scalar)
+    off = tl.where(n < N1, m * N1 + n,
+                   tl.where(n < N2, rows * N1 + m * (N2 - N1) + (n - N1), rows * N2 + m * (N - N2) + (n - N2)))
+    tl.store(out_ptr + off, out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n < N)[None, :])

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from minite.kernels import decode_gemm
-from minite.kernels.epilogue import EPILOGUES, store_tile
+from minite.kernels.epilogue import EPILOGUES, store_segments, store_tile
 from minite.kernels.launch import cdiv
 from minite.kernels.launch import launch as launch_kernel
 
@@ -123,10 +123,10 @@ def _tile_mn(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constex
 
 
 @triton.jit
-def _tma_tile(a_desc, w_desc, sa_ptr, sw, out_ptr, tile, M, N, stride_om, stride_sa, K: tl.constexpr,
+def _tma_tile(a_desc, w_desc, sa_ptr, sw, out_ptr, tile, M, N, stride_om, stride_sa, N1, N2, K: tl.constexpr,
               EPILOGUE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              GROUP_M: tl.constexpr):
-    """One output tile of the TMA kernel, stored."""
+              GROUP_M: tl.constexpr, SEGMENTED: tl.constexpr):
+    """One output tile of the TMA kernel, stored (sw: the scalar scale, or SEGMENTED three of them)."""
     pid_m, pid_n = _tile_mn(tile, M, N, BM, BN, GROUP_M)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
@@ -135,37 +135,57 @@ def _tma_tile(a_desc, w_desc, sa_ptr, sw, out_ptr, tile, M, N, stride_om, stride
         acc = tl.dot(a, w.T, acc)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
-    store_tile(acc, sa_ptr, sw, out_ptr, offs_m, offs_n, offs_m < M, offs_n < N, stride_om, stride_sa,
-               EPILOGUE)
+    _store(acc, sa_ptr, sw, out_ptr, offs_m, offs_n, M, N, N1, N2, stride_om, stride_sa, EPILOGUE, SEGMENTED)
+
+
+@triton.jit
+def _store(acc, sa_ptr, sw, out_ptr, offs_m, offs_n, M, N, N1, N2, stride_om, stride_sa, EPILOGUE: tl.constexpr,
+           SEGMENTED: tl.constexpr):
+    if SEGMENTED:
+        store_segments(acc, sa_ptr, sw[0], sw[1], sw[2], out_ptr, offs_m, offs_n, M, N, N1, N2, stride_sa,
+                       EPILOGUE)
+    else:
+        store_tile(acc, sa_ptr, sw, out_ptr, offs_m, offs_n, offs_m < M, offs_n < N, stride_om, stride_sa,
+                   EPILOGUE)
+
+
+@triton.jit
+def _load_sw(sw_ptr, SEGMENTED: tl.constexpr):
+    """The weight scale: a scalar, or (SEGMENTED) the three weights' scalars as a tuple."""
+    if SEGMENTED:
+        return tl.load(sw_ptr), tl.load(sw_ptr + 1), tl.load(sw_ptr + 2)
+    return tl.load(sw_ptr)
 
 
 @triton.jit
 def _w4a4_tma_kernel(a_ptr, w_ptr, sa_ptr, sw_ptr, out_ptr, M, N, stride_am, stride_wn, stride_om, stride_sa,
-                     programs, K: tl.constexpr, EPILOGUE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr,
-                     FLATTEN: tl.constexpr):
+                     programs, N1, N2, K: tl.constexpr, EPILOGUE: tl.constexpr, BM: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr,
+                     FLATTEN: tl.constexpr, SEGMENTED: tl.constexpr):
     """`_w4a4_kernel` on the bf16 weight copy with the operands brought in by TMA: one output tile per
     program, or (PERSISTENT) tiles `programs` apart. The same K order: BK chunks in sequence, each a
     chain of k16 MMAs. The tensor descriptors are made here on the device (host-made ones cost 30-50 us
-    more host time a launch than pointer loads, s7 run2)."""
+    more host time a launch than pointer loads, s7 run2). SEGMENTED: w is several weights concatenated
+    along N (`gemm_segments`), with their own scales and outputs (`epilogue.store_segments`)."""
     a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BM, BK])
     w_desc = tl.make_tensor_descriptor(w_ptr, [N, K], [stride_wn, 1], [BN, BK])
-    sw = tl.load(sw_ptr)
+    sw = _load_sw(sw_ptr, SEGMENTED)
     if PERSISTENT:  # GPU only: the interpreter cannot take a run-time range() bound
         tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
         for tile in tl.range(tl.program_id(0), tiles, programs, flatten=FLATTEN):
-            _tma_tile(a_desc, w_desc, sa_ptr, sw, out_ptr, tile, M, N, stride_om, stride_sa, K, EPILOGUE,
-                      BM, BN, BK, GROUP_M)
+            _tma_tile(a_desc, w_desc, sa_ptr, sw, out_ptr, tile, M, N, stride_om, stride_sa, N1, N2, K,
+                      EPILOGUE, BM, BN, BK, GROUP_M, SEGMENTED)
     else:
-        _tma_tile(a_desc, w_desc, sa_ptr, sw, out_ptr, tl.program_id(0), M, N, stride_om, stride_sa, K,
-                  EPILOGUE, BM, BN, BK, GROUP_M)
+        _tma_tile(a_desc, w_desc, sa_ptr, sw, out_ptr, tl.program_id(0), M, N, stride_om, stride_sa, N1, N2, K,
+                  EPILOGUE, BM, BN, BK, GROUP_M, SEGMENTED)
 
 
 @triton.jit
 def _w4a4_kernel(a_ptr, w_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, M, N,
-                 stride_am, stride_wn, stride_wsn, stride_om, stride_sa,
+                 stride_am, stride_wn, stride_wsn, stride_om, stride_sa, N1, N2,
                  K: tl.constexpr, EPILOGUE: tl.constexpr, W_PACKED: tl.constexpr, DOT_F16: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                 SEGMENTED: tl.constexpr):
     pid_m, pid_n = _tile_mn(tl.program_id(0), M, N, BM, BN, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -174,8 +194,8 @@ def _w4a4_kernel(a_ptr, w_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, M, N,
     a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
     acc = tile_acc(a_rows, w_ptr, ws_ptr, offs_n, mask_m, mask_n, stride_wn, stride_wsn, K, W_PACKED, DOT_F16,
                    BM, BN, BK)
-    store_tile(acc, sa_ptr, tl.load(sw_ptr), out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, stride_sa,
-               EPILOGUE)
+    _store(acc, sa_ptr, _load_sw(sw_ptr, SEGMENTED), out_ptr, offs_m, offs_n, M, N, N1, N2, stride_om, stride_sa,
+           EPILOGUE, SEGMENTED)
 
 
 def pick_config(config, m: int, n: int, k: int | None = None, packed: bool = False) -> dict:
@@ -244,17 +264,45 @@ def gemm_on_copy(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, w_scale: to
     return out
 
 
-def _launch_pointer(a, w, ws, sa, w_scale, out, epilogue, cfg) -> None:
-    """The pointer-load kernel: w the unscaled copy (ws = w) or packed codes with block scales ws."""
+def gemm_segments(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, w_scales: torch.Tensor,
+                  widths: tuple[int, ...], epilogue: str, out_dtype, cfg: dict) -> list[torch.Tensor]:
+    """`gemm_on_copy` of a against 2 or 3 weights at once: w [N, K] their unscaled copies concatenated
+    along N (`widths` rows each), w_scales fp32 [3] their scales (the last repeated for 2 weights).
+    Returns each weight's output [M, width], contiguous (views of one buffer), bitwise what
+    `gemm_on_copy` gives for that weight alone (the same K order per element, the same epilogue
+    operations): one launch instead of one per weight, for the projections that read the same input."""
+    m = a.shape[0]
+    n = w.shape[0]
+    if len(widths) not in (2, 3) or sum(widths) != n or min(widths) <= 0 or w_scales.numel() != 3:
+        raise ValueError(f"gemm_segments takes 2 or 3 positive widths summing to N={n} and 3 scales; got "
+                         f"{tuple(widths)} and {w_scales.numel()} scales")
+    bounds = (widths[0], n if len(widths) == 2 else widths[0] + widths[1])
+    buf = torch.empty(m * n, dtype=out_dtype, device=a.device)
+    if cfg.get("TMA") and _tma_ok(a, w):
+        _launch_tma(a, sa, w, w_scales, buf, epilogue, cfg, cdiv(m, cfg["BM"]) * cdiv(n, cfg["BN"]), bounds)
+    else:
+        _launch_pointer(a, w, w, sa, w_scales, buf, epilogue, cfg, bounds)
+    outs, start = [], 0
+    for width in widths:
+        outs.append(buf[m * start:m * (start + width)].view(m, width))
+        start += width
+    return outs
+
+
+def _launch_pointer(a, w, ws, sa, w_scale, out, epilogue, cfg, bounds=None) -> None:
+    """The pointer-load kernel: w the unscaled copy (ws = w) or packed codes with block scales ws;
+    `bounds` (N1, N2): w is weights concatenated along N (`gemm_segments`), out their flat outputs."""
     m, k = a.shape
     n = w.shape[0]
     packed = w.dtype == torch.uint8
+    n1, n2 = bounds or (0, 0)
     launch_kernel(_w4a4_kernel, (cdiv(m, cfg["BM"]) * cdiv(n, cfg["BN"]),),
                   (a, w, ws, sa, w_scale, out, m, n, a.stride(0), w.stride(0), ws.stride(0), out.stride(0),
-                   0 if sa.numel() == 1 else 1),
+                   0 if sa.numel() == 1 else 1, n1, n2),
                   K=k, EPILOGUE=EPILOGUES[epilogue], W_PACKED=packed,
                   DOT_F16=a.dtype == torch.float16, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
-                  GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  GROUP_M=cfg["GROUP_M"], SEGMENTED=bounds is not None, num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])
 
 
 def _tma_ok(a, w) -> bool:
@@ -262,19 +310,21 @@ def _tma_ok(a, w) -> bool:
     return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (a, w))
 
 
-def _launch_tma(a, sa, w, w_scale, out, epilogue, cfg, tiles):
-    """The TMA kernel: PERSIST programs per SM (0: one program per tile)."""
+def _launch_tma(a, sa, w, w_scale, out, epilogue, cfg, tiles, bounds=None):
+    """The TMA kernel: PERSIST programs per SM (0: one program per tile); `bounds` as for
+    `_launch_pointer`."""
     _set_tma_allocator()
     m, k = a.shape
     programs = tiles
     if cfg.get("PERSIST"):
         programs = min(tiles, cfg["PERSIST"] * _sm_count(a.device.index if a.is_cuda else None))
+    n1, n2 = bounds or (0, 0)
     launch_kernel(_w4a4_tma_kernel, (programs,),
                   (a, w, sa, w_scale, out, m, w.shape[0], a.stride(0), w.stride(0), out.stride(0),
-                   0 if sa.numel() == 1 else 1, programs),
+                   0 if sa.numel() == 1 else 1, programs, n1, n2),
                   K=k, EPILOGUE=EPILOGUES[epilogue], BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
                   GROUP_M=cfg["GROUP_M"], PERSISTENT=programs < tiles, FLATTEN=flatten(cfg, out),
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  SEGMENTED=bounds is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def flatten(cfg: dict, out: torch.Tensor) -> bool:
