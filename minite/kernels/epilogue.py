@@ -57,6 +57,6 @@ def store_segments(acc, sa_ptr, sw0, sw1, sw2, out_ptr, offs_m, offs_n, M, N, N1
     m = offs_m.to(tl.int64)[:, None]
     n = offs_n[None, :]
     rows = m * 0 + M  # int64 (M itself may be a 32-bit scalar)
-    off = tl.where(n < N1, m * N1 + n,
-                   tl.where(n < N2, rows * N1 + m * (N2 - N1) + (n - N1), rows * N2 + m * (N - N2) + (n - N2)))
+    later = tl.where(n < N2, rows * N1 + m * (N2 - N1) + (n - N1), rows * N2 + m * (N - N2) + (n - N2))
+    off = tl.where(n < N1, m * N1 + n, later)
     tl.store(out_ptr + off, out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n < N)[None, :])

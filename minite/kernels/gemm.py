@@ -139,8 +139,8 @@ def _tma_tile(a_desc, w_desc, sa_ptr, sw, out_ptr, tile, M, N, stride_om, stride
 
 
 @triton.jit
-def _store(acc, sa_ptr, sw, out_ptr, offs_m, offs_n, M, N, N1, N2, stride_om, stride_sa, EPILOGUE: tl.constexpr,
-           SEGMENTED: tl.constexpr):
+def _store(acc, sa_ptr, sw, out_ptr, offs_m, offs_n, M, N, N1, N2, stride_om, stride_sa,
+           EPILOGUE: tl.constexpr, SEGMENTED: tl.constexpr):
     if SEGMENTED:
         store_segments(acc, sa_ptr, sw[0], sw[1], sw[2], out_ptr, offs_m, offs_n, M, N, N1, N2, stride_sa,
                        EPILOGUE)
@@ -176,8 +176,8 @@ def _w4a4_tma_kernel(a_ptr, w_ptr, sa_ptr, sw_ptr, out_ptr, M, N, stride_am, str
             _tma_tile(a_desc, w_desc, sa_ptr, sw, out_ptr, tile, M, N, stride_om, stride_sa, N1, N2, K,
                       EPILOGUE, BM, BN, BK, GROUP_M, SEGMENTED)
     else:
-        _tma_tile(a_desc, w_desc, sa_ptr, sw, out_ptr, tl.program_id(0), M, N, stride_om, stride_sa, N1, N2, K,
-                  EPILOGUE, BM, BN, BK, GROUP_M, SEGMENTED)
+        _tma_tile(a_desc, w_desc, sa_ptr, sw, out_ptr, tl.program_id(0), M, N, stride_om, stride_sa, N1, N2,
+                  K, EPILOGUE, BM, BN, BK, GROUP_M, SEGMENTED)
 
 
 @triton.jit
@@ -194,8 +194,8 @@ def _w4a4_kernel(a_ptr, w_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, M, N,
     a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
     acc = tile_acc(a_rows, w_ptr, ws_ptr, offs_n, mask_m, mask_n, stride_wn, stride_wsn, K, W_PACKED, DOT_F16,
                    BM, BN, BK)
-    _store(acc, sa_ptr, _load_sw(sw_ptr, SEGMENTED), out_ptr, offs_m, offs_n, M, N, N1, N2, stride_om, stride_sa,
-           EPILOGUE, SEGMENTED)
+    _store(acc, sa_ptr, _load_sw(sw_ptr, SEGMENTED), out_ptr, offs_m, offs_n, M, N, N1, N2, stride_om,
+           stride_sa, EPILOGUE, SEGMENTED)
 
 
 def pick_config(config, m: int, n: int, k: int | None = None, packed: bool = False) -> dict:

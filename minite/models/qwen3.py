@@ -21,6 +21,7 @@ from torch import nn
 from minite.models.config import ModelConfig
 from minite.nn.attention import Attention
 from minite.nn.forward_scope import forward_scope
+from minite.nn.fused_projections import project
 from minite.nn.linear import Linear
 from minite.nn.moe import MoEExperts
 from minite.nn.norm import RMSNorm
@@ -38,7 +39,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, recipe=recipe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.down_proj.recipe))
+        gate, up = project(x, (self.gate_proj, self.up_proj), self)
+        return self.down_proj(swiglu(gate, up, self.down_proj.recipe))
 
 
 class DecoderLayer(nn.Module):

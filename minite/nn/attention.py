@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from minite.nn.forward_scope import scope_memo
+from minite.nn.fused_projections import project
 from minite.nn.linear import Linear
 from minite.nn.norm import RMSNorm
 from minite.nn.rope import apply_rope, rope_cos_sin
@@ -200,9 +201,10 @@ class Attention(nn.Module):
         """x `[..., T, H]`, positions `[..., T]` -> q `[..., T, Hq, D]`, k and v `[..., T, Hkv, D]`;
         q and k are normed per head and rotated."""
         lead = x.shape[:-1]
-        q = self.q_norm(self.q_proj(x).view(*lead, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), self)
+        q = self.q_norm(q.view(*lead, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(*lead, self.num_kv_heads, self.head_dim))
+        v = v.view(*lead, self.num_kv_heads, self.head_dim)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 

@@ -19,7 +19,7 @@ the version counter: after those call `refresh_quantized_weights(model)`.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +63,18 @@ class QuantizedWeight:
         if key not in self._operands:
             self._operands[key] = make()
         return self._operands[key]
+
+    def with_unscaled(self, unscaled: torch.Tensor) -> QuantizedWeight:
+        """This weight with `unscaled` (the same values stored elsewhere: a view into a fused group's
+        concatenated copy, `minite.nn.fused_projections`) as its copy; what was cached from the old
+        copy is dropped, the rest (host S_dec, epilogue scale, decode layout) kept."""
+        if unscaled.shape != self.unscaled.shape or unscaled.dtype != self.unscaled.dtype:
+            raise ValueError(f"with_unscaled needs {tuple(self.unscaled.shape)} {self.unscaled.dtype}, got "
+                             f"{tuple(unscaled.shape)} {unscaled.dtype}")
+        new = replace(self, unscaled=unscaled)
+        new._operands.update({k: v for k, v in self._operands.items()
+                              if not (isinstance(k, tuple) and isinstance(k[0], torch.dtype))})
+        return new
 
     def operand(self, dtype: torch.dtype, k_multiple: int = 1) -> torch.Tensor:
         """The unscaled copy as a GEMM kernel operand: [..., N, Kp] in dtype (exact in bf16 and fp16),

@@ -47,7 +47,8 @@ def test_each_segment_has_its_own_gemms_bits(widths, epilogue):
             assert [tuple(o.shape) for o in outs] == [(m, n) for n in widths]
             for o, c, s in zip(outs, copies, sw):
                 assert o.is_contiguous()
-                assert torch.equal(o, kg.gemm_on_copy(a, sa, c, s, epilogue, out_dtype, cfg)), (cfg, out_dtype)
+                alone = kg.gemm_on_copy(a, sa, c, s, epilogue, out_dtype, cfg)
+                assert torch.equal(o, alone), (cfg, out_dtype)
 
 
 def test_bad_widths_raise():

@@ -1,0 +1,188 @@
+"""Projections that read the same input (q/k/v, gate/up) as one NVFP4 GEMM launch.
+
+`project(x, linears, owner)` returns `[lin(x) for lin in linears]`. Where the Triton kernels run the
+recipe's forward (`nvfp4_matmul.use_kernels`: the `aligned` recipe on CUDA), with the 'dequantized'
+backward, more than `ALIGNED_DECODE_MAX_M` rows, no bias, no hooks and no calibration on the linears,
+it computes them together:
+
+- forward: the input is quantized once (as it already was, through the forward scope's memo) and one
+  `kernels.gemm.gemm_segments` launch multiplies it by the weights' unscaled copies concatenated
+  along N, each weight with its own global scale in the epilogue and its own output. Each output is
+  bitwise what the linear alone gives (the same K order and epilogue per element), so learner and
+  sampler stay aligned whether a forward runs fused or not.
+- backward (bf16): dX = sum_j S_dec_w,j * (dY_j @ Wu_j) as one mm and in-place addmm's (each weight's
+  scale as the GEMM's alpha), dW_j = dY_j^T @ bf16(Xu * S_dec_x) with the dequantized input made once
+  for the group: 2 + 2 * (weights - 1) + 1 + weights launches instead of 4 per weight plus autograd's
+  additions of the dX's. The same formulas as the separate linears' 'dequantized' backward (see
+  `minite.nn.linear`), the bf16 roundings at other places (within bf16 rounding of each other).
+  fp32 / fp16 models (or S_dec not on the host): fp32 GEMMs on the dequantized operands.
+
+The concatenated copy is made once per weight update (when a member's `QuantizedWeight` changes),
+cached on `owner`; the members' own copies then become views into it (no second copy in memory).
+One launch and one autograd node instead of two or three take host time off every layer: the aligned
+learner step is host-bound on the H200 (benchmarks/results/). `use_fused_projections(False)` turns it
+off (each linear runs on its own).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minite.nn import nvfp4_matmul as nm
+from minite.recipe import Recipe
+
+_STATE = {"on": True}
+
+
+def use_fused_projections(on: bool = True) -> None:
+    """Whether `project` may fuse (default True); False: each linear runs on its own."""
+    _STATE["on"] = bool(on)
+
+
+def project(x: torch.Tensor, linears, owner: torch.nn.Module) -> list[torch.Tensor]:
+    """`[lin(x) for lin in linears]` for 2 or 3 `minite.nn.Linear` reading x, in one GEMM where it
+    applies (module docstring); the concatenated weight copy is cached on `owner`."""
+    if not _fusable(x, linears):
+        return [lin(x) for lin in linears]
+    recipe = linears[0].recipe
+    group = _group(owner, linears, recipe, x)
+    outs = FusedProjections.apply(x, group, recipe, *(lin.weight for lin in linears))
+    return list(outs)
+
+
+def _fusable(x: torch.Tensor, linears) -> bool:
+    if not _STATE["on"] or len(linears) not in (2, 3):
+        return False
+    recipe = linears[0].recipe
+    k = x.shape[-1]
+    if not (recipe.fp4 and recipe.backward == "dequantized" and k % 16 == 0 and x.numel() // max(k, 1)
+            > nm.ALIGNED_DECODE_MAX_M and nm.use_kernels(recipe, x.device)):
+        return False
+    if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
+        return False
+    return all(lin.recipe is recipe and lin.bias is None and not lin.fast and lin._calib_amax is None
+               and lin.in_features == k and lin.weight.dtype == x.dtype and lin.weight.device == x.device
+               and not lin._forward_hooks and not lin._forward_pre_hooks for lin in linears)
+
+
+@dataclass
+class _Group:
+    """The members' quantized weights (the objects the linears hold), their unscaled copies
+    concatenated along N for the kernels' operand dtype and K tile, and what the GEMM and its
+    backward take from them."""
+
+    qweights: tuple
+    copy: torch.Tensor  # [N1 + N2 (+ N3), Kp]
+    widths: tuple[int, ...]
+    scales: torch.Tensor  # fp32 [3]: each weight's epilogue factor, the last repeated for two weights
+    host_sdec: tuple[float, ...] | None  # each weight's S_dec on the host, where all are known
+    sdec: tuple[torch.Tensor, ...]  # each weight's S_dec, fp32 []
+    k: int
+
+    def rows(self, j: int) -> torch.Tensor:
+        """Weight j's unscaled copy [N_j, K] (a view)."""
+        start = sum(self.widths[:j])
+        return self.copy[start:start + self.widths[j], :self.k]
+
+
+def _group(owner: torch.nn.Module, linears, recipe: Recipe, x: torch.Tensor) -> _Group:
+    from minite.kernels import gemm as kg
+
+    dt = kg.operand_dtype(x.device)
+    bk = kg.pick_config("aligned", x.numel() // x.shape[-1], 1)["BK"]
+    qws = tuple(lin.quantized_weight() for lin in linears)
+    cache = owner.__dict__.setdefault("_fused_projection_copies", {})
+    key = (tuple(id(lin) for lin in linears), dt, bk)
+    hit = cache.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit.qweights, qws)) and hit.scales.device == x.device:
+        return hit
+    parts = [qw.operand(dt, bk) for qw in qws]
+    copy = torch.cat(parts)
+    widths = tuple(p.shape[0] for p in parts)
+    sw = [nm._weight_scale(qw, recipe).reshape(()) for qw in qws]
+    host = [qw.host_global_scale() for qw in qws]
+    group = _Group(qws, copy, widths, torch.stack([*sw, sw[-1]][:3]),
+                   tuple(h[0] for h in host) if all(h is not None for h in host) else None,
+                   tuple(qw.global_scale.reshape(()).float() for qw in qws), x.shape[-1])
+    # the members' own copies become views into the concatenated one (where that is their operand)
+    shared = []
+    for j, (lin, qw, part) in enumerate(zip(linears, qws, parts)):
+        if part is qw.unscaled:
+            qw = qw.with_unscaled(group.rows(j))
+            lin._qweight = qw
+        shared.append(qw)
+    group.qweights = tuple(shared)
+    cache[key] = group
+    return group
+
+
+class FusedProjections(torch.autograd.Function):
+    """x [..., K] and 2-3 weights -> their outputs [..., N_j] (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, group: _Group, recipe: Recipe, *weights):
+        from minite.kernels import gemm as kg
+
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k)
+        a, sdec, row_factor = nm._kernel_rows(x2, recipe)
+        m = a.shape[0]
+        cfg = kg.pick_config("aligned", m, group.copy.shape[0])
+        outs = kg.gemm_segments(nm._pad_k(a, group.copy.shape[-1]), row_factor.reshape(-1), group.copy,
+                                group.scales, group.widths, recipe.epilogue, x.dtype, cfg)
+        ctx.group, ctx.x_shape, ctx.x_dtype = group, x.shape, x.dtype
+        ctx.w_dtypes = [w.dtype for w in weights]
+        ctx.save_for_backward(a, sdec)
+        lead = x.shape[:-1]
+        return tuple(o.view(*lead, o.shape[-1]) for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        a, sdec = ctx.saved_tensors  # [M, K] e2m1 * s_b, S_dec_x [M, 1]
+        group, m = ctx.group, a.shape[0]
+        dys = [None if g is None else g.reshape(m, g.shape[-1]) for g in grads]
+        need_dx = ctx.needs_input_grad[0]
+        need_dw = [ctx.needs_input_grad[3 + j] and dys[j] is not None for j in range(len(dys))]
+        bf16 = (group.host_sdec is not None and a.dtype == torch.bfloat16
+                and all(d is None or d.dtype == torch.bfloat16 for d in dys))
+        dx, dws = (_bf16_grads if bf16 else _fp32_grads)(group, a, sdec, dys, need_dx, need_dw)
+        if dx is not None:
+            dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
+        dws = [None if d is None else d.to(t) for d, t in zip(dws, ctx.w_dtypes)]
+        return (dx, None, None, *dws)
+
+
+def _bf16_grads(group: _Group, a, sdec, dys, need_dx, need_dw):
+    dx = None
+    if need_dx:
+        for j, dy in enumerate(dys):
+            if dy is None:
+                continue
+            if dx is None:
+                dx = torch.mm(dy, group.rows(j))
+                if group.host_sdec[j] != 1.0:
+                    dx.mul_(group.host_sdec[j])
+            else:
+                dx.addmm_(dy, group.rows(j), alpha=group.host_sdec[j])
+        if dx is None:
+            dx = a.new_zeros(a.shape)
+    dws = [None] * len(dys)
+    if any(need_dw):
+        xdq = nm._scale_bf16(a, sdec)  # the dequantized input, fp32 products rounded once to bf16
+        dws = [torch.mm(dy.t(), xdq) if need else None for dy, need in zip(dys, need_dw)]
+    return dx, dws
+
+
+def _fp32_grads(group: _Group, a, sdec, dys, need_dx, need_dw):
+    dx = None
+    if need_dx:
+        dx = torch.zeros(a.shape, dtype=torch.float32, device=a.device)
+        for j, dy in enumerate(dys):
+            if dy is not None:
+                dx += dy.float() @ (group.rows(j).float() * group.sdec[j])
+    xdq = a.float() * sdec
+    dws = [dy.float().t() @ xdq if need else None for dy, need in zip(dys, need_dw)]
+    return dx, dws
+
