@@ -61,6 +61,9 @@ def parse_args(argv=None):
     p.add_argument("--attention-backward", default="kernel", choices=["kernel", "reference"],
                    help="the attention kernel's backward: the Triton kernels, or the fp32 reference "
                         "recomputed under autograd (the path before session 13)")
+    p.add_argument("--projections", default="fused", choices=["fused", "separate"],
+                   help="fused: q/k/v and gate/up as one NVFP4 GEMM each (minite.nn.fused_projections, the "
+                        "default); separate: one GEMM per linear (before session 14)")
     p.add_argument("--aligned-small-tile", action="store_true",
                    help="the aligned GEMMs keep the small tile at every M (A/B for `gemm.ALIGNED_LARGE_M`)")
     p.add_argument("--kernels", action="store_true",
@@ -164,6 +167,10 @@ def main(argv=None) -> list[dict]:
         from minite.nn.attention import use_kernel_backward
 
         use_kernel_backward(False)
+    if args.projections == "separate":
+        from minite.nn.fused_projections import use_fused_projections
+
+        use_fused_projections(False)
     if args.aligned_small_tile:
         from minite.kernels import gemm, grouped_gemm
 
@@ -188,7 +195,7 @@ def main(argv=None) -> list[dict]:
     setup = {k: getattr(args, k) for k in ("seqs", "seq_len", "prompt_len", "micro_batch_tokens", "backend",
                                            "activation_checkpointing", "no_moe_grouped_mm",
                                            "no_fused_kernels", "steps", "warmup", "tiny",
-                                           "attention_backward")}
+                                           "attention_backward", "projections")}
     table_rows = [{k: v for k, v in r.items() if k != "kernels"} for r in rows]
     report("learner train step (tokens/s)", table_rows, None)
     if args.out:

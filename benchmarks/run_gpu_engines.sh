@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The engines' GPU work in one device call. Usage (repo root): bash benchmarks/run_gpu_engines.sh PART...
 #   tests     the GPU tests
+#   fused_tests  every test of the fused projections and the segmented GEMM on CUDA
 #   quant_tests  every test of the quantize and GEMM kernel files on CUDA (not only the gpu-marked ones)
 #   profile   where a rollout decode step spends its time (benchmarks/profile_rollout.py): dense aligned,
 #             MoE (24 layers) bf16 and aligned; profile_moe: the MoE ones only
@@ -25,9 +26,12 @@
 #   learner_ab  the dense learner again with the aligned GEMMs on the small tile at every M
 #   learner_launch  the dense learner twice with the direct kernel launches (`minite.kernels.launch`), twice
 #             on Triton's own launch path (before session 12), alternating
+#   learner_moe  the MoE learner alone (bf16 and aligned)
 #   learner_dense  the dense learner alone, default tiles
 #   learner_attn  the dense learner twice with the Triton attention backward, twice with the reference
 #             backward (before session 13), alternating
+#   learner_proj  the dense learner twice with q/k/v and gate/up fused into one GEMM each, twice with one
+#             GEMM per linear (before session 14), alternating
 #   attention_backward  the attention backward kernels against SDPA's flash backward and the reference
 #   learner_norm  the dense learner twice with the norms quantizing for the projections, twice on the
 #             element-layout norm kernel without (the path before session 11), alternating
@@ -77,6 +81,11 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv | tee "$log"
 for part in "$@"; do
   case $part in
     tests) step ${TESTS_CAP:-200} python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
+    fused_tests)
+      step 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemm_segments.py \
+        tests/nn/test_fused_projections.py ;;
+    learner_moe)
+      step 90 python3 benchmarks/bench_learner.py --models moe --out "$OUT/extra/learner_moe.json" ;;
     quant_tests)
       step 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_nvfp4.py tests/kernels/test_gemm.py ;;
     tma)
@@ -138,6 +147,7 @@ for part in "$@"; do
     learner_norm) learner_ab "" norm-path quantizing element ;;
     learner_launch) learner_ab "" launch-path direct triton ;;
     learner_attn) learner_ab attn_ attention-backward kernel reference ;;
+    learner_proj) learner_ab proj_ projections fused separate ;;
     attention_backward)
       step 150 python3 benchmarks/bench_attention_backward.py --out "$OUT/kernels_attention_backward.json" ;;
     learner_dense)
