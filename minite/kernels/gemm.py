@@ -123,10 +123,10 @@ def _tile_mn(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constex
 
 
 @triton.jit
-def _tma_tile(a_desc, w_desc, sa_ptr, sw, out_ptr, tile, M, N, stride_om, stride_sa, N1, N2, K: tl.constexpr,
-              EPILOGUE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+def _tma_tile(a_desc, w_desc, sa_ptr, sw, sw1, sw2, out_ptr, tile, M, N, stride_om, stride_sa, N1, N2,
+              K: tl.constexpr, EPILOGUE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
               GROUP_M: tl.constexpr, SEGMENTED: tl.constexpr):
-    """One output tile of the TMA kernel, stored (sw: the scalar scale, or SEGMENTED three of them)."""
+    """One output tile of the TMA kernel, stored (SEGMENTED: sw, sw1, sw2 the three weights' scales)."""
     pid_m, pid_n = _tile_mn(tile, M, N, BM, BN, GROUP_M)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
@@ -135,26 +135,18 @@ def _tma_tile(a_desc, w_desc, sa_ptr, sw, out_ptr, tile, M, N, stride_om, stride
         acc = tl.dot(a, w.T, acc)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
-    _store(acc, sa_ptr, sw, out_ptr, offs_m, offs_n, M, N, N1, N2, stride_om, stride_sa, EPILOGUE, SEGMENTED)
+    _store(acc, sa_ptr, sw, sw1, sw2, out_ptr, offs_m, offs_n, M, N, N1, N2, stride_om, stride_sa, EPILOGUE,
+           SEGMENTED)
 
 
 @triton.jit
-def _store(acc, sa_ptr, sw, out_ptr, offs_m, offs_n, M, N, N1, N2, stride_om, stride_sa,
+def _store(acc, sa_ptr, sw, sw1, sw2, out_ptr, offs_m, offs_n, M, N, N1, N2, stride_om, stride_sa,
            EPILOGUE: tl.constexpr, SEGMENTED: tl.constexpr):
     if SEGMENTED:
-        store_segments(acc, sa_ptr, sw[0], sw[1], sw[2], out_ptr, offs_m, offs_n, M, N, N1, N2, stride_sa,
-                       EPILOGUE)
+        store_segments(acc, sa_ptr, sw, sw1, sw2, out_ptr, offs_m, offs_n, M, N, N1, N2, stride_sa, EPILOGUE)
     else:
         store_tile(acc, sa_ptr, sw, out_ptr, offs_m, offs_n, offs_m < M, offs_n < N, stride_om, stride_sa,
                    EPILOGUE)
-
-
-@triton.jit
-def _load_sw(sw_ptr, SEGMENTED: tl.constexpr):
-    """The weight scale: a scalar, or (SEGMENTED) the three weights' scalars as a tuple."""
-    if SEGMENTED:
-        return tl.load(sw_ptr), tl.load(sw_ptr + 1), tl.load(sw_ptr + 2)
-    return tl.load(sw_ptr)
 
 
 @triton.jit
@@ -169,15 +161,19 @@ def _w4a4_tma_kernel(a_ptr, w_ptr, sa_ptr, sw_ptr, out_ptr, M, N, stride_am, str
     along N (`gemm_segments`), with their own scales and outputs (`epilogue.store_segments`)."""
     a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BM, BK])
     w_desc = tl.make_tensor_descriptor(w_ptr, [N, K], [stride_wn, 1], [BN, BK])
-    sw = _load_sw(sw_ptr, SEGMENTED)
+    sw = tl.load(sw_ptr)
+    sw1, sw2 = sw, sw
+    if SEGMENTED:  # the three weights' scales
+        sw1 = tl.load(sw_ptr + 1)
+        sw2 = tl.load(sw_ptr + 2)
     if PERSISTENT:  # GPU only: the interpreter cannot take a run-time range() bound
         tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
         for tile in tl.range(tl.program_id(0), tiles, programs, flatten=FLATTEN):
-            _tma_tile(a_desc, w_desc, sa_ptr, sw, out_ptr, tile, M, N, stride_om, stride_sa, N1, N2, K,
-                      EPILOGUE, BM, BN, BK, GROUP_M, SEGMENTED)
+            _tma_tile(a_desc, w_desc, sa_ptr, sw, sw1, sw2, out_ptr, tile, M, N, stride_om, stride_sa, N1, N2,
+                      K, EPILOGUE, BM, BN, BK, GROUP_M, SEGMENTED)
     else:
-        _tma_tile(a_desc, w_desc, sa_ptr, sw, out_ptr, tl.program_id(0), M, N, stride_om, stride_sa, N1, N2,
-                  K, EPILOGUE, BM, BN, BK, GROUP_M, SEGMENTED)
+        _tma_tile(a_desc, w_desc, sa_ptr, sw, sw1, sw2, out_ptr, tl.program_id(0), M, N, stride_om, stride_sa,
+                  N1, N2, K, EPILOGUE, BM, BN, BK, GROUP_M, SEGMENTED)
 
 
 @triton.jit
@@ -194,8 +190,13 @@ def _w4a4_kernel(a_ptr, w_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, M, N,
     a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
     acc = tile_acc(a_rows, w_ptr, ws_ptr, offs_n, mask_m, mask_n, stride_wn, stride_wsn, K, W_PACKED, DOT_F16,
                    BM, BN, BK)
-    _store(acc, sa_ptr, _load_sw(sw_ptr, SEGMENTED), out_ptr, offs_m, offs_n, M, N, N1, N2, stride_om,
-           stride_sa, EPILOGUE, SEGMENTED)
+    sw = tl.load(sw_ptr)
+    sw1, sw2 = sw, sw
+    if SEGMENTED:
+        sw1 = tl.load(sw_ptr + 1)
+        sw2 = tl.load(sw_ptr + 2)
+    _store(acc, sa_ptr, sw, sw1, sw2, out_ptr, offs_m, offs_n, M, N, N1, N2, stride_om, stride_sa, EPILOGUE,
+           SEGMENTED)
 
 
 def pick_config(config, m: int, n: int, k: int | None = None, packed: bool = False) -> dict:
