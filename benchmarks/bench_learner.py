@@ -12,6 +12,7 @@ random advantages. Time: median over --steps steps after --warmup steps (CUDA sy
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -64,6 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--projections", default="fused", choices=["fused", "separate"],
                    help="fused: q/k/v and gate/up as one NVFP4 GEMM each (minite.nn.fused_projections, the "
                         "default); separate: one GEMM per linear (before session 14)")
+    p.add_argument("--gc-freeze", action="store_true",
+                   help="gc.freeze() after the warm-up steps (later collections skip older objects)")
     p.add_argument("--aligned-small-tile", action="store_true",
                    help="the aligned GEMMs keep the small tile at every M (A/B for `gemm.ALIGNED_LARGE_M`)")
     p.add_argument("--kernels", action="store_true",
@@ -102,24 +105,55 @@ def make_batch(vocab: int, args) -> SequenceBatch:
     return SequenceBatch.from_samples(list(prompts), list(responses), advantages=advantages)
 
 
+class GcTimer:
+    """Time spent in Python's garbage collector between start() and stop(), and collections by generation."""
+
+    def __init__(self):
+        self.seconds, self.collections, self._t0 = 0.0, [0, 0, 0], None
+
+    def _callback(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.seconds += time.perf_counter() - self._t0
+            self.collections[info["generation"]] += 1
+            self._t0 = None
+
+    def start(self):
+        gc.callbacks.append(self._callback)
+
+    def stop(self):
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+
 def bench_one(kind: str, recipe: str, args) -> dict:
     model = build(kind, recipe, args)
     learner = Learner(model, lr=1e-6, micro_batch_tokens=args.micro_batch_tokens,
                       activation_checkpointing=args.activation_checkpointing)
     batch = make_batch(model.config.vocab_size, args)
     loss_fn = partial(policy_loss, cfg=LossConfig())
-    times = []
+    times, gc_time = [], GcTimer()
     for i in range(args.warmup + args.steps):
         sync()
+        if i == args.warmup:
+            if args.gc_freeze:
+                gc.freeze()
+            gc_time.start()
         t0 = time.perf_counter()
         m = learner.step(batch, loss_fn)
         sync()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
+    gc_time.stop()
     seconds = statistics.median(times)
     row = dict(model=kind, layers=model.config.num_hidden_layers, recipe=recipe,
                params_m=sum(p.numel() for p in model.parameters()) / 1e6, tokens=int(m["tokens"]),
-               micro_batches=int(m["micro_batches"]), step_s=seconds, tokens_per_s=m["tokens"] / seconds)
+               micro_batches=int(m["micro_batches"]), step_s=seconds, tokens_per_s=m["tokens"] / seconds,
+               steps_s=[round(t, 4) for t in times], gc_ms_per_step=gc_time.seconds * 1e3 / len(times),
+               gc_collections=gc_time.collections)
+    if args.gc_freeze:
+        gc.unfreeze()
     if torch.cuda.is_available() and not args.tiny:
         row["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
         torch.cuda.reset_peak_memory_stats()
@@ -195,7 +229,7 @@ def main(argv=None) -> list[dict]:
     setup = {k: getattr(args, k) for k in ("seqs", "seq_len", "prompt_len", "micro_batch_tokens", "backend",
                                            "activation_checkpointing", "no_moe_grouped_mm",
                                            "no_fused_kernels", "steps", "warmup", "tiny",
-                                           "attention_backward", "projections")}
+                                           "attention_backward", "projections", "gc_freeze")}
     table_rows = [{k: v for k, v in r.items() if k != "kernels"} for r in rows]
     report("learner train step (tokens/s)", table_rows, None)
     if args.out:
