@@ -111,10 +111,10 @@ class Learner:
             (loss * weight).backward()
             for k, v in {"loss": loss, **metrics}.items():  # device tensors: no sync per micro-batch
                 sums[k] = sums.get(k, 0.0) + weight * (v.detach().float() if torch.is_tensor(v) else float(v))
-        sums = _to_floats(sums)
         result = self.optimizer.step()
         if self.sync_weights_after_step:
             sync_weights(self.model)
+        sums = _to_floats(sums)  # after the updates are queued: the GPU need not drain before them
         self.steps += 1
         seconds = time.perf_counter() - start
         tokens = sum(s.numel() - 1 for s in batch.sequences)

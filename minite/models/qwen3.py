@@ -38,8 +38,12 @@ class MLP(nn.Module):
         self.up_proj = Linear(hidden_size, intermediate_size, recipe=recipe)
         self.down_proj = Linear(intermediate_size, hidden_size, recipe=recipe)
 
+    def fused_projection_groups(self) -> list[tuple]:
+        """The linears run as one GEMM where they can (`minite.nn.fused_projections`)."""
+        return [(self.gate_proj, self.up_proj)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = project(x, (self.gate_proj, self.up_proj), self)
+        gate, up = project(x, self.fused_projection_groups()[0], self)
         return self.down_proj(swiglu(gate, up, self.down_proj.recipe))
 
 

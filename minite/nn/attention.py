@@ -197,11 +197,15 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
 
+    def fused_projection_groups(self) -> list[tuple]:
+        """The linears `project_qkv` runs as one GEMM where it can (`minite.nn.fused_projections`)."""
+        return [(self.q_proj, self.k_proj, self.v_proj)]
+
     def project_qkv(self, x: torch.Tensor, positions: torch.Tensor):
         """x `[..., T, H]`, positions `[..., T]` -> q `[..., T, Hq, D]`, k and v `[..., T, Hkv, D]`;
         q and k are normed per head and rotated."""
         lead = x.shape[:-1]
-        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), self)
+        q, k, v = project(x, self.fused_projection_groups()[0], self)
         q = self.q_norm(q.view(*lead, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(*lead, self.num_kv_heads, self.head_dim))
         v = v.view(*lead, self.num_kv_heads, self.head_dim)

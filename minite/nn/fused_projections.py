@@ -47,7 +47,7 @@ def project(x: torch.Tensor, linears, owner: torch.nn.Module) -> list[torch.Tens
     if not _fusable(x, linears):
         return [lin(x) for lin in linears]
     recipe = linears[0].recipe
-    group = _group(owner, linears, recipe, x)
+    group = _group(owner, linears, recipe, x.device)
     outs = FusedProjections.apply(x, group, recipe, *(lin.weight for lin in linears))
     return list(outs)
 
@@ -55,16 +55,37 @@ def project(x: torch.Tensor, linears, owner: torch.nn.Module) -> list[torch.Tens
 def _fusable(x: torch.Tensor, linears) -> bool:
     if not _STATE["on"] or len(linears) not in (2, 3):
         return False
-    recipe = linears[0].recipe
     k = x.shape[-1]
-    if not (recipe.fp4 and recipe.backward == "dequantized" and k % 16 == 0 and x.numel() // max(k, 1)
-            > nm.ALIGNED_DECODE_MAX_M and nm.use_kernels(recipe, x.device)):
+    if k % 16 or x.numel() // max(k, 1) <= nm.ALIGNED_DECODE_MAX_M or not _members_fit(linears, x.device):
         return False
     if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
         return False
+    return all(lin.in_features == k and lin.weight.dtype == x.dtype and not lin._forward_hooks
+               and not lin._forward_pre_hooks for lin in linears)
+
+
+def _members_fit(linears, device) -> bool:
+    """The linears' settings allow the fused GEMM (whatever the input): one recipe on the kernels with
+    the 'dequantized' backward, no bias, no fast mode, no calibration, weights on `device`."""
+    recipe = linears[0].recipe
+    if not (recipe.fp4 and recipe.backward == "dequantized" and nm.use_kernels(recipe, device)):
+        return False
     return all(lin.recipe is recipe and lin.bias is None and not lin.fast and lin._calib_amax is None
-               and lin.in_features == k and lin.weight.dtype == x.dtype and lin.weight.device == x.device
-               and not lin._forward_hooks and not lin._forward_pre_hooks for lin in linears)
+               and lin.weight.device == device for lin in linears)
+
+
+def prepare_model(model: torch.nn.Module) -> None:
+    """Make the concatenated copies of every module with `fused_projection_groups()` now (after a
+    weight update: `refresh_quantized_weights` calls it, so the copies are queued with the quantizer's
+    launches rather than in the next forward)."""
+    if not _STATE["on"]:
+        return
+    for owner in model.modules():
+        groups = getattr(owner, "fused_projection_groups", None)
+        for linears in groups() if groups is not None else ():
+            device = linears[0].weight.device
+            if 2 <= len(linears) <= 3 and _members_fit(linears, device):
+                _group(owner, linears, linears[0].recipe, device)
 
 
 @dataclass
@@ -77,43 +98,47 @@ class _Group:
     copy: torch.Tensor  # [N1 + N2 (+ N3), Kp]
     widths: tuple[int, ...]
     scales: torch.Tensor  # fp32 [3]: each weight's epilogue factor, the last repeated for two weights
-    host_sdec: tuple[float, ...] | None  # each weight's S_dec on the host, where all are known
     sdec: tuple[torch.Tensor, ...]  # each weight's S_dec, fp32 []
-    k: int
+    rows: tuple[torch.Tensor, ...]  # weight j's unscaled copy [N_j, K] (views of `copy`)
 
-    def rows(self, j: int) -> torch.Tensor:
-        """Weight j's unscaled copy [N_j, K] (a view)."""
-        start = sum(self.widths[:j])
-        return self.copy[start:start + self.widths[j], :self.k]
+    @property
+    def host_sdec(self) -> tuple[float, ...] | None:
+        """Each weight's S_dec on the host, where all are known (after a refresh's sync)."""
+        host = [qw.host_global_scale() for qw in self.qweights]
+        return None if any(h is None for h in host) else tuple(h[0] for h in host)
 
 
-def _group(owner: torch.nn.Module, linears, recipe: Recipe, x: torch.Tensor) -> _Group:
+def _operand_layout(device) -> tuple[torch.dtype, int]:
+    """The kernels' operand dtype and the K multiple their aligned tiles take (one BK for every M)."""
     from minite.kernels import gemm as kg
 
-    dt = kg.operand_dtype(x.device)
-    bk = kg.pick_config("aligned", x.numel() // x.shape[-1], 1)["BK"]
+    return kg.operand_dtype(device), kg.pick_config("aligned", 1, 1)["BK"]
+
+
+def _group(owner: torch.nn.Module, linears, recipe: Recipe, device) -> _Group:
+    dt, bk = _operand_layout(device)
     qws = tuple(lin.quantized_weight() for lin in linears)
     cache = owner.__dict__.setdefault("_fused_projection_copies", {})
     key = (tuple(id(lin) for lin in linears), dt, bk)
     hit = cache.get(key)
-    if hit is not None and all(a is b for a, b in zip(hit.qweights, qws)) and hit.scales.device == x.device:
+    if hit is not None and all(a is b for a, b in zip(hit.qweights, qws)) and hit.copy.device == device:
         return hit
     parts = [qw.operand(dt, bk) for qw in qws]
     copy = torch.cat(parts)
     widths = tuple(p.shape[0] for p in parts)
+    starts = [sum(widths[:j]) for j in range(len(widths))]
+    k = linears[0].in_features
+    rows = tuple(copy[a:a + n, :k] for a, n in zip(starts, widths))
     sw = [nm._weight_scale(qw, recipe).reshape(()) for qw in qws]
-    host = [qw.host_global_scale() for qw in qws]
-    group = _Group(qws, copy, widths, torch.stack([*sw, sw[-1]][:3]),
-                   tuple(h[0] for h in host) if all(h is not None for h in host) else None,
-                   tuple(qw.global_scale.reshape(()).float() for qw in qws), x.shape[-1])
     # the members' own copies become views into the concatenated one (where that is their operand)
     shared = []
-    for j, (lin, qw, part) in enumerate(zip(linears, qws, parts)):
+    for lin, qw, part, view in zip(linears, qws, parts, rows):
         if part is qw.unscaled:
-            qw = qw.with_unscaled(group.rows(j))
+            qw = qw.with_unscaled(view)
             lin._qweight = qw
         shared.append(qw)
-    group.qweights = tuple(shared)
+    group = _Group(tuple(shared), copy, widths, torch.stack([*sw, sw[-1]][:3]),
+                   tuple(qw.global_scale.reshape(()).float() for qw in qws), rows)
     cache[key] = group
     return group
 
@@ -145,27 +170,29 @@ class FusedProjections(torch.autograd.Function):
         dys = [None if g is None else g.reshape(m, g.shape[-1]) for g in grads]
         need_dx = ctx.needs_input_grad[0]
         need_dw = [ctx.needs_input_grad[3 + j] and dys[j] is not None for j in range(len(dys))]
-        bf16 = (group.host_sdec is not None and a.dtype == torch.bfloat16
-                and all(d is None or d.dtype == torch.bfloat16 for d in dys))
-        dx, dws = (_bf16_grads if bf16 else _fp32_grads)(group, a, sdec, dys, need_dx, need_dw)
+        host_sdec = group.host_sdec if a.dtype == torch.bfloat16 else None
+        if host_sdec is not None and all(d is None or d.dtype == torch.bfloat16 for d in dys):
+            dx, dws = _bf16_grads(group, host_sdec, a, sdec, dys, need_dx, need_dw)
+        else:
+            dx, dws = _fp32_grads(group, a, sdec, dys, need_dx, need_dw)
         if dx is not None:
             dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
         dws = [None if d is None else d.to(t) for d, t in zip(dws, ctx.w_dtypes)]
         return (dx, None, None, *dws)
 
 
-def _bf16_grads(group: _Group, a, sdec, dys, need_dx, need_dw):
+def _bf16_grads(group: _Group, host_sdec, a, sdec, dys, need_dx, need_dw):
     dx = None
     if need_dx:
         for j, dy in enumerate(dys):
             if dy is None:
                 continue
             if dx is None:
-                dx = torch.mm(dy, group.rows(j))
-                if group.host_sdec[j] != 1.0:
-                    dx.mul_(group.host_sdec[j])
+                dx = torch.mm(dy, group.rows[j])
+                if host_sdec[j] != 1.0:
+                    dx.mul_(host_sdec[j])
             else:
-                dx.addmm_(dy, group.rows(j), alpha=group.host_sdec[j])
+                dx.addmm_(dy, group.rows[j], alpha=host_sdec[j])
         if dx is None:
             dx = a.new_zeros(a.shape)
     dws = [None] * len(dys)
@@ -181,7 +208,7 @@ def _fp32_grads(group: _Group, a, sdec, dys, need_dx, need_dw):
         dx = torch.zeros(a.shape, dtype=torch.float32, device=a.device)
         for j, dy in enumerate(dys):
             if dy is not None:
-                dx += dy.float() @ (group.rows(j).float() * group.sdec[j])
+                dx += dy.float() @ (group.rows[j].float() * group.sdec[j])
     xdq = a.float() * sdec
     dws = [dy.float().t() @ xdq if need else None for dy, need in zip(dys, need_dw)]
     return dx, dws

@@ -86,10 +86,15 @@ class Linear(nn.Module):
 
     def quantized_weight(self) -> QuantizedWeight:
         """The shared quantized weight, re-quantized only when the weight or the recipe changed."""
+        qw, w, spec = self._qweight, self.weight, self.recipe.weight
+        # fast check of the cache key (`weight_key`: version, storage, dtype, device, shape, spec)
+        if qw is not None and qw.key[0] == w._version and qw.key[1] == w.data_ptr() and qw.key[5] is spec \
+                and qw.key[2] is w.dtype and qw.unscaled.shape == w.shape:
+            return qw
         if not self.recipe.fp4:
             raise RuntimeError(f"recipe {self.recipe.name!r} does not quantize weights")
-        if self._qweight is None or self._qweight.key != weight_key(self.weight, self.recipe.weight):
-            self._qweight = quantize_weight(self.weight, self.recipe.weight)
+        if qw is None or qw.key != weight_key(w, spec):
+            self._qweight = quantize_weight(w, spec)
         return self._qweight
 
     def refresh_quantized_weight(self, qweight: QuantizedWeight | None = None) -> None:

@@ -66,14 +66,16 @@ class QuantizedWeight:
 
     def with_unscaled(self, unscaled: torch.Tensor) -> QuantizedWeight:
         """This weight with `unscaled` (the same values stored elsewhere: a view into a fused group's
-        concatenated copy, `minite.nn.fused_projections`) as its copy; what was cached from the old
-        copy is dropped, the rest (host S_dec, epilogue scale, decode layout) kept."""
+        concatenated copy, `minite.nn.fused_projections`) as its copy. The new object shares this one's
+        caches, less those made from the old copy, so what arrives later (the host S_dec at the end of
+        `deferred_finite_checks`) reaches both; this one is meant to be dropped."""
         if unscaled.shape != self.unscaled.shape or unscaled.dtype != self.unscaled.dtype:
             raise ValueError(f"with_unscaled needs {tuple(self.unscaled.shape)} {self.unscaled.dtype}, got "
                              f"{tuple(unscaled.shape)} {unscaled.dtype}")
+        for k in [k for k in self._operands if isinstance(k, tuple) and isinstance(k[0], torch.dtype)]:
+            del self._operands[k]
         new = replace(self, unscaled=unscaled)
-        new._operands.update({k: v for k, v in self._operands.items()
-                              if not (isinstance(k, tuple) and isinstance(k[0], torch.dtype))})
+        object.__setattr__(new, "_operands", self._operands)
         return new
 
     def operand(self, dtype: torch.dtype, k_multiple: int = 1) -> torch.Tensor:
@@ -226,6 +228,10 @@ def refresh_quantized_weights(model: torch.nn.Module) -> int:
                 chunk = mods[i:i + per]
                 for m, qw in zip(chunk, quantize_weights([m.weight for m in chunk], spec)):
                     m.refresh_quantized_weight(qw)
+        # the fused projections' concatenated copies, queued before the one sync below
+        from minite.nn.fused_projections import prepare_model
+
+        prepare_model(model)
     return n
 
 

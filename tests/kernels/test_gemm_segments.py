@@ -51,6 +51,11 @@ def test_each_segment_has_its_own_gemms_bits(widths, epilogue):
                 assert torch.equal(o, alone), (cfg, out_dtype)
 
 
+def test_aligned_configs_share_bk():
+    """The fused projections pad their concatenated copy to one BK for every M."""
+    assert kg.CONFIGS["aligned"]["BK"] == kg.CONFIGS["aligned_large"]["BK"]
+
+
 def test_bad_widths_raise():
     dev, dt = device(), kg.operand_dtype(device())
     a, w = torch.zeros(4, 64, dtype=dt, device=dev), torch.zeros(48, 64, dtype=dt, device=dev)

@@ -131,16 +131,34 @@ def test_copy_is_remade_after_a_weight_update():
     assert all(torch.equal(f, a) for f, a in zip(fused, alone))
 
 
-def test_with_unscaled_keeps_host_caches_and_drops_copies():
+def test_with_unscaled_shares_the_caches_but_not_the_old_copies():
     qw = quantize_weight(torch.randn(32, 64), ALIGNED.weight)
     qw.operand(torch.float16, 32)
-    qw._operands["host_global_scale"] = (1.5,)
+    qw.cached("epilogue", lambda: 1)
     view = torch.cat([torch.zeros(8, 64, dtype=qw.unscaled.dtype), qw.unscaled])[8:]
     new = qw.with_unscaled(view)
-    assert new.unscaled is view and new.host_global_scale() == (1.5,) and new.key == qw.key
+    assert new.unscaled is view and new.key == qw.key and new.cached("epilogue", lambda: 2) == 1
     assert (torch.float16, 32) not in new._operands
+    qw._operands["host_global_scale"] = (1.5,)  # what the refresh's sync fills in later
+    assert new.host_global_scale() == (1.5,)
     with pytest.raises(ValueError, match="with_unscaled"):
         qw.with_unscaled(view[:4])
+
+
+def test_refresh_makes_the_groups_the_next_forward_uses():
+    from minite.nn import refresh_quantized_weights
+
+    torch.manual_seed(0)
+    model = Qwen3(tiny_qwen3(), recipe=ALIGNED).to(DEVICE)
+    refresh_quantized_weights(model)
+    layer = model.layers[0]
+    groups = [dict(m._fused_projection_copies) for m in (layer.self_attn, layer.mlp)]
+    assert [len(g) for g in groups] == [1, 1]
+    model(torch.randint(0, model.config.vocab_size, (1, 70), device=DEVICE))
+    assert [dict(m._fused_projection_copies) for m in (layer.self_attn, layer.mlp)] == groups
+    group = next(iter(groups[0].values()))
+    assert all(lin.quantized_weight() is qw for lin, qw in zip(layer.self_attn.fused_projection_groups()[0],
+                                                               group.qweights))
 
 
 def test_bf16_backward_formulas_match_the_separate_linears():
@@ -150,12 +168,13 @@ def test_bf16_backward_formulas_match_the_separate_linears():
     m, k, widths = 96, 64, (48, 16, 32)
     qws = [quantize_weight(torch.randn(n, k), ALIGNED.weight) for n in widths]
     sdec = [float(q.global_scale) for q in qws]
-    group = fp._Group(tuple(qws), torch.cat([q.unscaled for q in qws]), widths, torch.ones(3), tuple(sdec),
-                      tuple(q.global_scale for q in qws), k)
+    copy = torch.cat([q.unscaled for q in qws])
+    group = fp._Group(tuple(qws), copy, widths, torch.ones(3), tuple(q.global_scale for q in qws),
+                      tuple(copy.split(widths)))
     a = (torch.randn(m, k) * 4).to(torch.bfloat16)
     sx = torch.rand(m, 1) + 0.5
     dys = [torch.randn(m, n).to(torch.bfloat16) for n in widths]
-    dx, dws = fp._bf16_grads(group, a, sx, dys, True, [True] * 3)
+    dx, dws = fp._bf16_grads(group, tuple(sdec), a, sx, dys, True, [True] * 3)
     want_dx = sum(torch.mm(dy, q.unscaled).mul_(s).float() for dy, q, s in zip(dys, qws, sdec))
     assert dx.dtype == torch.bfloat16
     rel = ((dx.float() - want_dx).norm() / want_dx.norm()).item()
@@ -198,7 +217,7 @@ def test_gpu_bf16_fused_projections():
     group = next(iter(owner._fused_projection_copies.values()))
     assert group.host_sdec is None  # no refresh ran: the fp32 backward
     for j, lin in enumerate(owner.lins):
-        assert lin.quantized_weight().unscaled.data_ptr() == group.rows(j).data_ptr()
+        assert lin.quantized_weight().unscaled.data_ptr() == group.rows[j].data_ptr()
     with forward_scope():
         alone, dx_a, dw_a = _run(owner, x, False)
     assert all(torch.equal(f, a) for f, a in zip(fused, alone))
