@@ -14,6 +14,7 @@ Nothing here imports Triton at package import time: `available()` says whether t
 """
 
 import functools
+import importlib
 import importlib.util
 import os
 
@@ -37,3 +38,19 @@ def available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+class _Lazy:
+    """`lazy.gemm`, `lazy.norm`, ...: the kernel modules, imported on first use (a module-level import in
+    `minite.nn` would import Triton); later reads are plain attribute lookups, cheaper than an import
+    statement in every layer call (the learner step is host-bound)."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        module = importlib.import_module(f"{__name__}.{name}")
+        setattr(self, name, module)
+        return module
+
+
+lazy = _Lazy()

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minite.kernels import interpreted
 from minite.kernels.launch import launch as launch_kernel
 from minite.ref.attention import KV_BLOCK, LOG2E
 
@@ -136,8 +137,6 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, tiles_ptr, pos_ptr,
 
 def config(dtype: torch.dtype = torch.bfloat16) -> dict:
     """The launch configuration in force for operands of `dtype` (the interpreter's on the CPU)."""
-    from minite.kernels import interpreted
-
     if interpreted():
         return CONFIGS["interpret"]
     return CONFIGS["gpu_fp32"] if dtype == torch.float32 else CONFIGS["gpu"]
@@ -218,8 +217,6 @@ def contiguous_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quer
 
 def _launch(q, k, v, query_seq, query_pos, table, start, context_lens, block_size, paged, scale, tiles, cfg,
             lse=None):
-    from minite.kernels import interpreted
-
     N, Hq, D = q.shape
     Hkv = k.shape[-2]
     G = Hq // Hkv
@@ -246,8 +243,6 @@ def _launch(q, k, v, query_seq, query_pos, table, start, context_lens, block_siz
 
 
 def _check_common(q, k, v, query_seq, query_pos, context_lens, kname, kdim):
-    from minite.kernels import interpreted
-
     if q.ndim != 3 or k.ndim != kdim or v.shape != k.shape:
         raise ValueError(f"q must be [N, Hq, D] and {kname} / v {kdim}-D of the same shape; got q "
                          f"{tuple(q.shape)}, {kname} {tuple(k.shape)}, v {tuple(v.shape)}")

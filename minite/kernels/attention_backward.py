@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minite.kernels import interpreted
 from minite.kernels.launch import launch as launch_kernel
 from minite.ref.attention import LOG2E
 
@@ -188,8 +189,6 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr
 
 def config(dtype: torch.dtype = torch.bfloat16) -> dict:
     """The backward's launch configurations in force for operands of `dtype`: {"dq": ..., "dkdv": ...}."""
-    from minite.kernels import interpreted
-
     if interpreted():
         return CONFIGS["interpret"]
     return CONFIGS["gpu_fp32"] if dtype == torch.float32 else CONFIGS["gpu"]
@@ -206,7 +205,6 @@ def contiguous_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.
     -> (dq, dk, dv) in the operands' dtype. q_tiles / k_tiles: `plan_tiles(query_seq, S, G,
     cfg["dq"]["BLOCK_M"])` and `plan_tiles(query_seq, S, 1, cfg["dkdv"]["BLOCK_N"])`, made once and
     shared by the layers."""
-    from minite.kernels import interpreted
     from minite.kernels.attention import _check_common, plan_tiles
 
     _check_common(q, k, v, query_seq, query_pos, context_lens, "k", 3)

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minite.kernels import decode_gemm
+from minite.kernels import decode_gemm, interpreted
 from minite.kernels.epilogue import EPILOGUES, store_segments, store_tile
 from minite.kernels.launch import cdiv
 from minite.kernels.launch import launch as launch_kernel
@@ -202,8 +202,6 @@ def _w4a4_kernel(a_ptr, w_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, M, N,
 def pick_config(config, m: int, n: int, k: int | None = None, packed: bool = False) -> dict:
     """A CONFIGS name (or a dict) -> the tile dict used for this (M, N); `decode` and `aligned` look at
     M. With packed weights (and K given), `decode` selects the decode kernel's tile (`decode_config`)."""
-    from minite.kernels import interpreted
-
     if isinstance(config, dict):
         return config
     if config not in CONFIGS:
@@ -391,8 +389,6 @@ def unscaled_copy(wq, dtype=None) -> torch.Tensor:
 
 
 def _check(a, a_scale, w, w_scale, w_block_scales, packed, epilogue):
-    from minite.kernels import interpreted
-
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue={epilogue!r} is not supported; choose one of {list(EPILOGUES)}")
     if a.ndim != 2 or w.ndim != 2:

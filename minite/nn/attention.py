@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minite import kernels
+from minite.kernels import lazy
 from minite.nn.forward_scope import scope_memo
 from minite.nn.fused_projections import project
 from minite.nn.linear import Linear
@@ -55,9 +57,7 @@ def kernel_enabled(device: torch.device) -> bool:
     """Whether attention on `device` runs the Triton kernel: CUDA, Triton importable, switched on."""
     if not _USE_KERNEL or device.type != "cuda":
         return False
-    from minite.kernels import available
-
-    return available()
+    return kernels.available()
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
@@ -251,14 +251,13 @@ class _KernelAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, layout: PackedLayout):
-        from minite.kernels.attention import contiguous_attention
-
         cu = layout.cu
         ctx.layout = layout
         ctx.kernel_backward = _USE_KERNEL_BACKWARD and any(ctx.needs_input_grad)
         lse = q.new_empty(q.shape[:2], dtype=torch.float32) if ctx.kernel_backward else None
-        out = contiguous_attention(q, k, v, layout.seq, layout.positions, cu[:-1], cu[1:] - cu[:-1],
-                                   tiles=layout.tiles(q.shape[1] // k.shape[1]), lse=lse)
+        tiles = layout.tiles(q.shape[1] // k.shape[1])
+        out = lazy.attention.contiguous_attention(q, k, v, layout.seq, layout.positions, cu[:-1],
+                                                  cu[1:] - cu[:-1], tiles=tiles, lse=lse)
         if ctx.kernel_backward:
             ctx.save_for_backward(q, k, v, out, lse)
         else:

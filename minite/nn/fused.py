@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from minite import kernels
+
 _STATE: dict[str, bool | None] = {"on": None}
 
 
@@ -25,6 +27,4 @@ def fused_applies(x: torch.Tensor) -> bool:
     on = _STATE["on"]
     if on is False or not (x.is_cuda or (on and x.device.type == "cpu")):
         return False
-    from minite import kernels
-
     return kernels.available() and (x.is_cuda or kernels.interpreted())

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minite.kernels import lazy
 from minite.nn import nvfp4_matmul as nm
 from minite.recipe import Recipe
 
@@ -110,8 +111,7 @@ class _Group:
 
 def _operand_layout(device) -> tuple[torch.dtype, int]:
     """The kernels' operand dtype and the K multiple their aligned tiles take (one BK for every M)."""
-    from minite.kernels import gemm as kg
-
+    kg = lazy.gemm
     return kg.operand_dtype(device), kg.pick_config("aligned", 1, 1)["BK"]
 
 
@@ -148,8 +148,7 @@ class FusedProjections(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group: _Group, recipe: Recipe, *weights):
-        from minite.kernels import gemm as kg
-
+        kg = lazy.gemm
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
         a, sdec, row_factor = nm._kernel_rows(x2, recipe)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minite.kernels import lazy
 from minite.nn import nvfp4_matmul
 from minite.nn.fused import fused_applies
 from minite.recipe import Recipe
@@ -28,8 +29,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize_for: Re
     scope, the kernel also quantizes the output for them (`kernels.norm.rms_norm_quantize`, the same
     bits as their own quantizer): one launch and one pass over the rows less."""
     if fused_applies(x):
-        from minite.kernels import norm as kernel
-
+        kernel = lazy.norm
         if x.shape[-1] <= kernel.MAX_D:
             if quantize_for is not None and nvfp4_matmul.can_seed_quantized_input(x, quantize_for):
                 def produce(dtype, chain):

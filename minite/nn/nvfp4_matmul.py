@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from minite import nvfp4
+from minite.kernels import lazy
 from minite.nn.forward_scope import scope_memo
 from minite.nn.quantized_weight import QuantizedWeight
 from minite.nvfp4 import quantize
@@ -209,17 +210,13 @@ def produce_quantized(recipe: Recipe, device: torch.device, produce) -> torch.Te
     """Run an op that also quantizes its output for the NVFP4 linears reading it next (where
     `can_seed_quantized_input`): `produce(operand dtype, chain)` -> (out, values e2m1 * s_b, S_dec,
     amax); the quantization is handed to those linears (`seed_quantized_input`); returns out."""
-    from minite.kernels import gemm
-
-    out, values, sdec, amax = produce(gemm.operand_dtype(device), recipe.activation.chain)
+    out, values, sdec, amax = produce(lazy.gemm.operand_dtype(device), recipe.activation.chain)
     seed_quantized_input(out, recipe, values, sdec, amax)
     return out
 
 
 def _quantize_rows(x2: torch.Tensor, recipe: Recipe):
-    from minite.kernels import gemm as kg
-    from minite.kernels import nvfp4 as kq
-
+    kg, kq = lazy.gemm, lazy.nvfp4
     chain = recipe.activation.chain
     nvfp4._check_args(x2, "row", (1, 16), "rne", chain, None)
     nvfp4._pad_or_raise(x2, (1, 16), pad=False)
@@ -249,9 +246,7 @@ def _weight_scale(qweight: QuantizedWeight, recipe: Recipe) -> torch.Tensor:
 
 def _dense_kernel(x2: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe, fast: bool):
     """x2 [M, K] times a 2D weight on the kernels -> (out [M, N] in x2.dtype, a, S_dec)."""
-    from minite.kernels import decode_gemm as kd
-    from minite.kernels import gemm as kg
-
+    kd, kg = lazy.decode_gemm, lazy.gemm
     a, sdec, row_factor = _kernel_rows(x2, recipe)
     m, k = a.shape
     n = qweight.unscaled.shape[-2]
@@ -439,9 +434,7 @@ def _dense_bf16_grads(ctx, dy: torch.Tensor):
     if ctx.needs_input_grad[1]:
         dyx = torch.empty_like(dy2, memory_format=torch.contiguous_format)
         if dy2.is_cuda and dy2.is_contiguous():
-            from minite.kernels.scale import scale_rows_2d
-
-            scale_rows_2d(dy2, xs.reshape(-1), dyx)
+            lazy.scale.scale_rows_2d(dy2, xs.reshape(-1), dyx)
         else:
             torch.mul(dy2, xs.reshape(-1, 1), out=dyx)
         dw = torch.mm(dyx.t(), xu.view(m, k))
@@ -453,11 +446,9 @@ def _scale_bf16(x: torch.Tensor, row_scale: torch.Tensor, inplace: bool = False)
     one-pass kernel on CUDA (`minite.kernels.scale`), torch's mixed-dtype mul elsewhere; same bits."""
     out = x if inplace else torch.empty_like(x, memory_format=torch.contiguous_format)
     if x.is_cuda and x.is_contiguous():
-        from minite.kernels.scale import scale_rows
-
         if row_scale.numel() != 1:  # one scale for all rows stays a single number (no per-row copy)
             row_scale = row_scale.expand(*x.shape[:-1], 1).reshape(-1)
-        return scale_rows(x, row_scale, out=out)
+        return lazy.scale.scale_rows(x, row_scale, out=out)
     return torch.mul(x, row_scale, out=out)
 
 

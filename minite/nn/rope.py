@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from minite.kernels import lazy
 from minite.nn.forward_scope import scope_memo
 from minite.nn.fused import fused_applies
 
@@ -64,17 +65,13 @@ class _RoPE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, cos, sin):
-        from minite.kernels.rope import apply_rope as kernel_apply_rope
-
         ctx.save_for_backward(cos, sin)
-        return kernel_apply_rope(x, cos, sin)
+        return lazy.rope.apply_rope(x, cos, sin)
 
     @staticmethod
     def backward(ctx, grad):
-        from minite.kernels.rope import apply_rope as kernel_apply_rope
-
         cos, sin = ctx.saved_tensors
-        return kernel_apply_rope(grad, cos, sin, backward=True), None, None
+        return lazy.rope.apply_rope(grad, cos, sin, backward=True), None, None
 
 
 def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

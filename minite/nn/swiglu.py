@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from minite.kernels import lazy
 from minite.nn import nvfp4_matmul
 from minite.nn.fused import fused_applies
 from minite.recipe import Recipe
@@ -19,8 +20,7 @@ from minite.recipe import Recipe
 def swiglu(gate: torch.Tensor, up: torch.Tensor, quantize_for: Recipe | None = None) -> torch.Tensor:
     """silu(gate) * up for gate / up [..., I]."""
     if fused_applies(gate):
-        from minite.kernels import swiglu as kernel
-
+        kernel = lazy.swiglu
         if kernel.applies(gate, up):
             if quantize_for is not None and nvfp4_matmul.can_seed_quantized_input(gate, quantize_for):
                 def produce(dtype, chain):
