@@ -27,6 +27,8 @@
 #   learner_launch  the dense learner twice with the direct kernel launches (`minite.kernels.launch`), twice
 #             on Triton's own launch path (before session 12), alternating
 #   learner_moe  the MoE learner alone (bf16 and aligned)
+#   learner_repeat  the dense learner in 4 processes (8 steps each): the spread between processes
+#   agreement_presets  aligned learner vs aligned sampler, 4 layers of qwen3-1.7b and of qwen3-30b-a3b
 #   learner_dense  the dense learner alone, default tiles
 #   learner_attn  the dense learner twice with the Triton attention backward, twice with the reference
 #             backward (before session 13), alternating
@@ -84,6 +86,16 @@ for part in "$@"; do
     fused_tests)
       step 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemm_segments.py \
         tests/nn/test_fused_projections.py ;;
+    learner_repeat)
+      for i in 1 2 3 4; do
+        step 60 python3 benchmarks/bench_learner.py --models dense --steps 8 --out "$OUT/extra/learner_dense_$i.json"
+      done ;;
+    agreement_presets)
+      for preset in qwen3-1.7b qwen3-30b-a3b; do
+        step 60 python3 -m minite.cli agreement --preset $preset --layers 4 --num-prompts 16 --n 4 \
+          --max-tokens 64 --learner-recipe aligned --backend triton --json
+        cp "$OUT/extra/step.txt" "$OUT/extra/agreement_$preset.txt"
+      done ;;
     learner_moe)
       step 90 python3 benchmarks/bench_learner.py --models moe --out "$OUT/extra/learner_moe.json" ;;
     quant_tests)
