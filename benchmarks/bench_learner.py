@@ -65,8 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--projections", default="fused", choices=["fused", "separate"],
                    help="fused: q/k/v and gate/up as one NVFP4 GEMM each (minite.nn.fused_projections, the "
                         "default); separate: one GEMM per linear (before session 14)")
-    p.add_argument("--gc-freeze", action="store_true",
-                   help="gc.freeze() after the warm-up steps (later collections skip older objects)")
+    p.add_argument("--no-gc-freeze", action="store_true",
+                   help="Learner(freeze_gc=False): no gc.freeze() after the first step (before session 14)")
     p.add_argument("--aligned-small-tile", action="store_true",
                    help="the aligned GEMMs keep the small tile at every M (A/B for `gemm.ALIGNED_LARGE_M`)")
     p.add_argument("--kernels", action="store_true",
@@ -130,15 +130,13 @@ class GcTimer:
 def bench_one(kind: str, recipe: str, args) -> dict:
     model = build(kind, recipe, args)
     learner = Learner(model, lr=1e-6, micro_batch_tokens=args.micro_batch_tokens,
-                      activation_checkpointing=args.activation_checkpointing)
+                      activation_checkpointing=args.activation_checkpointing, freeze_gc=not args.no_gc_freeze)
     batch = make_batch(model.config.vocab_size, args)
     loss_fn = partial(policy_loss, cfg=LossConfig())
     times, gc_time = [], GcTimer()
     for i in range(args.warmup + args.steps):
         sync()
         if i == args.warmup:
-            if args.gc_freeze:
-                gc.freeze()
             gc_time.start()
         t0 = time.perf_counter()
         m = learner.step(batch, loss_fn)
@@ -152,13 +150,18 @@ def bench_one(kind: str, recipe: str, args) -> dict:
                micro_batches=int(m["micro_batches"]), step_s=seconds, tokens_per_s=m["tokens"] / seconds,
                steps_s=[round(t, 4) for t in times], gc_ms_per_step=gc_time.seconds * 1e3 / len(times),
                gc_collections=gc_time.collections)
-    if args.gc_freeze:
-        gc.unfreeze()
     if torch.cuda.is_available() and not args.tiny:
         row["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
         torch.cuda.reset_peak_memory_stats()
     del learner, model
+    release_frozen()
     return row
+
+
+def release_frozen() -> None:
+    """Undo the learner's gc.freeze() (the next model's learner freezes its own objects) and collect."""
+    gc.unfreeze()
+    gc.collect()
 
 
 def profile_one(kind: str, recipe: str, args) -> list[dict]:
@@ -174,6 +177,7 @@ def profile_one(kind: str, recipe: str, args) -> list[dict]:
     table = profile_table(step)
     print_profile(f"{kind} {recipe}: one learner step", table)
     del learner, model
+    release_frozen()
     return table
 
 
@@ -229,7 +233,7 @@ def main(argv=None) -> list[dict]:
     setup = {k: getattr(args, k) for k in ("seqs", "seq_len", "prompt_len", "micro_batch_tokens", "backend",
                                            "activation_checkpointing", "no_moe_grouped_mm",
                                            "no_fused_kernels", "steps", "warmup", "tiny",
-                                           "attention_backward", "projections", "gc_freeze")}
+                                           "attention_backward", "projections", "no_gc_freeze")}
     table_rows = [{k: v for k, v in r.items() if k != "kernels"} for r in rows]
     report("learner train step (tokens/s)", table_rows, None)
     if args.out:

@@ -16,10 +16,17 @@ The loss: `loss_fn(rl_batch) -> (loss, metrics)` on each micro-batch converted t
 it is called as `loss_fn(rl_batch, correction=correction.rows(rows))`. Each micro-batch's loss is
 weighted by its share of the batch's response tokens (`aggregation="token_mean"`) or of its
 non-empty sequences (`"seq_mean"`), so that the accumulated gradient equals the one-batch gradient.
+
+Garbage collection: after its first step the learner calls `gc.freeze()` once (`freeze_gc=True`, the
+default): the objects alive then (modules, parameters, compiled kernels, imported code) move to the
+collector's permanent generation, so a full collection no longer walks them. Without it the dense
+1.7B step met a full collection every few steps, ~150 ms each on the H200 machines' hosts
+(benchmarks/results/h200_2026-12-01_s14). Objects made later are collected as usual.
 """
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 
@@ -65,7 +72,8 @@ class Learner:
     def __init__(self, model: nn.Module, lr: float = 1e-6, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.999), max_grad_norm: float | None = 1.0,
                  micro_batch_tokens: int = 8192, activation_checkpointing: bool = False, eps: float = 1e-8,
-                 logprob_chunk_rows: int = DEFAULT_CHUNK_ROWS, sync_weights_after_step: bool = True):
+                 logprob_chunk_rows: int = DEFAULT_CHUNK_ROWS, sync_weights_after_step: bool = True,
+                 freeze_gc: bool = True):
         if micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens={micro_batch_tokens} must be >= 1")
         self.model = model
@@ -73,6 +81,7 @@ class Learner:
         self.activation_checkpointing = activation_checkpointing
         self.logprob_chunk_rows = logprob_chunk_rows
         self.sync_weights_after_step = sync_weights_after_step
+        self.freeze_gc = freeze_gc
         self.optimizer = MasterAdamW(model.parameters(), lr=lr, betas=betas, eps=eps,
                                      weight_decay=weight_decay, max_grad_norm=max_grad_norm)
         self.steps = 0
@@ -116,6 +125,8 @@ class Learner:
             sync_weights(self.model)
         sums = _to_floats(sums)  # after the updates are queued: the GPU need not drain before them
         self.steps += 1
+        if self.steps == 1 and self.freeze_gc:
+            gc.freeze()  # module docstring
         seconds = time.perf_counter() - start
         tokens = sum(s.numel() - 1 for s in batch.sequences)
         return {**sums, **result, "lr": self.optimizer.lr, "micro_batches": float(len(groups)),

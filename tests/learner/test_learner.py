@@ -150,3 +150,21 @@ def test_step_trains_and_reports_metrics():
     assert lp1 > lp0  # the policy gradient step raised the advantage-weighted log-likelihood
     with pytest.raises(ValueError, match="advantages"):
         learner.step(replace(batch, advantages=None), partial(policy_loss, cfg=LossConfig()))
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_learner_freezes_the_collector_once_after_its_first_step(freeze):
+    import gc
+
+    gc.unfreeze()
+    try:
+        model = tiny_model()
+        batch = _batch(model)
+        learner = Learner(model, lr=1e-3, micro_batch_tokens=64, freeze_gc=freeze)
+        learner.step(batch, partial(policy_loss, cfg=LossConfig()))
+        frozen = gc.get_freeze_count()
+        assert (frozen > 0) == freeze
+        learner.step(batch, partial(policy_loss, cfg=LossConfig()))
+        assert gc.get_freeze_count() <= frozen  # no second freeze (frozen objects may still be freed)
+    finally:
+        gc.unfreeze()
