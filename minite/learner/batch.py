@@ -99,9 +99,9 @@ class SequenceBatch:
 
     def mask(self, device=None) -> Tensor:
         """[S, T] bool, True on response tokens (and, with `token_mask`, only where it is True)."""
-        lens = torch.tensor(self.response_lens, device=device)
+        lens = to_device(torch.tensor(self.response_lens), device)
         mask = torch.arange(self.width, device=device)[None] < lens[:, None]
-        return mask if self.token_mask is None else mask & self.token_mask.to(device)
+        return mask if self.token_mask is None else mask & to_device(self.token_mask, device)
 
     def rows(self, index: Sequence[int]) -> SequenceBatch:
         """The sub-batch of sequences `index`; per-token fields keep the full width T."""
@@ -120,12 +120,21 @@ class SequenceBatch:
         if self.advantages is None:
             raise ValueError("the loss needs advantages: build the SequenceBatch with advantages=...")
         dev = logprobs.device
-        on = lambda x: None if x is None else x.to(dev)
+        on = lambda x: None if x is None else to_device(x, dev)
         old = on(self.old_logprobs)
         old = logprobs.detach() if old is None else old
         sampler = on(self.sampler_logprobs)
         return RLBatch(logprobs, old, old if sampler is None else sampler, self.mask(dev),
                        on(self.advantages), on(self.ref_logprobs))
+
+
+def to_device(t: Tensor, device) -> Tensor:
+    """`t.to(device)`; a CPU tensor goes to a GPU from pinned memory, asynchronously: a copy from
+    pageable memory waits for all the GPU's queued work first (a host sync in the learner's step)."""
+    if device is None or t.device == torch.device(device) or t.device.type != "cpu" or \
+            torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def pad_rows(rows: Sequence[Tensor], width: int, value: float = 0.0) -> Tensor:

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from minite.learner.batch import SequenceBatch
+from minite.learner.batch import SequenceBatch, to_device
 from minite.nn.forward_scope import forward_scope
 from minite.sampling import token_logprobs
 
@@ -54,9 +54,10 @@ def pack(batch: SequenceBatch, device=None) -> Packed:
         position.append(torch.arange(r))
     if not inputs:
         raise ValueError("the batch has no response tokens")
-    cat = lambda xs: torch.cat(xs).to(device)
-    return Packed(cat(inputs)[None], torch.tensor(bounds, device=device), cat(rows), cat(targets),
-                  cat(seq_index), cat(position))
+    parts = [torch.cat(inputs), torch.tensor(bounds), *map(torch.cat, (rows, targets, seq_index, position))]
+    flat = to_device(torch.cat([p.to(torch.int64) for p in parts]), device)  # one copy, no host sync
+    ids, cu, *rest = flat.split([p.numel() for p in parts])
+    return Packed(ids[None], cu, *rest)
 
 
 def chunked_token_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
@@ -82,7 +83,8 @@ def packed_hidden_states(model, packed: Packed, activation_checkpointing: bool =
     """Final-norm hidden states of the packed input, [N, H]; optionally checkpointing every decoder
     layer (only its input is kept; the backward recomputes the layer)."""
     if not activation_checkpointing or not torch.is_grad_enabled():
-        return model.hidden_states(packed.input_ids, cu_seqlens=packed.cu_seqlens)[0]
+        # `pack` made cu_seqlens valid: the model need not check it (a host sync on the GPU)
+        return model.hidden_states(packed.input_ids, cu_seqlens=packed.cu_seqlens, check=False)[0]
     positions = model.default_positions(packed.input_ids, packed.cu_seqlens)  # [1, N]
     x = model.embed_tokens(packed.input_ids)  # [1, N, H]
     with forward_scope():  # the forward shares one attention layout (the recompute builds its own)

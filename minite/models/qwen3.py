@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minite.models.config import ModelConfig
-from minite.nn.attention import Attention
+from minite.nn.attention import Attention, packed_layout
 from minite.nn.forward_scope import forward_scope
 from minite.nn.fused_projections import project
 from minite.nn.linear import Linear
@@ -121,27 +121,33 @@ class Qwen3(nn.Module):
         B, T = input_ids.shape
         if cu_seqlens is None:
             return torch.arange(T, device=input_ids.device).expand(B, T)
-        lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # [S]
-        starts = torch.repeat_interleave(cu_seqlens[:-1].to(input_ids.device), lengths.to(input_ids.device))
+        cu = cu_seqlens.to(input_ids.device)
+        # output_size: no host sync to learn it (the packed length is T)
+        starts = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1], output_size=T)
         return (torch.arange(T, device=input_ids.device) - starts)[None]
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                      cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                      cu_seqlens: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
         """Final-norm hidden states `[B, T, H]` (the LM head's input). With `cu_seqlens` `[S + 1]`,
-        `input_ids` is `[1, N]`: S sequences packed back to back, attending only within themselves."""
+        `input_ids` is `[1, N]`: S sequences packed back to back, attending only within themselves.
+        `check=False` skips the check that cu_seqlens runs from 0 to N (a host sync on the GPU) for
+        callers that built it (the learner's packing)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         if cu_seqlens is not None and input_ids.shape[0] != 1:
             raise ValueError(
                 f"packed input (cu_seqlens) needs input_ids of shape [1, N], got {tuple(input_ids.shape)}")
-        if cu_seqlens is not None and (cu_seqlens[0] != 0 or cu_seqlens[-1] != input_ids.shape[1]):
+        if check and cu_seqlens is not None and (cu_seqlens[0] != 0 or cu_seqlens[-1] != input_ids.shape[1]):
             raise ValueError(f"cu_seqlens must run from 0 to the packed length {input_ids.shape[1]}, "
                              f"got {cu_seqlens.tolist()}")
-        if position_ids is None:
+        default = position_ids is None
+        if default:
             position_ids = self.default_positions(input_ids, cu_seqlens)
         position_ids = position_ids.expand(input_ids.shape)
         x = self.embed_tokens(input_ids)  # [B, T, H]
         with forward_scope():
+            if default and cu_seqlens is not None:  # the attention kernel's layout, known without a check
+                packed_layout(position_ids, cu_seqlens, *input_ids.shape, kernel_ok=True)
             for layer in self.layers:
                 x = layer(x, position_ids, cu_seqlens)
         return self.norm(x)

@@ -136,13 +136,15 @@ class PackedLayout:
     tiles and the reference backward's `varlen_plan` (from the bounds, read at construction when
     grad is enabled so that the backward never waits on the host)."""
 
-    def __init__(self, positions: torch.Tensor, cu: torch.Tensor):
+    def __init__(self, positions: torch.Tensor, cu: torch.Tensor, kernel_ok: bool | None = None):
         n, dev = positions.numel(), positions.device
         self.positions = positions.reshape(n).to(torch.int64).contiguous()
         self.cu = cu.to(dev, torch.int64)
         lengths = self.cu[1:] - self.cu[:-1]
         self.seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=dev), lengths, output_size=n)
-        self.kernel_ok = torch.equal(self.positions, torch.arange(n, device=dev) - self.cu[:-1][self.seq])
+        if kernel_ok is None:  # unless the caller made the positions that way (`Qwen3.hidden_states`)
+            kernel_ok = torch.equal(self.positions, torch.arange(n, device=dev) - self.cu[:-1][self.seq])
+        self.kernel_ok = kernel_ok
         self._tiles: dict[tuple, torch.Tensor] = {}
         self._plans: dict[int, list] = {}
         # the reference backward will need the bounds: read them now, beside the sync above, not
@@ -167,7 +169,8 @@ class PackedLayout:
         return self._plans[num_heads]
 
 
-def packed_layout(positions: torch.Tensor, cu_seqlens: torch.Tensor | None, B: int, T: int) -> PackedLayout:
+def packed_layout(positions: torch.Tensor, cu_seqlens: torch.Tensor | None, B: int, T: int,
+                  kernel_ok: bool | None = None) -> PackedLayout:
     """The PackedLayout of positions [B, T] (cu_seqlens None: B sequences of T) or of one packed row
     (B = 1 with cu_seqlens); built once per forward scope for the same tensors (`forward_scope`)."""
     memo = scope_memo("packed_layout")
@@ -176,7 +179,7 @@ def packed_layout(positions: torch.Tensor, cu_seqlens: torch.Tensor | None, B: i
     if hit is not None and hit[0] is positions and hit[1] is cu_seqlens:
         return hit[2]
     cu = cu_seqlens if cu_seqlens is not None else torch.arange(0, B * T + 1, T, device=positions.device)
-    layout = PackedLayout(positions, cu)
+    layout = PackedLayout(positions, cu, kernel_ok)
     if memo is not None:
         memo[key] = (positions, cu_seqlens, layout)
     return layout

@@ -168,3 +168,28 @@ def test_learner_freezes_the_collector_once_after_its_first_step(freeze):
         assert gc.get_freeze_count() <= frozen  # no second freeze (frozen objects may still be freed)
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_micro_batch_runs_without_host_syncs():
+    """Packing, the forward on the kernels, the loss and the backward of a micro-batch never wait on
+    the GPU (the learner's only syncs are the optimizer's grad norm and the weight refresh's check)."""
+    from minite.learner.logprobs import sequence_logprobs
+    from minite.nn import refresh_quantized_weights
+    from minite.recipe import get_recipe
+
+    model = tiny_model(recipe=get_recipe("aligned", backend="triton"), dtype=torch.bfloat16).cuda()
+    refresh_quantized_weights(model)
+    batch = random_batch(params=PARAMS, lengths=((40, 50), (30, 70), (60, 20)))
+    loss_fn = partial(policy_loss, cfg=LossConfig())
+    sequence_logprobs(model, batch)  # warm-up: kernel compilation, pinned-memory pool
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        lp = sequence_logprobs(model, batch)
+        loss, _ = loss_fn(batch.to_rl_batch(lp))
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(loss).item()
