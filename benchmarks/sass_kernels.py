@@ -8,9 +8,12 @@ this way).
 - decode: the decode GEMM's tiles (`decode_gemm.DECODE_TILES`, K = 4096): instructions of the main
   loop per weight a thread dequantizes, registers, and shared-memory stores (a register-written MMA
   operand shows up as STS, and costs a fence before each MMA);
-- grouped: the same for the MoE grouped decode kernel's tiles (`grouped_decode.GROUPED_DECODE_TILES`).
+- grouped: the same for the MoE grouped decode kernel's tiles (`grouped_decode.GROUPED_DECODE_TILES`);
+- gemm: the W4A4 GEMM on the bf16 copy (`gemm._w4a4_tma_kernel`, and the pointer kernel) at the
+  aligned configs, alone and segmented (`gemm.gemm_segments`): that sm_90 compiles them (the CPU
+  interpreter takes code the GPU compiler rejects), their MMAs, registers and spills.
 
-    python benchmarks/sass_kernels.py [quantize|decode|grouped] [--k 4096]
+    python benchmarks/sass_kernels.py [quantize|decode|grouped|gemm] [--k 4096]
 """
 
 import argparse
@@ -26,6 +29,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from minite.kernels import decode_gemm as kd
+from minite.kernels import gemm as kgemm
 from minite.kernels import grouped_decode as gd
 from minite.kernels import nvfp4_pairs as kp
 
@@ -150,12 +154,36 @@ def grouped(k: int) -> None:
         _loop_report(name, gd._grouped_decode_kernel, GROUPED_SIGNATURE, const, dict(tile, **t), strides)
 
 
+GEMM_SIGNATURE = {"a_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*bf16", "sa_ptr": "*fp32", "sw_ptr": "*fp32",
+                  "out_ptr": "*bf16", "M": "i32", "N": "i32", "stride_am": "i32", "stride_wn": "i32",
+                  "stride_wsn": "i32", "stride_om": "i32", "stride_sa": "i32", "programs": "i32", "N1": "i32",
+                  "N2": "i32"}
+
+
+def gemm(k: int) -> None:
+    for config in ("aligned", "aligned_large"):
+        tile = kgemm.CONFIGS[config]
+        t = {key: tile[key] for key in ("BM", "BN", "BK", "GROUP_M")}
+        for segmented in (False, True):
+            tma = dict(K=k, EPILOGUE=0, PERSISTENT=bool(tile.get("PERSIST")),
+                       FLATTEN=bool(tile.get("FLATTEN")), SEGMENTED=segmented, **t)
+            pointer = dict(K=k, EPILOGUE=0, W_PACKED=False, DOT_F16=False, SEGMENTED=segmented, **t)
+            kernels = (("tma", kgemm._w4a4_tma_kernel, tma), ("pointer", kgemm._w4a4_kernel, pointer))
+            for name, fn, const in kernels:
+                sig = {n: GEMM_SIGNATURE[n] for n in fn.arg_names if n not in const}
+                sass, summary = compile_sass(fn, sig, const, tile["num_warps"],
+                                             aligned=("stride_am", "stride_wn"))
+                ops = main_loop_ops(sass)
+                print(f"gemm {config} {name} segmented={segmented}: main loop HGMMA {ops['HGMMA']} "
+                      f"({summary})")
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("what", nargs="?", default="quantize", choices=["quantize", "decode", "grouped"])
+    p.add_argument("what", nargs="?", default="quantize", choices=["quantize", "decode", "grouped", "gemm"])
     p.add_argument("--k", type=int, default=4096, help="row width / reduction length (elements)")
     args = p.parse_args()
-    dict(quantize=quantize, decode=decode, grouped=grouped)[args.what](args.k)
+    dict(quantize=quantize, decode=decode, grouped=grouped, gemm=gemm)[args.what](args.k)
 
 
 if __name__ == "__main__":

@@ -54,9 +54,10 @@ def store_segments(acc, sa_ptr, sw0, sw1, sw2, out_ptr, offs_m, offs_n, M, N, N1
         out = round_bf16(round_bf16(acc) * round_bf16(scale))
     else:
         out = acc * scale
-    m = offs_m.to(tl.int64)[:, None]
-    n = offs_n[None, :]
-    rows = m * 0 + M  # int64 (M itself may be a 32-bit scalar)
-    later = tl.where(n < N2, rows * N1 + m * (N2 - N1) + (n - N1), rows * N2 + m * (N - N2) + (n - N2))
-    off = tl.where(n < N1, m * N1 + n, later)
+    # per column: its weight's row stride (width) and where its output starts; the offset inside a
+    # weight's output in 32 bits (the host keeps M * width below 2^31), its start in 64
+    width = tl.where(offs_n < N1, N1, tl.where(offs_n < N2, N2 - N1, N - N2))  # [BN]
+    start = tl.where(offs_n < N1, 0, tl.where(offs_n < N2, N1, N2))  # [BN]
+    local = offs_m[:, None] * width[None, :] + (offs_n - start)[None, :]
+    off = (start.to(tl.int64) * M)[None, :] + local
     tl.store(out_ptr + off, out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n < N)[None, :])

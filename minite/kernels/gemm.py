@@ -275,6 +275,9 @@ def gemm_segments(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, w_scales: 
     if len(widths) not in (2, 3) or sum(widths) != n or min(widths) <= 0 or w_scales.numel() != 3:
         raise ValueError(f"gemm_segments takes 2 or 3 positive widths summing to N={n} and 3 scales; got "
                          f"{tuple(widths)} and {w_scales.numel()} scales")
+    if m * max(widths) >= 2**31:
+        raise ValueError(f"gemm_segments: M * width = {m} * {max(widths)} must stay below 2^31 (32-bit "
+                         "offsets inside each output)")
     bounds = (widths[0], n if len(widths) == 2 else widths[0] + widths[1])
     buf = torch.empty(m * n, dtype=out_dtype, device=a.device)
     if cfg.get("TMA") and _tma_ok(a, w):

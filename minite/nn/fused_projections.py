@@ -61,8 +61,9 @@ def _fusable(x: torch.Tensor, linears) -> bool:
         return False
     if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
         return False
-    return all(lin.in_features == k and lin.weight.dtype == x.dtype and not lin._forward_hooks
-               and not lin._forward_pre_hooks for lin in linears)
+    rows = x.numel() // k
+    return all(lin.in_features == k and lin.weight.dtype == x.dtype and rows * lin.out_features < 2**31
+               and not lin._forward_hooks and not lin._forward_pre_hooks for lin in linears)
 
 
 def _members_fit(linears, device) -> bool:

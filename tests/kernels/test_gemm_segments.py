@@ -64,5 +64,8 @@ def test_bad_widths_raise():
     for widths in ((48,), (16, 16), (16, 16, 8, 8), (48, 0)):
         with pytest.raises(ValueError, match="widths"):
             kg.gemm_segments(a, one, w, torch.ones(3, device=dev), widths, "sdec", torch.float32, cfg)
+    with pytest.raises(ValueError, match="2\\^31"):
+        kg.gemm_segments(a[:1].expand(2**26, 64), one, w, torch.ones(3, device=dev), (16, 32), "sdec",
+                         torch.float32, cfg)
     with pytest.raises(ValueError, match="3 scales"):
         kg.gemm_segments(a, one, w, torch.ones(2, device=dev), (16, 32), "sdec", torch.float32, cfg)
