@@ -76,6 +76,14 @@ def _members_fit(linears, device) -> bool:
                and lin.weight.device == device for lin in linears)
 
 
+def fused_members(model: torch.nn.Module) -> set[int]:
+    """ids of the linears that modules of `model` may run fused (`fused_projection_groups()`)."""
+    if not _STATE["on"]:
+        return set()
+    return {id(lin) for owner in model.modules() if hasattr(owner, "fused_projection_groups")
+            for linears in owner.fused_projection_groups() for lin in linears}
+
+
 def prepare_model(model: torch.nn.Module) -> None:
     """Make the concatenated copies of every module with `fused_projection_groups()` now (after a
     weight update: `refresh_quantized_weights` calls it, so the copies are queued with the quantizer's

@@ -207,9 +207,15 @@ STACK_BYTES = 1 << 29
 def refresh_quantized_weights(model: torch.nn.Module) -> int:
     """Re-quantize every cached weight in `model` now (checking them all for inf/NaN with one host
     sync); returns how many modules were refreshed. 2D weights of one shape, dtype and spec are
-    quantized together (`quantize_weights`: a launch per group, not per weight; the same bits)."""
+    quantized together (`quantize_weights`: a launch per group, not per weight; the same bits). The
+    members of fused projections (`minite.nn.fused_projections`) stack apart from the others: their
+    copies move into the concatenated ones, and a stack shared with another weight would stay
+    allocated for it."""
+    from minite.nn.fused_projections import fused_members, prepare_model
+
     groups: dict[tuple, list] = {}
     n = 0
+    fused = fused_members(model)
     with deferred_finite_checks():
         for m in model.modules():
             if not hasattr(m, "refresh_quantized_weight"):
@@ -219,19 +225,16 @@ def refresh_quantized_weights(model: torch.nn.Module) -> int:
             spec = getattr(recipe, "weight", None)
             if (getattr(recipe, "fp4", False) and isinstance(w, torch.Tensor) and w.ndim == 2
                     and _one_launch(w.detach(), spec, "auto")):
-                groups.setdefault((tuple(w.shape), w.dtype, w.device, spec), []).append(m)
+                groups.setdefault((tuple(w.shape), w.dtype, w.device, spec, id(m) in fused), []).append(m)
             else:
                 m.refresh_quantized_weight()
-        for (_, _, _, spec), mods in groups.items():
+        for (_, _, _, spec, _), mods in groups.items():
             per = max(1, STACK_BYTES // (mods[0].weight.numel() * mods[0].weight.element_size()))
             for i in range(0, len(mods), per):
                 chunk = mods[i:i + per]
                 for m, qw in zip(chunk, quantize_weights([m.weight for m in chunk], spec)):
                     m.refresh_quantized_weight(qw)
-        # the fused projections' concatenated copies, queued before the one sync below
-        from minite.nn.fused_projections import prepare_model
-
-        prepare_model(model)
+        prepare_model(model)  # the fused projections' concatenated copies, queued before the one sync
     return n
 
 

@@ -256,10 +256,12 @@ def test_refresh_brings_the_weight_scales_to_the_host_and_dgrad_keeps_its_bits(r
 @pytest.mark.parametrize("stack_bytes", [1 << 29, 1])
 def test_refresh_quantizes_same_shape_weights_together_with_the_same_bits(stack_bytes, monkeypatch):
     """refresh_quantized_weights stacks the 2D weights of one shape and spec into one quantize launch
-    (chunked by STACK_BYTES); every module gets bitwise its own `quantize_weight`, host S_dec included."""
+    (chunked by STACK_BYTES; fused-projection members apart from the others); every module gets
+    bitwise its own `quantize_weight`, host S_dec included."""
     from minite import kernels
     from minite.models import Qwen3, tiny_qwen3
     from minite.nn import quantized_weight as qwm
+    from minite.nn.fused_projections import fused_members
 
     if not kernels.available():
         pytest.skip("Triton is not installed")
@@ -274,7 +276,8 @@ def test_refresh_quantizes_same_shape_weights_together_with_the_same_bits(stack_
     monkeypatch.setattr(qwm, "_one_launch", lambda w, spec, backend: one_launch(w, spec, "triton"))
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.recipe.fp4]
     assert refresh_quantized_weights(model) >= len(linears)
-    shapes = {tuple(m.weight.shape) for m in linears}
+    fused = fused_members(model)
+    shapes = {(tuple(m.weight.shape), id(m) in fused) for m in linears}
     assert sum(launches) == len(linears)
     assert len(launches) == (len(shapes) if stack_bytes > 1 else len(linears))
     for m in linears:
