@@ -12,7 +12,7 @@ it computes them together:
   sampler stay aligned whether a forward runs fused or not.
 - backward (bf16): dX = sum_j S_dec_w,j * (dY_j @ Wu_j) as one mm and in-place addmm's (each weight's
   scale as the GEMM's alpha), dW_j = dY_j^T @ bf16(Xu * S_dec_x) with the dequantized input made once
-  for the group: 2 + 2 * (weights - 1) + 1 + weights launches instead of 4 per weight plus autograd's
+  for the group: 2 + (weights - 1) + 1 + weights launches instead of 4 per weight plus autograd's
   additions of the dX's. The same formulas as the separate linears' 'dequantized' backward (see
   `minite.nn.linear`), the bf16 roundings at other places (within bf16 rounding of each other).
   fp32 / fp16 models (or S_dec not on the host): fp32 GEMMs on the dequantized operands.
