@@ -27,6 +27,7 @@ collected as usual.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import time
 from collections.abc import Callable
@@ -127,7 +128,7 @@ class Learner:
         sums = _to_floats(sums)  # after the updates are queued: the GPU need not drain before them
         self.steps += 1
         if self.steps == 1 and self.freeze_gc:
-            gc.freeze()  # module docstring
+            _freeze_gc()
         seconds = time.perf_counter() - start
         tokens = sum(s.numel() - 1 for s in batch.sequences)
         return {**sums, **result, "lr": self.optimizer.lr, "micro_batches": float(len(groups)),
@@ -141,6 +142,18 @@ class Learner:
         self.steps = int(state["steps"])
         if self.sync_weights_after_step:
             sync_weights(self.model)
+
+
+def _freeze_gc() -> None:
+    """`gc.freeze()` (module docstring), undone at exit: objects still frozen then are never freed, and
+    extension modules report them as leaks (Triton 3.9's nanobind prints hundreds of lines)."""
+    if not _FROZE:
+        atexit.register(gc.unfreeze)
+        _FROZE.append(True)
+    gc.freeze()
+
+
+_FROZE: list[bool] = []
 
 
 def _to_floats(values: dict) -> dict[str, float]:

@@ -193,3 +193,35 @@ def test_gpu_micro_batch_runs_without_host_syncs():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.isfinite(loss).item()
+
+
+EXIT_SCRIPT = """
+from functools import partial
+import torch
+import minite.kernels.gemm  # Triton's extension objects alive, as in `minite train`
+from minite.learner import Learner, SequenceBatch
+from minite.models import Qwen3, tiny_qwen3
+from minite.rl.losses import LossConfig, policy_loss
+g = torch.Generator().manual_seed(0)
+batch = SequenceBatch.from_samples([torch.randint(2, 100, (4,), generator=g)],
+                                   [torch.randint(2, 100, (5,), generator=g)], advantages=torch.ones(1))
+Learner(Qwen3(tiny_qwen3(), recipe="aligned"), lr=1e-3).step(batch, partial(policy_loss, cfg=LossConfig()))
+print("stepped")
+"""
+
+
+def test_the_frozen_collector_is_released_at_exit():
+    """Objects still frozen at exit are never freed; Triton 3.9's nanobind then prints hundreds of
+    'leaked' lines after every `minite train` (the learner unfreezes at exit)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = root
+    run = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, env=env,
+                         cwd=root, timeout=600)
+    assert run.returncode == 0 and "stepped" in run.stdout, run.stderr[-2000:]
+    assert "leaked" not in run.stderr, run.stderr[-2000:]
