@@ -87,6 +87,10 @@ class Learner:
         self.optimizer = MasterAdamW(model.parameters(), lr=lr, betas=betas, eps=eps,
                                      weight_decay=weight_decay, max_grad_norm=max_grad_norm)
         self.steps = 0
+        if sync_weights_after_step:
+            # quantized now, as after every step (S_dec on the host): the first step's backward takes
+            # the same paths as the later ones (and compiles what they use)
+            sync_weights(model)
 
     def logprobs(self, batch: SequenceBatch) -> torch.Tensor:
         """log pi of the batch's response tokens, fp32 [S, T], 0 off the response (micro-batched)."""

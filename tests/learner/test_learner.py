@@ -225,3 +225,14 @@ def test_the_frozen_collector_is_released_at_exit():
                          cwd=root, timeout=600)
     assert run.returncode == 0 and "stepped" in run.stdout, run.stderr[-2000:]
     assert "leaked" not in run.stderr, run.stderr[-2000:]
+
+
+def test_learner_quantizes_the_weights_with_host_scales_at_construction():
+    """The first step's backward takes the paths of the later ones (the NVFP4 linears' lean bf16 backward
+    and the fused projections' need S_dec on the host, which the refresh brings)."""
+    from minite.nn import Linear
+
+    model = tiny_model()
+    Learner(model)
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.recipe.fp4]
+    assert linears and all(m.quantized_weight().host_global_scale() is not None for m in linears)
