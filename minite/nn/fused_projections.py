@@ -15,7 +15,8 @@ it computes them together:
   for the group: 2 + (weights - 1) + 1 + weights launches instead of 4 per weight plus autograd's
   additions of the dX's. The same formulas as the separate linears' 'dequantized' backward (see
   `minite.nn.linear`), the bf16 roundings at other places (within bf16 rounding of each other).
-  fp32 / fp16 models (or S_dec not on the host): fp32 GEMMs on the dequantized operands.
+  Before a refresh has brought S_dec to the host, the dX terms are scaled on the device and added.
+  fp32 / fp16 models: fp32 GEMMs on the dequantized operands.
 
 The concatenated copy is made once per weight update (when a member's `QuantizedWeight` changes),
 cached on `owner`; the members' own copies then become views into it (no second copy in memory).
@@ -178,9 +179,8 @@ class FusedProjections(torch.autograd.Function):
         dys = [None if g is None else g.reshape(m, g.shape[-1]) for g in grads]
         need_dx = ctx.needs_input_grad[0]
         need_dw = [ctx.needs_input_grad[3 + j] and dys[j] is not None for j in range(len(dys))]
-        host_sdec = group.host_sdec if a.dtype == torch.bfloat16 else None
-        if host_sdec is not None and all(d is None or d.dtype == torch.bfloat16 for d in dys):
-            dx, dws = _bf16_grads(group, host_sdec, a, sdec, dys, need_dx, need_dw)
+        if a.dtype == torch.bfloat16 and all(d is None or d.dtype == torch.bfloat16 for d in dys):
+            dx, dws = _bf16_grads(group, group.host_sdec, a, sdec, dys, need_dx, need_dw)
         else:
             dx, dws = _fp32_grads(group, a, sdec, dys, need_dx, need_dw)
         if dx is not None:
@@ -190,12 +190,17 @@ class FusedProjections(torch.autograd.Function):
 
 
 def _bf16_grads(group: _Group, host_sdec, a, sdec, dys, need_dx, need_dw):
+    """host_sdec: the weights' S_dec as host floats (after a refresh), or None: then each dX term is
+    scaled on the device (`nvfp4_matmul._scale_bf16`, as a Linear's own backward does) and added."""
     dx = None
     if need_dx:
         for j, dy in enumerate(dys):
             if dy is None:
                 continue
-            if dx is None:
+            if host_sdec is None:
+                term = nm._scale_bf16(torch.mm(dy, group.rows[j]), group.sdec[j].reshape(1, 1), inplace=True)
+                dx = term if dx is None else dx.add_(term)
+            elif dx is None:
                 dx = torch.mm(dy, group.rows[j])
                 if host_sdec[j] != 1.0:
                     dx.mul_(host_sdec[j])

@@ -182,6 +182,11 @@ def test_bf16_backward_formulas_match_the_separate_linears():
     for dw, dy in zip(dws, dys):
         want = torch.mm(_scale_bf16(dy, sx).t(), a).float()
         assert ((dw.float() - want).norm() / want.norm()).item() < BF16_GRAD_REL_RMS
+    # S_dec not on the host yet (no refresh): the terms scaled on the device, the same within bf16
+    dx_dev, dws_dev = fp._bf16_grads(group, None, a, sx, dys, True, [True] * 3)
+    assert dx_dev.dtype == torch.bfloat16
+    assert ((dx_dev.float() - want_dx).norm() / want_dx.norm()).item() < BF16_GRAD_REL_RMS
+    assert all(torch.equal(x, y) for x, y in zip(dws, dws_dev))
 
 
 def test_tiny_model_logits_and_grads_fused_or_not(monkeypatch):
@@ -215,7 +220,7 @@ def test_gpu_bf16_fused_projections():
     with forward_scope():
         fused, dx_f, dw_f = _run(owner, x, True)
     group = next(iter(owner._fused_projection_copies.values()))
-    assert group.host_sdec is None  # no refresh ran: the fp32 backward
+    assert group.host_sdec is None  # no refresh ran: the dX terms scaled on the device
     for j, lin in enumerate(owner.lins):
         assert lin.quantized_weight().unscaled.data_ptr() == group.rows[j].data_ptr()
     with forward_scope():
