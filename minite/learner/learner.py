@@ -8,7 +8,12 @@
 packed tokens each (a longer sequence gets a micro-batch of its own), runs forward + backward on each
 and accumulates gradients, then takes one `MasterAdamW` step and re-quantizes the model's weights
 once (`minite.learner.weight_sync.sync_weights`), so the next forward of the learner, and a sampler
-running the same model object, use the same fresh `QuantizedWeight`s.
+running the same model object, use the same fresh `QuantizedWeight`s. The learner also quantizes them
+when it is made, so the first step runs like the later ones.
+
+Host syncs: none inside a micro-batch (the packed batch and the RL fields reach the GPU by pinned,
+asynchronous copies); a step waits on the GPU for the gradient norm (clipping, skipping a non-finite
+step) and for the weight refresh's finiteness check.
 
 The loss: `loss_fn(rl_batch) -> (loss, metrics)` on each micro-batch converted to
 `minite.rl.batch.RLBatch` (e.g. `partial(policy_loss, cfg=cfg)`). With `correction=` (a
