@@ -23,7 +23,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from minite.learner.batch import SequenceBatch, to_device
-from minite.nn.forward_scope import forward_scope
+from minite.nn.attention import packed_layout, share_packed_layout
+from minite.nn.forward_scope import forward_scope, in_scope
 from minite.sampling import token_logprobs
 
 DEFAULT_CHUNK_ROWS = 1024
@@ -87,10 +88,24 @@ def packed_hidden_states(model, packed: Packed, activation_checkpointing: bool =
         return model.hidden_states(packed.input_ids, cu_seqlens=packed.cu_seqlens, check=False)[0]
     positions = model.default_positions(packed.input_ids, packed.cu_seqlens)  # [1, N]
     x = model.embed_tokens(packed.input_ids)  # [1, N, H]
-    with forward_scope():  # the forward shares one attention layout (the recompute builds its own)
+    # one attention layout for the forward and every layer's recompute (positions made by the model)
+    layout = packed_layout(positions, packed.cu_seqlens, *packed.input_ids.shape, kernel_ok=True)
+    with forward_scope():
         for layer in model.layers:
-            x = checkpoint(layer, x, positions, packed.cu_seqlens, use_reentrant=False)
+            x = checkpoint(_layer_sharing_layout, layer, x, positions, packed.cu_seqlens, layout,
+                           use_reentrant=False)
     return model.norm(x)[0]
+
+
+def _layer_sharing_layout(layer, x, positions, cu_seqlens, layout):
+    """A decoder layer whose attention takes `layout` (the backward's recompute runs outside the
+    forward's scope: it opens its own)."""
+    if in_scope():
+        share_packed_layout(layout, positions, cu_seqlens, *x.shape[:2])
+        return layer(x, positions, cu_seqlens)
+    with forward_scope():
+        share_packed_layout(layout, positions, cu_seqlens, *x.shape[:2])
+        return layer(x, positions, cu_seqlens)
 
 
 def sequence_logprobs(model, batch: SequenceBatch, chunk_rows: int = DEFAULT_CHUNK_ROWS,

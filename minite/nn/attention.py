@@ -180,9 +180,17 @@ def packed_layout(positions: torch.Tensor, cu_seqlens: torch.Tensor | None, B: i
         return hit[2]
     cu = cu_seqlens if cu_seqlens is not None else torch.arange(0, B * T + 1, T, device=positions.device)
     layout = PackedLayout(positions, cu, kernel_ok)
-    if memo is not None:
-        memo[key] = (positions, cu_seqlens, layout)
+    share_packed_layout(layout, positions, cu_seqlens, B, T)
     return layout
+
+
+def share_packed_layout(layout: PackedLayout, positions: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                        B: int, T: int) -> None:
+    """Make `layout` the one `packed_layout` hands out for these tensors in the current forward scope
+    (a checkpointed layer's recompute reuses its forward's layout: no rebuild, no host sync)."""
+    memo = scope_memo("packed_layout")
+    if memo is not None:
+        memo[(id(positions), id(cu_seqlens), B, T)] = (positions, cu_seqlens, layout)
 
 
 class Attention(nn.Module):

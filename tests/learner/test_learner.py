@@ -117,15 +117,25 @@ def test_activation_checkpointing_on_the_kernels_gives_the_same_gradients(monkey
 
     if not kernels.available():
         pytest.skip("Triton is not installed")
-    monkeypatch.setattr(sys.modules["minite.nn.attention"], "kernel_enabled", lambda device: True)
-    grads = []
+    attention = sys.modules["minite.nn.attention"]
+    monkeypatch.setattr(attention, "kernel_enabled", lambda device: True)
+    layouts = []
+    real = attention.PackedLayout.__init__
+    monkeypatch.setattr(attention.PackedLayout, "__init__", lambda self, *a, **k: layouts.append(1) or
+                        real(self, *a, **k))
+    grads, built = [], []
     for ckpt in (False, True):
         model = tiny_model(False, get_recipe("aligned", backend="triton"))
         learner = Learner(model, activation_checkpointing=ckpt)
-        learner.step(_batch(model), partial(policy_loss, cfg=LossConfig()))
+        batch = _batch(model)
+        layouts.clear()
+        out = learner.step(batch, partial(policy_loss, cfg=LossConfig()))
         grads.append(_grads(model))
+        built.append((len(layouts), out["micro_batches"]))
     for name in grads[0]:
         assert torch.equal(grads[0][name], grads[1][name]), name
+    # one attention layout per micro-batch, checkpointed or not (the recompute reuses the forward's)
+    assert all(n == mb for n, mb in built), built
 
 
 def test_non_finite_gradient_skips_the_step():
