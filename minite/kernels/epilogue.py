@@ -13,16 +13,23 @@ EPILOGUES = {"sdec": 0, "alpha": 1, "bf16_scalar": 2}
 @triton.jit
 def epilogue(acc, sa, sw, EPILOGUE: tl.constexpr):
     """fp32 accumulator [BM, BN], per-row sa [BM], scalar sw -> the scaled fp32 (or bf16) output."""
+    return scaled(acc, (sa * sw)[:, None], EPILOGUE)
+
+
+@triton.jit
+def scaled(acc, factor, EPILOGUE: tl.constexpr):
+    """acc times the global-scale product `factor` (S_dec_x * S_dec_w, or amax_x * amax_w for 'alpha'),
+    broadcastable to acc: [BM, 1] (one weight) or [BM, BN] (`store_segments`)."""
     if EPILOGUE == 1:
-        scale = (sa * sw) * 1.3840171485260771e-07  # fl32(1 / 7225344)
+        scale = factor * 1.3840171485260771e-07  # fl32(1 / 7225344)
     else:
-        scale = sa * sw
+        scale = factor
     if EPILOGUE == 2:
         # bf16 * bf16 is exact in fp32, so rounding the fp32 product once is the bf16 multiply. The
         # result stays fp32 (bf16-exact): one return type for every epilogue (Triton needs that).
-        out = round_bf16(round_bf16(acc) * round_bf16(scale)[:, None])
+        out = round_bf16(round_bf16(acc) * round_bf16(scale))
     else:
-        out = acc * scale[:, None]
+        out = acc * scale
     return out
 
 
@@ -46,14 +53,7 @@ def store_segments(acc, sa_ptr, sw0, sw1, sw2, out_ptr, offs_m, offs_n, M, N, N1
     mask_m = offs_m < M
     sa = tl.load(sa_ptr + offs_m * stride_sa, mask=mask_m, other=1.0)
     sw = tl.where(offs_n < N1, sw0, tl.where(offs_n < N2, sw1, sw2))  # [BN]
-    if EPILOGUE == 1:
-        scale = (sa[:, None] * sw[None, :]) * 1.3840171485260771e-07
-    else:
-        scale = sa[:, None] * sw[None, :]
-    if EPILOGUE == 2:
-        out = round_bf16(round_bf16(acc) * round_bf16(scale))
-    else:
-        out = acc * scale
+    out = scaled(acc, sa[:, None] * sw[None, :], EPILOGUE)
     # per column: its weight's row stride (width) and where its output starts; the offset inside a
     # weight's output in 32 bits (the host keeps M * width below 2^31), its start in 64
     width = tl.where(offs_n < N1, N1, tl.where(offs_n < N2, N2 - N1, N - N2))  # [BN]

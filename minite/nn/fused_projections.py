@@ -222,7 +222,7 @@ def _fp32_grads(group: _Group, a, sdec, dys, need_dx, need_dw):
         for j, dy in enumerate(dys):
             if dy is not None:
                 dx += dy.float() @ (group.rows[j].float() * group.sdec[j])
-    xdq = a.float() * sdec
+    xdq = a.float() * sdec if any(need_dw) else None
     dws = [dy.float().t() @ xdq if need else None for dy, need in zip(dys, need_dw)]
     return dx, dws
 
