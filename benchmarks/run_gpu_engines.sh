@@ -38,6 +38,7 @@
 #   learner_norm  the dense learner twice with the norms quantizing for the projections, twice on the
 #             element-layout norm kernel without (the path before session 11), alternating
 #   norm      the RMSNorm kernels and the norm that quantizes its output (benchmarks/bench_norm.py)
+#   gaps      where the GPU waits in a dense learner step, by phase, bf16 vs aligned (probe_learner_gaps.py)
 #   host      where the dense learner step's host time goes, bf16 vs aligned (profile_learner_host.py)
 #   linear_host  host time of one linear's forward + backward, bf16 vs aligned, and its parts
 #   probe     host and GPU time of the aligned W4A4 launch: small, large pointer, large TMA (probe_aligned_tile.py)
@@ -96,6 +97,8 @@ for part in "$@"; do
           --max-tokens 64 --learner-recipe aligned --backend triton --json
         cp "$OUT/extra/step.txt" "$OUT/extra/agreement_$preset.txt"
       done ;;
+    gaps)
+      step 150 python3 benchmarks/probe_learner_gaps.py --out "$OUT/extra/learner_gaps.json" ;;
     learner_moe)
       step 90 python3 benchmarks/bench_learner.py --models moe --out "$OUT/extra/learner_moe.json" ;;
     quant_tests)
