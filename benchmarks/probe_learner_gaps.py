@@ -84,7 +84,8 @@ def analyse(trace: dict, top: int) -> dict:
             by_phase[ph] = by_phase.get(ph, 0.0) + (s - end)
             ops = [o for o in cpu_ops if o["ts"] <= lt <= o["ts"] + o["dur"]]
             op = max(ops, key=lambda o: o["dur"])["name"] if ops else "?"
-            gaps.append(dict(us=s - end, at_ms=(s - t0) / 1e3, phase=ph, kernel=k["name"][:80], host_op=op[:100]))
+            gaps.append(dict(us=s - end, at_ms=(s - t0) / 1e3, phase=ph, kernel=k["name"][:80],
+                             host_op=op[:100]))
         busy += max(0.0, e - max(s, end or s))
         end = max(end or e, e)
     first = kernels[0]["ts"] if kernels else t0
@@ -92,7 +93,8 @@ def analyse(trace: dict, top: int) -> dict:
                 idle_before_first_kernel_ms=(first - t0) / 1e3,
                 idle_after_last_kernel_ms=(t1 - end) / 1e3 if end else None,
                 idle_between_kernels_ms=sum(g["us"] for g in gaps) / 1e3,
-                idle_by_phase_ms={k: round(v / 1e3, 3) for k, v in sorted(by_phase.items(), key=lambda x: -x[1])},
+                idle_by_phase_ms={k: round(v / 1e3, 3)
+                                  for k, v in sorted(by_phase.items(), key=lambda x: -x[1])},
                 phase_host_ms={p: round(sum(r[1] - r[0] for r in ranges if r[2] == p) / 1e3, 3)
                                for p in PHASES},
                 top_gaps=sorted(gaps, key=lambda g: -g["us"])[:top])
@@ -131,8 +133,9 @@ def main():
     args.top = own.top
     rows = [probe(r, args) for r in own.recipes.split(",")]
     for r in rows:
-        print(f"{r['recipe']}: wall {r['wall_ms']:.1f} ms, GPU busy {r['gpu_busy_ms']:.1f}, idle before first "
-              f"{r['idle_before_first_kernel_ms']:.1f}, between {r['idle_between_kernels_ms']:.1f}, by phase "
+        print(f"{r['recipe']}: wall {r['wall_ms']:.1f} ms, GPU busy {r['gpu_busy_ms']:.1f}, idle before "
+              f"first {r['idle_before_first_kernel_ms']:.1f}, after {r['idle_after_last_kernel_ms']:.1f}, "
+              f"between {r['idle_between_kernels_ms']:.1f}, by phase "
               f"{r['idle_by_phase_ms']}, host per phase {r['phase_host_ms']}")
         for g in r["top_gaps"][:10]:
             print("   ", g)

@@ -131,7 +131,7 @@ class Learner:
             (loss * weight).backward()
             for k, v in {"loss": loss, **metrics}.items():  # device tensors: no sync per micro-batch
                 sums[k] = sums.get(k, 0.0) + weight * (v.detach().float() if torch.is_tensor(v) else float(v))
-        result = self.optimizer.step()
+        sums.update(self.optimizer.step_queued())  # device tensors: the host queues on (no sync)
         if self.sync_weights_after_step:
             sync_weights(self.model)
         sums = _to_floats(sums)  # after the updates are queued: the GPU need not drain before them
@@ -140,7 +140,7 @@ class Learner:
             _freeze_gc()
         seconds = time.perf_counter() - start
         tokens = sum(s.numel() - 1 for s in batch.sequences)
-        return {**sums, **result, "lr": self.optimizer.lr, "micro_batches": float(len(groups)),
+        return {**sums, "lr": self.optimizer.lr, "micro_batches": float(len(groups)),
                 "tokens": float(tokens), "step_seconds": seconds, "tokens_per_s": tokens / seconds}
 
     def state_dict(self) -> dict:

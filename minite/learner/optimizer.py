@@ -5,16 +5,19 @@ master copy of each such parameter; a step is:
 
 1. master.grad = fp32(param.grad) (fp32 parameters are their own masters: no copy);
 2. total norm = ||all master grads||_2 (reported); if it is not finite the step is skipped;
-3. clip: grads *= max_grad_norm / (norm + 1e-6) when norm > max_grad_norm (torch's clip_grad_norm_);
-4. `torch.optim.AdamW` on the masters (decoupled weight decay on matrices only: parameters with fewer
-   than two dimensions, i.e. norms and biases, get none);
+3. clip: grads scaled by max_grad_norm / (norm + 1e-6) when norm > max_grad_norm (torch's
+   clip_grad_norm_), applied inside the fused AdamW as its gradient divisor (`grad_scale`);
+4. fused `torch.optim.AdamW` on the masters (decoupled weight decay on matrices only: parameters with
+   fewer than two dimensions, i.e. norms and biases, get none);
 5. param.copy_(master) (rounded to the parameter's dtype). The copy bumps the parameter's version
    counter, which is what invalidates its cached quantized weight.
+
+Steps 2-4 never read the norm on the host: the clip factor and the skip (AdamW's `found_inf`) stay
+on the device, so the host queues the update while the GPU still runs the backward. `step_queued`
+returns the metrics as device tensors; `step` reads them.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
@@ -33,19 +36,25 @@ class MasterAdamW:
         decay = [m for m in self.masters if m.dim() >= 2]
         no_decay = [m for m in self.masters if m.dim() < 2]
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
+        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps,
+                                           fused=True)
 
     def zero_grad(self) -> None:
         for p, m in zip(self.params, self.masters):
             p.grad = None
             m.grad = None
 
-    @torch.no_grad()
     def step(self) -> dict[str, float]:
-        """One update from the parameters' accumulated grads; returns grad_norm (before clipping),
-        clip coefficient and whether the step was skipped (non-finite gradient). The per-parameter
-        work runs as multi-tensor ops (`torch._foreach_*`): a few launches for all parameters, not
-        three per parameter (host time the learner step waits on)."""
+        """One update (`step_queued`); returns grad_norm (before clipping), the clip coefficient and
+        whether the step was skipped (non-finite gradient), read from the device at once."""
+        out = self.step_queued()
+        return dict(zip(out, torch.stack(list(out.values())).tolist()))
+
+    @torch.no_grad()
+    def step_queued(self) -> dict[str, torch.Tensor]:
+        """One update from the parameters' accumulated grads, queued without a host sync; returns
+        grad_norm, clip_coef (0 when skipped) and skipped as 0-dim fp32 device tensors. The
+        per-parameter work runs as multi-tensor ops: a few launches for all parameters."""
         pairs = [(p, m) for p, m in zip(self.params, self.masters) if m is not p]
         if pairs:  # 1. fp32 master grads from the parameters' grads, one multi-tensor copy
             with_grad = [(p, m) for p, m in pairs if p.grad is not None]
@@ -56,19 +65,26 @@ class MasterAdamW:
             if with_grad:
                 torch._foreach_copy_([m.grad for _, m in with_grad], [p.grad for p, _ in with_grad])
         grads = [m.grad for m in self.masters if m.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))).item() if grads else 0.0
-        if not math.isfinite(norm):
-            self.zero_grad()
-            return {"grad_norm": norm, "clip_coef": 0.0, "skipped": 1.0}
-        clip = 1.0
+        device = self.masters[0].device
+        if not grads:
+            zero = torch.zeros((), device=device)
+            return {"grad_norm": zero, "clip_coef": zero + 1, "skipped": zero}
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        finite = torch.isfinite(norm)
+        divisor = None  # AdamW divides the grads by it: 1 / clip
         if self.max_grad_norm is not None:
-            clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
-            if clip < 1.0:
-                torch._foreach_mul_(grads, clip)
-        self.optimizer.step()
+            divisor = torch.clamp((norm + 1e-6) / self.max_grad_norm, min=1.0)
+        skipped = (~finite).float()
+        self.optimizer.grad_scale, self.optimizer.found_inf = divisor, skipped
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.grad_scale, self.optimizer.found_inf
         if pairs:  # 5. the parameters from their masters (bumps their version counters)
             torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
-        return {"grad_norm": norm, "clip_coef": clip, "skipped": 0.0}
+        clip = torch.ones((), device=device) if divisor is None else divisor.reciprocal()
+        return {"grad_norm": norm, "clip_coef": torch.where(finite, clip, 0.0),
+                "skipped": skipped}
 
     @property
     def lr(self) -> float:

@@ -66,7 +66,7 @@ def test_adamw_on_fp32_masters_matches_torch_adamw_on_fp32_copy():
     hyper = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6)
     groups = [{"params": [p for p in ref.values() if p.dim() >= 2], "weight_decay": 0.1},
               {"params": [p for p in ref.values() if p.dim() < 2], "weight_decay": 0.0}]
-    ref_opt = torch.optim.AdamW(groups, **hyper)
+    ref_opt = torch.optim.AdamW(groups, **hyper, fused=True)  # the implementation MasterAdamW runs
     learner = Learner(model, weight_decay=0.1, max_grad_norm=None, micro_batch_tokens=12, **hyper)
     batch = random_batch(params=PARAMS)
     for _ in range(2):
@@ -184,7 +184,7 @@ def test_learner_freezes_the_collector_once_after_its_first_step(freeze):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_micro_batch_runs_without_host_syncs():
     """Packing, the forward on the kernels, the loss and the backward of a micro-batch never wait on
-    the GPU (the learner's only syncs are the optimizer's grad norm and the weight refresh's check)."""
+    the GPU (the learner's only syncs are the weight refresh's and the metrics' read)."""
     from minite.learner.logprobs import sequence_logprobs
     from minite.nn import refresh_quantized_weights
     from minite.recipe import get_recipe
@@ -203,6 +203,38 @@ def test_gpu_micro_batch_runs_without_host_syncs():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.isfinite(loss).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("max_norm", [1e-4, 1e4], ids=["clipped", "unclipped"])
+def test_gpu_optimizer_step_queues_without_host_syncs(max_norm):
+    """The update (master grads, norm, clip, fused AdamW, copy back) never waits on the GPU, and it
+    equals torch's AdamW after torch's clip_grad_norm_."""
+    from minite.learner import MasterAdamW
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)),
+              torch.nn.Parameter(torch.randn(32, device="cuda"))]
+    ref = [p.detach().float().clone().requires_grad_() for p in params]
+    opt = MasterAdamW(params, lr=1e-2, max_grad_norm=max_norm)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.0, fused=True)
+    for step in range(2):  # the first one compiles and warms up
+        for p, r in zip(params, ref):
+            p.grad = torch.randn_like(p)
+            r.grad = p.grad.float()
+        norm = torch.nn.utils.clip_grad_norm_(ref, max_norm)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if step else 0)
+        try:
+            out = opt.step_queued()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        ref_opt.step()
+    assert out["skipped"].item() == 0 and out["grad_norm"].item() == pytest.approx(norm.item(), rel=1e-5)
+    assert out["clip_coef"].item() == pytest.approx(min(1.0, max_norm / norm.item()), rel=1e-5)
+    for m, r in zip(opt.masters, ref):
+        torch.testing.assert_close(m, r.detach())
 
 
 EXIT_SCRIPT = """
@@ -246,3 +278,24 @@ def test_learner_quantizes_the_weights_with_host_scales_at_construction():
     Learner(model)
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.recipe.fp4]
     assert linears and all(m.quantized_weight().host_global_scale() is not None for m in linears)
+
+
+def test_a_skipped_step_leaves_moments_and_step_count_alone():
+    """A non-finite gradient norm skips the update on the device (AdamW's found_inf): the masters,
+    the moments and the step count stay as they were, and the next finite step runs normally."""
+    from minite.learner import MasterAdamW
+
+    p = torch.nn.Parameter(torch.randn(8, 4, dtype=torch.bfloat16))
+    opt = MasterAdamW([p], lr=1e-2)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    state = {k: v.clone() for k, v in opt.optimizer.state[opt.masters[0]].items()}
+    before = opt.masters[0].detach().clone()
+    p.grad = torch.full_like(p, float("inf"))
+    out = opt.step_queued()
+    assert torch.is_tensor(out["grad_norm"]) and out["skipped"].item() == 1 and out["clip_coef"].item() == 0
+    assert torch.equal(opt.masters[0], before)
+    for k, v in opt.optimizer.state[opt.masters[0]].items():
+        assert torch.equal(v, state[k]), k
+    p.grad = torch.randn_like(p)
+    assert opt.step()["skipped"] == 0 and not torch.equal(opt.masters[0], before)
