@@ -4,7 +4,8 @@ One dense step per recipe (after two unprofiled ones) under torch.profiler. The 
 give the GPU's busy time; every gap between consecutive kernels is charged to the phase the host was
 in when it launched the kernel that ended the gap (the host was late there). Phases are marked by
 wrapping the learner's pieces: `pack` (micro-batch split and rows), `forward` (sequence_logprobs),
-`loss`, `backward` (the rest of a micro-batch), `optimizer`, `refresh` (sync_weights), `metrics`.
+`loss`, `backward` (the rest of a micro-batch), `optimizer`, `refresh` (sync_weights), `metrics`;
+and to the longest host op running at that launch (`idle_by_host_op_ms`).
 The profiler slows the host by a few us an op, so the gaps read larger than unprofiled; compare
 recipes within one run.
 
@@ -88,6 +89,9 @@ def analyse(trace: dict, top: int) -> dict:
                              host_op=op[:100]))
         busy += max(0.0, e - max(s, end or s))
         end = max(end or e, e)
+    by_op: dict[tuple[str, str], float] = {}
+    for g in gaps:
+        by_op[g["phase"], g["host_op"]] = by_op.get((g["phase"], g["host_op"]), 0.0) + g["us"]
     first = kernels[0]["ts"] if kernels else t0
     return dict(wall_ms=(t1 - t0) / 1e3, gpu_busy_ms=busy / 1e3, kernels=len(kernels),
                 idle_before_first_kernel_ms=(first - t0) / 1e3,
@@ -97,6 +101,8 @@ def analyse(trace: dict, top: int) -> dict:
                                   for k, v in sorted(by_phase.items(), key=lambda x: -x[1])},
                 phase_host_ms={p: round(sum(r[1] - r[0] for r in ranges if r[2] == p) / 1e3, 3)
                                for p in PHASES},
+                idle_by_host_op_ms=[dict(phase=k[0], host_op=k[1], ms=round(v / 1e3, 3))
+                                    for k, v in sorted(by_op.items(), key=lambda x: -x[1])[:top]],
                 top_gaps=sorted(gaps, key=lambda g: -g["us"])[:top])
 
 
@@ -137,7 +143,7 @@ def main():
               f"first {r['idle_before_first_kernel_ms']:.1f}, after {r['idle_after_last_kernel_ms']:.1f}, "
               f"between {r['idle_between_kernels_ms']:.1f}, by phase "
               f"{r['idle_by_phase_ms']}, host per phase {r['phase_host_ms']}")
-        for g in r["top_gaps"][:10]:
+        for g in r["idle_by_host_op_ms"][:15]:
             print("   ", g)
     if own.out:
         with open(own.out, "w") as f:
