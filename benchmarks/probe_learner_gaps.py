@@ -95,7 +95,7 @@ def analyse(trace: dict, top: int) -> dict:
     first = kernels[0]["ts"] if kernels else t0
     return dict(wall_ms=(t1 - t0) / 1e3, gpu_busy_ms=busy / 1e3, kernels=len(kernels),
                 idle_before_first_kernel_ms=(first - t0) / 1e3,
-                idle_after_last_kernel_ms=(t1 - end) / 1e3 if end else None,
+                idle_after_last_kernel_ms=(t1 - end) / 1e3 if end else 0.0,
                 idle_between_kernels_ms=sum(g["us"] for g in gaps) / 1e3,
                 idle_by_phase_ms={k: round(v / 1e3, 3)
                                   for k, v in sorted(by_phase.items(), key=lambda x: -x[1])},
