@@ -48,16 +48,16 @@ def phase_marks(learner: Learner):
                                                    "_to_floats")}
     names = dict(micro_batches="pack", sequence_logprobs="forward", sync_weights="refresh",
                  _to_floats="metrics")
-    opt_step = learner.optimizer.step
+    opt_step = learner.optimizer.step_queued
     try:
         for k, v in saved.items():
             setattr(learner_mod, k, marked(names[k], v))
-        learner.optimizer.step = marked("optimizer", opt_step)
+        learner.optimizer.step_queued = marked("optimizer", opt_step)
         yield
     finally:
         for k, v in saved.items():
             setattr(learner_mod, k, v)
-        learner.optimizer.step = opt_step
+        learner.optimizer.step_queued = opt_step
 
 
 def phase_at(ranges: list[tuple[float, float, str]], ts: float) -> str:
