@@ -222,7 +222,7 @@ def test_gpu_optimizer_step_queues_without_host_syncs(max_norm):
     for step in range(2):  # the first one compiles and warms up
         for p, r in zip(params, ref):
             p.grad = torch.randn_like(p)
-            r.grad = p.grad.float()
+            r.grad = p.grad.float().clone()  # a copy: the clip below scales it in place
         norm = torch.nn.utils.clip_grad_norm_(ref, max_norm)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error" if step else 0)
