@@ -112,8 +112,13 @@ def weight_key(weight: torch.Tensor, spec: QuantSpec) -> tuple:
     return (weight._version, weight.data_ptr(), weight.dtype, weight.device, tuple(weight.shape), spec)
 
 
-# inside `deferred_finite_checks`: (weight shape, QuantizedWeight) to check at the end
+# inside `deferred_finite_checks`, one entry per quantize launch to check at the end:
+# ([(weight shape, QuantizedWeight)], S_dec flat, amax flat), the flat tensors in the members' order
 _DEFERRED: list[list] = []
+
+
+def _defer(members: list[tuple[tuple, QuantizedWeight]], sdec: torch.Tensor, amax: torch.Tensor) -> None:
+    _DEFERRED[-1].append((members, sdec.reshape(-1), amax.reshape(-1)))
 
 
 @contextmanager
@@ -131,17 +136,18 @@ def deferred_finite_checks():
     if pending:
         # the same sync also brings every S_dec to the host (`QuantizedWeight.host_global_scale`): one
         # entry per tensor (or expert) each, finiteness flags first, in a few launches for all weights
-        amax = torch.cat([qw.amax.reshape(-1).float() for _, qw in pending])
+        # (the tensors of a stacked launch arrive whole: host ops per launch, not per weight)
+        amax = torch.cat([a.float() for _, _, a in pending])
         total = amax.numel()
-        host = torch.cat([torch.isfinite(amax).float(),
-                          *(qw.global_scale.reshape(-1).float() for _, qw in pending)]).tolist()
+        host = torch.cat([torch.isfinite(amax).float(), *(sdec.float() for _, sdec, _ in pending)]).tolist()
         bad, at = [], 0
-        for shape, qw in pending:
-            n = qw.global_scale.numel()
-            if not all(host[at:at + n]):
-                bad.append(shape)
-            qw._operands["host_global_scale"] = tuple(host[total + at:total + at + n])
-            at += n
+        for members, _, _ in pending:
+            for shape, qw in members:
+                n = qw.global_scale.numel()
+                if not all(host[at:at + n]):
+                    bad.append(shape)
+                qw._operands["host_global_scale"] = tuple(host[total + at:total + at + n])
+                at += n
         if bad:
             raise ValueError(f"{len(bad)} weight(s) hold inf or NaN (shapes {bad[:4]}); not quantizable")
 
@@ -172,7 +178,7 @@ def quantize_weight(weight: torch.Tensor, spec: QuantSpec, backend: str = "auto"
         raise ValueError(f"weight in_features {k} must be divisible by 16")
     qw = QuantizedWeight(q, unscaled, spec, key)
     if _DEFERRED:
-        _DEFERRED[-1].append((tuple(weight.shape), qw))
+        _defer([(tuple(weight.shape), qw)], qw.global_scale, qw.amax)
     return qw
 
 
@@ -248,14 +254,14 @@ def quantize_weights(weights: list[torch.Tensor], spec: QuantSpec) -> list[Quant
     if not _DEFERRED:
         nvfp4._check_finite(w)
     q, vals = _quantize_at_once(w, spec)
-    out = []
-    for e, t in enumerate(weights):
-        qe = NVFP4Tensor(q.codes[e], q.block_scales[e], q.global_scale[e].reshape(()), q.amax[e].reshape(()),
-                         tuple(t.shape), q.block, "tensor", q.chain, False)
-        qw = QuantizedWeight(qe, vals[e], spec, weight_key(t, spec))
-        if _DEFERRED:
-            _DEFERRED[-1].append((tuple(t.shape), qw))
-        out.append(qw)
+    sdec, amax = q.global_scale.reshape(-1), q.amax.reshape(-1)
+    # each weight's views in one `unbind` per field (host time: the refresh ends the step, no GPU work
+    # queued behind it)
+    views = zip(q.codes.unbind(0), q.block_scales.unbind(0), sdec.unbind(0), amax.unbind(0), vals.unbind(0))
+    out = [QuantizedWeight(NVFP4Tensor(c, b, g, a, tuple(t.shape), q.block, "tensor", q.chain, False), v,
+                           spec, weight_key(t, spec)) for t, (c, b, g, a, v) in zip(weights, views)]
+    if _DEFERRED:
+        _defer([(tuple(t.shape), qw) for t, qw in zip(weights, out)], sdec, amax)
     return out
 
 
