@@ -155,10 +155,14 @@ class _RMSNorm(torch.autograd.Function):
         outs = _launch(x, weight, eps, quant_dtype, chain)
         if quant_dtype is not None:
             ctx.mark_non_differentiable(*outs[1:])
+            # no zero-filled gradients for the quantized outputs (a memset of the values each backward)
+            ctx.set_materialize_grads(False)
         return outs
 
     @staticmethod
     def backward(ctx, grad, *_):
+        if grad is None:  # the output itself took no part in the loss
+            return None, None, None, None, None
         x, weight = ctx.saved_tensors
         dx, dw = _backward(x, weight, grad, ctx.eps)
         return (dx if ctx.needs_input_grad[0] else None, dw if ctx.needs_input_grad[1] else None, None, None,

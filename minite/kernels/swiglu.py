@@ -158,10 +158,14 @@ class _SwiGLU(torch.autograd.Function):
         outs = _launch(gate, up, quant_dtype, chain)
         if quant_dtype is not None:
             ctx.mark_non_differentiable(*outs[1:])
+            # no zero-filled gradients for the quantized outputs (a memset of the values each backward)
+            ctx.set_materialize_grads(False)
         return outs
 
     @staticmethod
     def backward(ctx, dh, *_):
+        if dh is None:  # h itself took no part in the loss
+            return None, None, None, None
         gate, up = ctx.saved_tensors
         s = F.silu(gate)
         dgate = torch.ops.aten.silu_backward(dh * up, gate) if ctx.needs_input_grad[0] else None

@@ -52,3 +52,28 @@ def model_through_fused_kernels(monkeypatch, module, name: str):
     finally:
         use_fused_kernels(None)
     return want, got, len(calls), model.config.num_hidden_layers
+
+
+class ZeroFills:
+    """Counts the zero-filled tensors made while active (autograd materializing the gradients of
+    outputs that took no part in the loss dispatches `zeros_like` / `zeros` / `zero_` / `fill_`)."""
+
+    NAMES = ("zeros_like", "zeros", "zero_", "fill_", "new_zeros")
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.__name__.split(".")[0] in outer.NAMES:
+                    outer.count += 1
+                return func(*args, **(kwargs or {}))
+
+        self.count, self._mode = 0, _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)

@@ -8,7 +8,7 @@ import torch
 from minite.kernels import norm as kn
 from minite.kernels import nvfp4 as kq
 from minite.nn import norm
-from tests.kernels.helpers import model_through_fused_kernels
+from tests.kernels.helpers import ZeroFills, model_through_fused_kernels
 
 
 @pytest.mark.parametrize("dtype,d", [(torch.float32, 64), (torch.float32, 100), (torch.float16, 128),
@@ -104,6 +104,22 @@ def test_fused_quantizer_gradient_is_the_norms():
     x.grad = w.grad = None
     kn.rms_norm(x, w, 1e-6).backward(dy)
     assert torch.equal(gx, x.grad) and torch.equal(gw, w.grad)
+
+
+def test_fused_quantizer_backward_makes_no_zero_gradients():
+    """The quantized outputs are not differentiable: autograd does not zero-fill gradients for them
+    (a memset of the [rows, D] values each backward on the GPU); the backward fills no more than the
+    plain norm's."""
+    counts = []
+    for quantize in (False, True):
+        x = torch.randn(3, 5, 32, requires_grad=True)
+        w = torch.ones(32, requires_grad=True)
+        out = kn.rms_norm_quantize(x, w, 1e-6, torch.float16)[0] if quantize else kn.rms_norm(x, w, 1e-6)
+        dy = torch.ones_like(out)
+        with ZeroFills() as fills:
+            out.backward(dy)
+        counts.append(fills.count)
+    assert counts[1] == counts[0]
 
 
 def test_bad_shapes_raise():

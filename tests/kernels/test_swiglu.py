@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from minite.kernels import nvfp4 as kq
 from minite.kernels import swiglu as ks
+from tests.kernels.helpers import ZeroFills
 
 # one rounding to the 16-bit dtype away from torch's (exp differs in the last fp32 bit now and then
 # between libraries): at most one ulp of the output (2^-7 of it for bf16, 2^-10 for fp16)
@@ -68,6 +69,20 @@ def test_gradients_are_autograds():
     want = torch.autograd.grad(F.silu(gate) * up, (gate, up), dh)
     for a, b in zip(got, want, strict=True):
         _same(a, b)
+
+
+def test_backward_makes_no_zero_gradients_for_the_quantized_outputs():
+    """The quantized values, S_dec and amax are not differentiable: autograd does not zero-fill
+    gradients for them (a memset of the [rows, I] values each backward on the GPU)."""
+    counts = []
+    for quantize in (False, True):
+        gate, up = (t.detach().clone().requires_grad_() for t in _gate_up(6, 32, torch.bfloat16, 2))
+        h = ks.swiglu_quantize(gate, up, torch.float16)[0] if quantize else ks.swiglu(gate, up)
+        with ZeroFills() as fills:
+            h.backward(torch.ones_like(h))
+        counts.append(fills.count)
+        assert gate.grad is not None and up.grad is not None
+    assert counts[1] == counts[0]
 
 
 def test_bad_input_raises():
