@@ -131,16 +131,16 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
 
 class PackedLayout:
     """Packed sequences as every layer's attention sees them in one forward: flat positions [N], cu
-    [S + 1] int64, each row's sequence `seq` [N], whether positions run 0, 1, ... per sequence (the
-    kernel's layout; one host sync), and, made on first use and then shared, the kernel's query
-    tiles and the reference backward's `varlen_plan` (from the bounds, read at construction when
-    grad is enabled so that the backward never waits on the host)."""
+    [S + 1] int64, the sequences' `lengths` [S], each row's sequence `seq` [N], whether positions run
+    0, 1, ... per sequence (the kernel's layout; one host sync), and, made on first use and then
+    shared, the kernel's query tiles and the reference backward's `varlen_plan` (from the bounds,
+    read at construction when grad is enabled so that the backward never waits on the host)."""
 
     def __init__(self, positions: torch.Tensor, cu: torch.Tensor, kernel_ok: bool | None = None):
         n, dev = positions.numel(), positions.device
         self.positions = positions.reshape(n).to(torch.int64).contiguous()
         self.cu = cu.to(dev, torch.int64)
-        lengths = self.cu[1:] - self.cu[:-1]
+        self.lengths = lengths = self.cu[1:] - self.cu[:-1]  # [S], made once for every layer's kernels
         self.seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=dev), lengths, output_size=n)
         if kernel_ok is None:  # unless the caller made the positions that way (`Qwen3.hidden_states`)
             kernel_ok = torch.equal(self.positions, torch.arange(n, device=dev) - self.cu[:-1][self.seq])
@@ -268,7 +268,7 @@ class _KernelAttention(torch.autograd.Function):
         lse = q.new_empty(q.shape[:2], dtype=torch.float32) if ctx.kernel_backward else None
         tiles = layout.tiles(q.shape[1] // k.shape[1])
         out = lazy.attention.contiguous_attention(q, k, v, layout.seq, layout.positions, cu[:-1],
-                                                  cu[1:] - cu[:-1], tiles=tiles, lse=lse)
+                                                  layout.lengths, tiles=tiles, lse=lse)
         if ctx.kernel_backward:
             ctx.save_for_backward(q, k, v, out, lse)
         else:
@@ -284,7 +284,7 @@ class _KernelAttention(torch.autograd.Function):
             q, k, v, out, lse = ctx.saved_tensors
             cfg, group, cu = config(q.dtype), q.shape[1] // k.shape[1], layout.cu
             dq, dk, dv = contiguous_attention_backward(
-                grad, q, k, v, out, lse, layout.seq, layout.positions, cu[:-1], cu[1:] - cu[:-1],
+                grad, q, k, v, out, lse, layout.seq, layout.positions, cu[:-1], layout.lengths,
                 q_tiles=layout.tiles(group, cfg["dq"]["BLOCK_M"]),
                 k_tiles=layout.tiles(1, cfg["dkdv"]["BLOCK_N"]))
             return dq, dk, dv, None
