@@ -134,7 +134,9 @@ def _group(owner: torch.nn.Module, linears, recipe: Recipe, device) -> _Group:
     if hit is not None and all(a is b for a, b in zip(hit.qweights, qws)) and hit.copy.device == device:
         return hit
     parts = [qw.operand(dt, bk) for qw in qws]
-    copy = torch.cat(parts)
+    copy = _adjacent(parts)
+    if copy is None:
+        copy = torch.cat(parts)
     widths = tuple(p.shape[0] for p in parts)
     starts = [sum(widths[:j]) for j in range(len(widths))]
     k = linears[0].in_features
@@ -151,6 +153,20 @@ def _group(owner: torch.nn.Module, linears, recipe: Recipe, device) -> _Group:
                    tuple(qw.global_scale.reshape(()).float() for qw in qws), rows)
     cache[key] = group
     return group
+
+
+def _adjacent(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The parts [N_j, K] as one [sum N_j, K] view where they already lie back to back in one storage
+    (gate and up quantized in one stacked launch: `refresh_quantized_weights` stacks a model's
+    same-shape members in module order), else None (the caller concatenates)."""
+    p0 = parts[0]
+    end = p0.data_ptr()
+    for p in parts:
+        if (not p.is_contiguous() or p.dtype != p0.dtype or p.shape[1:] != p0.shape[1:]
+                or p.untyped_storage().data_ptr() != p0.untyped_storage().data_ptr() or p.data_ptr() != end):
+            return None
+        end += p.numel() * p.element_size()
+    return p0.as_strided((sum(p.shape[0] for p in parts), p0.shape[1]), (p0.shape[1], 1))
 
 
 class FusedProjections(torch.autograd.Function):

@@ -208,6 +208,9 @@ def _quantize_at_once(w: torch.Tensor, spec: QuantSpec) -> tuple[NVFP4Tensor, to
 
 # bytes of weights stacked for one `quantize_weights` launch (the stack is a transient copy)
 STACK_BYTES = 1 << 29
+# fused-projection members stack in multiples of this (groups of 2 or 3 same-shape members, in
+# module order, are then never split: their copies are views of the stack, `fused_projections`)
+FUSED_STACK_MULTIPLE = 6
 
 
 def refresh_quantized_weights(model: torch.nn.Module) -> int:
@@ -215,8 +218,9 @@ def refresh_quantized_weights(model: torch.nn.Module) -> int:
     sync); returns how many modules were refreshed. 2D weights of one shape, dtype and spec are
     quantized together (`quantize_weights`: a launch per group, not per weight; the same bits). The
     members of fused projections (`minite.nn.fused_projections`) stack apart from the others: their
-    copies move into the concatenated ones, and a stack shared with another weight would stay
-    allocated for it."""
+    copies move into the concatenated ones (or, for same-shape members such as gate and up, lying
+    back to back in their stack, become that stack's views), and a stack shared with another weight
+    would stay allocated for it."""
     from minite.nn.fused_projections import fused_members, prepare_model
 
     groups: dict[tuple, list] = {}
@@ -234,8 +238,10 @@ def refresh_quantized_weights(model: torch.nn.Module) -> int:
                 groups.setdefault((tuple(w.shape), w.dtype, w.device, spec, id(m) in fused), []).append(m)
             else:
                 m.refresh_quantized_weight()
-        for (_, _, _, spec, _), mods in groups.items():
+        for (_, _, _, spec, is_fused), mods in groups.items():
             per = max(1, STACK_BYTES // (mods[0].weight.numel() * mods[0].weight.element_size()))
+            if is_fused:  # whole groups of 2 or 3 per stack: same-shape members stay back to back there
+                per = max(FUSED_STACK_MULTIPLE, per - per % FUSED_STACK_MULTIPLE)
             for i in range(0, len(mods), per):
                 chunk = mods[i:i + per]
                 for m, qw in zip(chunk, quantize_weights([m.weight for m in chunk], spec)):

@@ -161,6 +161,19 @@ def test_refresh_makes_the_groups_the_next_forward_uses():
                                                                group.qweights))
 
 
+def test_back_to_back_parts_make_a_view_not_a_copy():
+    """Parts lying back to back in one storage (a stacked quantize launch) become one view; parts
+    elsewhere, out of order or of other widths are left to the concatenation."""
+    stack = torch.randn(4, 8, 16)
+    view = fp._adjacent([stack[1], stack[2]])
+    assert view.data_ptr() == stack[1].data_ptr() and torch.equal(view, torch.cat([stack[1], stack[2]]))
+    assert fp._adjacent([stack[2], stack[1]]) is None
+    assert fp._adjacent([stack[0], stack[2]]) is None
+    assert fp._adjacent([stack[0], torch.randn(8, 16)]) is None
+    assert fp._adjacent([stack[0, :, :8], stack[0, :, 8:]]) is None
+    assert fp._adjacent([stack[0], stack[1], stack[2]]).shape == (24, 16)
+
+
 def test_bf16_backward_formulas_match_the_separate_linears():
     """`_bf16_grads` (CPU bf16 torch ops) against each linear's lean backward (`_dense_bf16_grads`'
     formulas: dX = S_w (dY @ Wu), dW = bf16(dY * S_x)^T @ Xu), summed over the weights."""
@@ -237,3 +250,28 @@ def test_gpu_bf16_fused_projections():
     assert next(iter(owner._fused_projection_copies.values())).host_sdec is not None
     for f, a in zip([dx_f, *dw_f], [dx_a, *dw_a]):
         assert ((f.float() - a.float()).norm() / a.float().norm()).item() < BF16_GRAD_REL_RMS
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_refresh_leaves_gate_and_up_in_their_stack():
+    """A bf16 model's refresh quantizes gate and up in one stacked launch, back to back: the MLP's
+    fused copy is a view of that stack (no concatenation), q/k/v (other widths) are concatenated, and
+    both give each linear's own bits."""
+    from minite.nn import refresh_quantized_weights
+
+    torch.manual_seed(0)
+    model = Qwen3(tiny_qwen3(), recipe=ALIGNED).to("cuda", torch.bfloat16)
+    refresh_quantized_weights(model)
+    mlp, attn = model.layers[1].mlp, model.layers[1].self_attn
+    h = (torch.randn(300, model.config.hidden_size, device="cuda") ** 3).to(torch.bfloat16)
+    for owner in (mlp, attn):
+        group_lins = owner.fused_projection_groups()[0]
+        group = fp._group(owner, group_lins, ALIGNED, h.device)
+        with forward_scope():
+            fused = fp.project(h, group_lins, owner)
+        with forward_scope():
+            alone = [lin(h) for lin in group_lins]
+        assert all(torch.equal(f, a) for f, a in zip(fused, alone))
+        stacked = group.copy.untyped_storage().nbytes() > group.copy.numel() * group.copy.element_size()
+        assert stacked == (owner is mlp)

@@ -256,8 +256,9 @@ def test_refresh_brings_the_weight_scales_to_the_host_and_dgrad_keeps_its_bits(r
 @pytest.mark.parametrize("stack_bytes", [1 << 29, 1])
 def test_refresh_quantizes_same_shape_weights_together_with_the_same_bits(stack_bytes, monkeypatch):
     """refresh_quantized_weights stacks the 2D weights of one shape and spec into one quantize launch
-    (chunked by STACK_BYTES; fused-projection members apart from the others); every module gets
-    bitwise its own `quantize_weight`, host S_dec included."""
+    (chunked by STACK_BYTES, fused-projection members apart from the others and in whole multiples
+    of FUSED_STACK_MULTIPLE); every module gets bitwise its own `quantize_weight`, host S_dec
+    included."""
     from minite import kernels
     from minite.models import Qwen3, tiny_qwen3
     from minite.nn import quantized_weight as qwm
@@ -279,7 +280,12 @@ def test_refresh_quantizes_same_shape_weights_together_with_the_same_bits(stack_
     fused = fused_members(model)
     shapes = {(tuple(m.weight.shape), id(m) in fused) for m in linears}
     assert sum(launches) == len(linears)
-    assert len(launches) == (len(shapes) if stack_bytes > 1 else len(linears))
+    # stack_bytes 1: one weight a launch, but fused members in whole multiples (their groups unsplit)
+    fused_counts = [sum(1 for m in linears if (tuple(m.weight.shape), id(m) in fused) == key)
+                    for key in shapes if key[1]]
+    per_weight = len(linears) - sum(fused_counts) + sum(
+        -(-n // qwm.FUSED_STACK_MULTIPLE) for n in fused_counts)
+    assert len(launches) == (len(shapes) if stack_bytes > 1 else per_weight)
     for m in linears:
         got, want = m.quantized_weight(), quantize_weight(m.weight, m.recipe.weight)
         assert got.key == want.key and got.host_global_scale() == (want.global_scale.item(),)
