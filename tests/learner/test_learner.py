@@ -34,7 +34,7 @@ def test_micro_batching_accumulates_the_one_batch_gradient(moe, aggregation):
     for tokens in (10_000, 9):
         model = tiny_model(moe, "aligned")
         batch = _batch(model)
-        learner = Learner(model, lr=1e-3, micro_batch_tokens=tokens)
+        learner = Learner(model, lr=1e-3, micro_batch_tokens=tokens, release_grads=False)
         metrics.append(learner.step(batch, loss_fn, aggregation=aggregation))
         grads.append(_grads(model))
     assert metrics[0]["micro_batches"] == 1 and metrics[1]["micro_batches"] > 3
@@ -53,8 +53,8 @@ def test_whole_batch_correction_is_sliced_per_micro_batch():
     grads = []
     for tokens in (10_000, 9):
         model = tiny_model(False, "aligned")
-        Learner(model, micro_batch_tokens=tokens).step(batch, partial(policy_loss, cfg=LossConfig()),
-                                                       correction=correction)
+        learner = Learner(model, micro_batch_tokens=tokens, release_grads=False)
+        learner.step(batch, partial(policy_loss, cfg=LossConfig()), correction=correction)
         grads.append(_grads(model))
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=name)
@@ -67,7 +67,8 @@ def test_adamw_on_fp32_masters_matches_torch_adamw_on_fp32_copy():
     groups = [{"params": [p for p in ref.values() if p.dim() >= 2], "weight_decay": 0.1},
               {"params": [p for p in ref.values() if p.dim() < 2], "weight_decay": 0.0}]
     ref_opt = torch.optim.AdamW(groups, **hyper, fused=True)  # the implementation MasterAdamW runs
-    learner = Learner(model, weight_decay=0.1, max_grad_norm=None, micro_batch_tokens=12, **hyper)
+    learner = Learner(model, weight_decay=0.1, max_grad_norm=None, micro_batch_tokens=12, release_grads=False,
+                      **hyper)
     batch = random_batch(params=PARAMS)
     for _ in range(2):
         learner.step(batch, partial(policy_loss, cfg=LossConfig()))
@@ -84,7 +85,7 @@ def test_adamw_on_fp32_masters_matches_torch_adamw_on_fp32_copy():
 def test_clipping_scales_gradients_to_max_norm_and_reports_the_norm():
     model = tiny_model(False, "aligned")
     batch = _batch(model)
-    learner = Learner(model, lr=0.0, max_grad_norm=1e-3)
+    learner = Learner(model, lr=0.0, max_grad_norm=1e-3, release_grads=False)
     out = learner.step(batch, partial(policy_loss, cfg=LossConfig()))
     clipped = torch.linalg.vector_norm(torch.stack([m.grad.norm() for m in learner.optimizer.masters]))
     assert out["grad_norm"] > 1e-2 and out["clip_coef"] == pytest.approx(1e-3 / out["grad_norm"], rel=1e-4)
@@ -100,7 +101,7 @@ def test_activation_checkpointing_gives_the_same_gradients(moe):
     grads = []
     for ckpt in (False, True):
         model = tiny_model(moe, "aligned")
-        learner = Learner(model, activation_checkpointing=ckpt)
+        learner = Learner(model, activation_checkpointing=ckpt, release_grads=False)
         learner.step(_batch(model), partial(policy_loss, cfg=LossConfig()))
         grads.append(_grads(model))
     for name in grads[0]:
@@ -126,7 +127,7 @@ def test_activation_checkpointing_on_the_kernels_gives_the_same_gradients(monkey
     grads, built = [], []
     for ckpt in (False, True):
         model = tiny_model(False, get_recipe("aligned", backend="triton"))
-        learner = Learner(model, activation_checkpointing=ckpt)
+        learner = Learner(model, activation_checkpointing=ckpt, release_grads=False)
         batch = _batch(model)
         layouts.clear()
         out = learner.step(batch, partial(policy_loss, cfg=LossConfig()))
@@ -160,6 +161,23 @@ def test_step_trains_and_reports_metrics():
     assert lp1 > lp0  # the policy gradient step raised the advantage-weighted log-likelihood
     with pytest.raises(ValueError, match="advantages"):
         learner.step(replace(batch, advantages=None), partial(policy_loss, cfg=LossConfig()))
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_step_frees_the_gradients_unless_asked_to_keep_them(release):
+    """release_grads frees the parameters' and the masters' grads after the step; it changes nothing
+    else (the next step zeroes them first anyway)."""
+    params = []
+    for keep in (True, release):
+        model = tiny_model(False, "aligned", dtype=torch.bfloat16)
+        batch = _batch(model)
+        learner = Learner(model, lr=1e-2, release_grads=not keep)
+        for _ in range(2):
+            learner.step(batch, partial(policy_loss, cfg=LossConfig()))
+        grads = [p.grad for p in model.parameters()] + [m.grad for m in learner.optimizer.masters]
+        assert all(g is not None for g in grads) if keep else all(g is None for g in grads)
+        params.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*params))
 
 
 @pytest.mark.parametrize("freeze", [True, False])
@@ -235,6 +253,26 @@ def test_gpu_optimizer_step_queues_without_host_syncs(max_norm):
     assert out["clip_coef"].item() == pytest.approx(min(1.0, max_norm / norm.item()), rel=1e-5)
     for m, r in zip(opt.masters, ref):
         torch.testing.assert_close(m, r.detach())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_released_gradients_give_their_memory_back():
+    """After a step with release_grads the allocated memory is smaller than with kept grads by at least
+    the grads' bytes: 2 (bf16 grad) + 4 (fp32 master grad) a bf16 parameter."""
+    from minite.recipe import get_recipe
+
+    allocated = []
+    for release in (False, True):
+        model = tiny_model(recipe=get_recipe("aligned", backend="triton"), dtype=torch.bfloat16).cuda()
+        batch = _batch(model)
+        learner = Learner(model, lr=1e-3, release_grads=release)
+        learner.step(batch, partial(policy_loss, cfg=LossConfig()))
+        torch.cuda.synchronize()
+        allocated.append(torch.cuda.memory_allocated())
+        del learner, model, batch
+    grad_bytes = 6 * sum(p.numel() for p in tiny_model(dtype=torch.bfloat16).parameters())
+    assert allocated[0] - allocated[1] >= grad_bytes, (allocated, grad_bytes)
 
 
 EXIT_SCRIPT = """

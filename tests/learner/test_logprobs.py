@@ -8,9 +8,10 @@ from minite.learner import Learner, SequenceBatch, pack, sequence_logprobs
 from minite.sampling import SamplingParams
 from tests.learner.helpers import random_batch, reference_logprobs, sampled_batch, tiny_model
 
-# Within 1e-6 in fp32, not bitwise: CPU fp32 matmuls (MKL) may round differently at different row
-# counts M, and packing / chunking changes M for every GEMM and the LM head.
-TOL = 1e-6
+# Within 1e-6 + 2e-6 relative in fp32 (a few ulps of the log-prob), not bitwise: CPU fp32 matmuls may
+# round differently at different row counts M (more so on some CPUs: 1.4e-6 at -2.7 on an AMD EPYC),
+# and packing / chunking changes M for every GEMM and the LM head.
+TOL, RTOL = 1e-6, 2e-6
 PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=20, top_p=0.9)]
 
 
@@ -26,7 +27,7 @@ def test_equals_unpacked_full_logits_reference(moe, recipe, params):
         ref = reference_logprobs(model, batch)
     mask = batch.mask()
     assert torch.isfinite(got).all() and (got[~mask] == 0).all()
-    torch.testing.assert_close(got, ref, rtol=0, atol=TOL)
+    torch.testing.assert_close(got, ref, rtol=RTOL, atol=TOL)
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
