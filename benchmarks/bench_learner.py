@@ -67,6 +67,8 @@ def parse_args(argv=None):
                         "default); separate: one GEMM per linear (before session 14)")
     p.add_argument("--no-gc-freeze", action="store_true",
                    help="Learner(freeze_gc=False): no gc.freeze() after the first step (before session 14)")
+    p.add_argument("--keep-grads", action="store_true",
+                   help="Learner(release_grads=False): grads held between steps (before session 16)")
     p.add_argument("--aligned-small-tile", action="store_true",
                    help="the aligned GEMMs keep the small tile at every M (A/B for `gemm.ALIGNED_LARGE_M`)")
     p.add_argument("--kernels", action="store_true",
@@ -130,7 +132,8 @@ class GcTimer:
 def bench_one(kind: str, recipe: str, args) -> dict:
     model = build(kind, recipe, args)
     learner = Learner(model, lr=1e-6, micro_batch_tokens=args.micro_batch_tokens,
-                      activation_checkpointing=args.activation_checkpointing, freeze_gc=not args.no_gc_freeze)
+                      activation_checkpointing=args.activation_checkpointing, freeze_gc=not args.no_gc_freeze,
+                      release_grads=not args.keep_grads)
     batch = make_batch(model.config.vocab_size, args)
     loss_fn = partial(policy_loss, cfg=LossConfig())
     times, gc_time = [], GcTimer()
@@ -152,6 +155,8 @@ def bench_one(kind: str, recipe: str, args) -> dict:
                gc_collections=gc_time.collections)
     if torch.cuda.is_available() and not args.tiny:
         row["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        # what the step leaves allocated for the rollout that follows it (grads freed: Learner docstring)
+        row["between_steps_mem_gb"] = torch.cuda.memory_allocated() / 2**30
         torch.cuda.reset_peak_memory_stats()
     del learner, model
     release_frozen()

@@ -28,6 +28,8 @@
 #             on Triton's own launch path (before session 12), alternating
 #   learner_moe  the MoE learner alone (bf16 and aligned)
 #   learner_repeat  the dense learner in 4 processes (8 steps each): the spread between processes
+#   learner_grads  the dense learner twice freeing the grads after each step (the default), twice keeping
+#             them (before session 16), alternating: step time and the memory held between steps
 #   agreement_presets  aligned learner vs aligned sampler, 4 layers of qwen3-1.7b and of qwen3-30b-a3b
 #   learner_dense  the dense learner alone, default tiles
 #   learner_attn  the dense learner twice with the Triton attention backward, twice with the reference
@@ -90,6 +92,14 @@ for part in "$@"; do
     learner_repeat)
       for i in 1 2 3 4; do
         step 60 python3 benchmarks/bench_learner.py --models dense --steps 8 --out "$OUT/extra/learner_dense_$i.json"
+      done ;;
+    learner_grads)
+      for i in 1 2; do
+        for mode in release keep; do
+          flag=$([ $mode = keep ] && echo --keep-grads)
+          step 60 python3 benchmarks/bench_learner.py --models dense --steps 6 $flag \
+            --out "$OUT/extra/learner_dense_${mode}_$i.json"
+        done
       done ;;
     agreement_presets)
       for preset in qwen3-1.7b qwen3-30b-a3b; do
