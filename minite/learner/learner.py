@@ -138,10 +138,10 @@ class Learner:
             for k, v in {"loss": loss, **metrics}.items():  # device tensors: no sync per micro-batch
                 sums[k] = sums.get(k, 0.0) + weight * (v.detach().float() if torch.is_tensor(v) else float(v))
         sums.update(self.optimizer.step_queued())  # device tensors: the host queues on (no sync)
-        if self.release_grads:  # freed stream-ordered: the queued update still reads them
-            self.optimizer.zero_grad()
         if self.sync_weights_after_step:
             sync_weights(self.model)
+        if self.release_grads:  # after the refresh's allocations; stream-ordered: the update still reads them
+            self.optimizer.zero_grad()
         sums = _to_floats(sums)  # after the updates are queued: the GPU need not drain before them
         self.steps += 1
         if self.steps == 1 and self.freeze_gc:
