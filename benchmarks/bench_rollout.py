@@ -38,6 +38,7 @@ from minite.nn import nvfp4_matmul, use_grouped_mm  # noqa: E402
 from minite.nn.fused import use_fused_kernels  # noqa: E402
 from minite.recipe import get_recipe  # noqa: E402
 from minite.sampler import Sampler  # noqa: E402
+from minite.sampler import sample as sampler_sample  # noqa: E402
 from minite.sampling import SamplingParams  # noqa: E402
 
 
@@ -65,6 +66,9 @@ def parse_args(argv=None):
                         "aligned tile on the bf16 copy)")
     p.add_argument("--no-fused-kernels", action="store_true",
                    help="the plain torch RMSNorm/RoPE ops, not the fused kernels (the CUDA default)")
+    p.add_argument("--draw", default="kernel", choices=["kernel", "torch"],
+                   help="the token draw on CUDA: the Triton kernel (the default) or the torch reference "
+                        "(before session 16)")
     p.add_argument("--sync-recipes", default="",
                    help="recipes also run without lookahead decode (Sampler(async_decode=False)), e.g. bf16")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
@@ -104,6 +108,7 @@ def sync(device) -> None:
 
 def run_ours(model, recipe: str, prompts, args, device, async_decode: bool | None = None) -> dict:
     use_fused_kernels(False if args.no_fused_kernels else None)
+    sampler_sample.USE_KERNEL = args.draw == "kernel"
     model.set_recipe(get_recipe(recipe, backend=args.backend))
     params = SamplingParams(n=args.samples, max_tokens=args.new_tokens, seed=args.seed)
     seqs = len(prompts) * args.samples
@@ -228,7 +233,7 @@ def main(argv=None):
                     moe_layers_of_48=args.moe_layers, dense_layers_of_28=args.dense_layers, tiny=args.tiny,
                     moe_grouped_mm=not args.no_moe_grouped_mm,
                     moe_decode_max_rows_per_expert=nvfp4_matmul.DECODE_MAX_ROWS_PER_EXPERT,
-                    fused_kernels=not args.no_fused_kernels)
+                    fused_kernels=not args.no_fused_kernels, draw=args.draw)
     report("rollout", rows, args.out, extra=dict(workload=workload, vs_bf16=paired_vs_bf16(rows)))
     return rows
 

@@ -8,6 +8,9 @@
 #   rollout   rollout benchmark: dense 1.7B against HF generate
 #   moe       MoE rollout, 24 layers of 48: bf16 vs aligned (experts on the grouped decode kernel; 3 paired
 #             rounds), and aligned with the experts on the aligned tile over the bf16 copy
+#   sample    the sampler's token draw: the Triton kernel against the torch reference (bench_sample.py)
+#   rollout_draw  MoE rollout (24 layers, bf16 and aligned, 2 paired rounds) with the torch draw, then the
+#             kernel, twice, alternating
 #   decode    the dense decode GEMM (M <= 64) vs cuBLAS bf16, fast and aligned K order (bench_decode_gemm.py)
 #   ncu_decode  Nsight Compute counters of the decode GEMM (benchmarks/ncu_decode.py): HBM, L2, stalls
 #   decode_wide  the decode GEMM's wide N tiles at M = 32 / 64 (sweep_decode_gemm.py --wide)
@@ -129,6 +132,15 @@ for part in "$@"; do
         --no-hf --rounds 3 --out "$OUT/rollout_moe24.json"
       step 60 python3 benchmarks/bench_rollout.py --models moe --moe-layers 24 --new-tokens 256 --backend triton \
         --no-hf --recipes aligned --moe-decode-rows 0 --out "$OUT/rollout_moe24_bf16_copy.json" ;;
+    sample)
+      step 90 python3 benchmarks/bench_sample.py --out "$OUT/kernels_sample.json" ;;
+    rollout_draw)
+      for i in 1 2; do
+        for draw in torch kernel; do
+          step 90 python3 benchmarks/bench_rollout.py --models moe --moe-layers 24 --new-tokens 256 \
+            --backend triton --no-hf --rounds 2 --draw $draw --out "$OUT/extra/rollout_moe24_${draw}_$i.json"
+        done
+      done ;;
     decode)
       step 260 python3 benchmarks/bench_decode_gemm.py --out "$OUT/kernels_decode_gemm.json" ;;
     ncu_decode)

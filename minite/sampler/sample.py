@@ -1,26 +1,29 @@
 """Draw tokens from `processed_logprobs` (the one definition in `minite.sampling`) with per-sample
 counter-based uniforms, and return each drawn token's log-prob under that same distribution.
 
-Inverse-CDF draw per row: `cdf = cumsum(exp(logp))` (fp32, token-id order), target `u * cdf[-1]`
-kept strictly below `cdf[-1]`, token = first index whose cdf exceeds the target. Only tokens with
-nonzero probability can be picked (the cdf rises only at them). temperature 0 takes the argmax
-(log-prob 0), as `processed_logprobs` defines.
+The draw is the inverse-CDF one of `minite.ref.sample.draw`; on CUDA it runs as two Triton launches
+(`minite.kernels.sample`, one read of the [B, V] log-probs instead of three passes; `USE_KERNEL`
+switches back to the reference). temperature 0 takes the argmax (log-prob 0), as
+`processed_logprobs` defines.
 """
 
 from __future__ import annotations
 
 import torch
 
+from minite import kernels
+from minite.ref.sample import draw as draw_reference
 from minite.sampler.rng import uniforms
 from minite.sampling import SamplingParams, processed_logprobs
 
+USE_KERNEL = True
+
 
 def draw(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """logp [B, V] fp32 (-inf where dropped), u [B] in [0, 1) -> tokens [B] int64."""
-    cdf = torch.cumsum(logp.exp(), dim=-1)  # [B, V]
-    total = cdf[:, -1:]
-    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp(max=logp.shape[-1] - 1)
+    """logp [B, V] fp32 (-inf where dropped), u [B] in [0, 1) -> tokens [B] int64 (the kernel on CUDA)."""
+    if USE_KERNEL and logp.is_cuda and kernels.available():
+        return kernels.lazy.sample.draw(logp, u)
+    return draw_reference(logp, u)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], keys: torch.Tensor,

@@ -1,0 +1,100 @@
+"""Inverse-CDF draw of one token per row (`minite.ref.sample.draw`, same arguments), in two launches.
+
+The cdf runs over blocks of BLOCK token ids in order:
+
+1. `_block_totals_kernel`, one program per (row, block): the block's total, the last element of
+   `tl.cumsum(exp(logp))` over the block;
+2. `_pick_kernel`, one program per row: total = the block totals summed in order; target =
+   min(u * total, nextafter(total, 0)); the first block whose running sum exceeds the target; in it,
+   the first token with nonzero probability whose cdf (the running sum before the block plus the
+   block's cumsum) exceeds the target.
+
+So a draw reads the row once, plus one block. The reference's `exp` + `cumsum` + `searchsorted` pass
+over [B, V] fp32 three times. A parallel scan is not monotone to the last bit in fp32, hence the
+nonzero-probability test: a dropped token is never picked. The token equals the reference's except
+where the target lies within fp32 rounding of a cdf step (a GPU test measures how often). One
+program per row: a row's token never depends on the other rows.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from minite.kernels import interpreted
+from minite.kernels.launch import cdiv
+from minite.kernels.launch import launch as launch_kernel
+
+CONFIG = dict(BLOCK=4096, num_warps=8)
+INTERPRETED_BLOCK = 64  # small blocks under the CPU interpreter: rows of a few hundred ids span several
+
+
+@triton.jit
+def _block_cdf(row_ptr, b, V, BLOCK: tl.constexpr):
+    """Block b of a row: (token ids, exp(logp), its cumsum)."""
+    offs = b * BLOCK + tl.arange(0, BLOCK)
+    p = tl.exp(tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")))
+    return offs, p, tl.cumsum(p, 0)
+
+
+@triton.jit
+def _block_totals_kernel(logp_ptr, totals_ptr, V, NB, stride_row, BLOCK: tl.constexpr):
+    row, b = tl.program_id(0), tl.program_id(1)
+    offs, p, c = _block_cdf(logp_ptr + row.to(tl.int64) * stride_row, b, V, BLOCK)
+    last = tl.sum(tl.where(offs == b * BLOCK + BLOCK - 1, c, 0.0), 0)
+    tl.store(totals_ptr + row * NB + b, last)
+
+
+@triton.jit
+def _pick_kernel(logp_ptr, totals_ptr, u_ptr, out_ptr, V, NB, stride_row, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    tot = totals_ptr + row * NB
+    total = tl.load(tot)
+    for b in range(1, NB):
+        total += tl.load(tot + b)
+    target = tl.load(u_ptr + row) * total
+    below_total = (total.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True)
+    target = tl.where(target < total, target, below_total)
+    # the first block whose running sum passes the target (the same additions as `total`'s)
+    run = tl.load(tot)
+    chosen = tl.where(run > target, 0, NB - 1)
+    base = tl.full((), 0.0, tl.float32)
+    found = (run > target).to(tl.int32)
+    for b in range(1, NB):
+        t = tl.load(tot + b)
+        hit = (found == 0) & (run + t > target)
+        chosen = tl.where(hit, b, chosen)
+        base = tl.where(hit, run, base)
+        found = found | hit.to(tl.int32)
+        run += t
+    offs, p, c = _block_cdf(logp_ptr + row.to(tl.int64) * stride_row, chosen, V, BLOCK)
+    live = p > 0
+    first = tl.min(tl.where(live & (base + c > target), offs, V), 0)
+    # no crossing inside the block (its cumsum's rounding): its last token with nonzero probability
+    last = tl.max(tl.where(live, offs, -1), 0)
+    tok = tl.where(first < V, first, last)
+    tl.store(out_ptr + row, tl.minimum(tl.maximum(tok, 0), V - 1).to(tl.int64))
+
+
+def draw(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """logp [B, V] fp32 (-inf where dropped; unit stride along V), u [B] fp32 in [0, 1) -> tokens [B]
+    int64. Every row needs a token with nonzero probability."""
+    if logp.ndim != 2 or logp.dtype != torch.float32 or logp.stride(1) != 1:
+        raise ValueError(f"logp must be fp32 [B, V] with unit stride along V, got {logp.dtype} "
+                         f"{tuple(logp.shape)} strides {logp.stride()}")
+    b, v = logp.shape
+    if u.dtype != torch.float32 or tuple(u.shape) != (b,) or u.device != logp.device:
+        raise ValueError(f"u must be fp32 [B={b}] on {logp.device}, got {u.dtype} {tuple(u.shape)} "
+                         f"on {u.device}")
+    if logp.device.type != "cuda" and not interpreted():
+        raise ValueError(f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1); got {logp.device}")
+    out = torch.empty(b, dtype=torch.int64, device=logp.device)
+    if b == 0:
+        return out
+    block = INTERPRETED_BLOCK if interpreted() else CONFIG["BLOCK"]
+    nb = cdiv(v, block)
+    totals = torch.empty(b, nb, dtype=torch.float32, device=logp.device)
+    launch_kernel(_block_totals_kernel, (b, nb), (logp, totals, v, nb, logp.stride(0)), BLOCK=block,
+                  num_warps=CONFIG["num_warps"])
+    launch_kernel(_pick_kernel, (b,), (logp, totals, u.contiguous(), out, v, nb, logp.stride(0)), BLOCK=block,
+                  num_warps=CONFIG["num_warps"])
+    return out
