@@ -8,6 +8,8 @@
 - `grouped_gemm.grouped_w4a4_gemm`: MoE grouped GEMM over experts in one launch.
 - `grouped_decode.grouped_decode_gemm`: MoE experts of a decode step on their decode layouts, aligned K
   order, one launch.
+- `moe_combine.combine`: the MoE combine (gather, weight, sum over top-k) in one launch.
+- `sample.draw`: the sampler's inverse-CDF token draw, one read of the log-probs.
 
 Nothing here imports Triton at package import time: `available()` says whether the kernels can run
 (Triton importable and CUDA present, or the CPU interpreter requested with TRITON_INTERPRET=1).

@@ -12,7 +12,9 @@ The cdf runs over blocks of BLOCK token ids in order:
 So a draw reads the row once, plus one block. The reference's `exp` + `cumsum` + `searchsorted` pass
 over [B, V] fp32 three times. A parallel scan is not monotone to the last bit in fp32, hence the
 nonzero-probability test: a dropped token is never picked. The token equals the reference's except
-where the target lies within fp32 rounding of a cdf step (a GPU test measures how often). One
+where the target lies within fp32 rounding of a cdf step (`tl.exp` is within 2 ulp on the GPU, the
+sums run in another order; H200, 512 x 151936 random rows: 512 of 512 tokens the reference's, 63 of 64
+at 64 rows: s16 run4). One
 program per row: a row's token never depends on the other rows.
 """
 

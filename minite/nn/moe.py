@@ -23,10 +23,10 @@ assignments are sorted by expert (stable; `sort_by_expert`, computed on the devi
   tensor).
 
 Both give an expert's rows the same bits as a dense GEMM of those rows would (per-row activation
-scales; the kernels' grouped GEMM uses the dense aligned tile and K order). Expert outputs return to
-[T, k, H], are multiplied by the routing weights and summed over k in top-k order, so a token's
-result never depends on the batch through the combine. `moe_reference` is the same computation as a
-Python loop over experts.
+scales; the kernels' grouped GEMM uses the dense aligned tile and K order). Expert outputs are
+multiplied by the routing weights and summed over k in top-k order (`minite.nn.moe_combine`: one
+kernel on the sorted rows where the fused kernels run), so a token's result never depends on the
+batch through the combine. `moe_reference` is the same computation as a Python loop over experts.
 
 Static calibration gives one input scale per projection shared by all experts (amax over all experts'
 tokens / 2688), as vLLM's NVFP4 MoE does.
@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minite.nn.linear import TE_AMAX_TO_SCALE, Linear
+from minite.nn.moe_combine import combine
 from minite.nn.nvfp4_matmul import grouped_nvfp4_matmul, nvfp4_matmul, use_kernels
 from minite.nn.quantized_weight import QuantizedWeight, quantize_weight, weight_key
 from minite.nn.swiglu import swiglu
@@ -184,7 +185,7 @@ class MoEExperts(nn.Module):
         if self._calib_amax is None and self.graph_safe():
             s = sort_by_expert(r.experts, self.num_experts)
             ys = self.sorted_experts_forward(x2[s.tokens], s)  # [R, H]
-            rows = ys[s.inverse]
+            return self._out(combine(ys, s.inverse, r.weights).reshape(x.shape), r, return_router)
         else:
             g = group_by_expert(r.experts, self.num_experts)
             xg = x2.new_zeros(len(g.experts), g.capacity, self.hidden_size).index_put(
@@ -192,7 +193,10 @@ class MoEExperts(nn.Module):
             yg = self.experts_forward(xg, g.experts)  # [A, C, H]
             rows = yg[g.slot, g.rank][g.inverse]
         rows = rows.reshape(*r.weights.shape, self.hidden_size)  # [T, k, H]
-        out = (rows * r.weights.unsqueeze(-1)).sum(dim=1).reshape(x.shape)
+        return self._out((rows * r.weights.unsqueeze(-1)).sum(dim=1).reshape(x.shape), r, return_router)
+
+    @staticmethod
+    def _out(out: torch.Tensor, r: Routing, return_router: bool):
         return (out, r) if return_router else out
 
     def graph_safe(self) -> bool:

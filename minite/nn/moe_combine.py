@@ -1,0 +1,45 @@
+"""The MoE combine as an autograd op: out[t] = sum_j ys[inverse[t * k + j]] * w[t, j] (`minite.ref.moe`).
+
+Where the fused kernels run (`minite.nn.fused.fused_applies`: CUDA by default) the forward is one
+launch (`minite.kernels.moe_combine`), for learner and sampler alike, so both get its bits; elsewhere
+torch's gather, multiply and sum over k. The backward is torch's, the gradients autograd gives the
+torch form: d ys[inverse[t * k + j]] = g[t] * w[t, j] (bf16 products), d w[t, j] = sum_h g[t, h] *
+ys[inverse[t * k + j], h]. `USE_KERNEL = False` keeps torch's forward everywhere (A/B benchmarks).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minite.kernels import lazy
+from minite.nn.fused import fused_applies
+
+USE_KERNEL = True
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ys, inverse, weights):
+        ctx.save_for_backward(ys, inverse, weights)
+        return lazy.moe_combine.combine(ys, inverse, weights)
+
+    @staticmethod
+    def backward(ctx, g):
+        ys, inverse, weights = ctx.saved_tensors
+        t, k = weights.shape
+        g = g.contiguous().unsqueeze(1)  # [T, 1, H]
+        d_ys = d_w = None
+        if ctx.needs_input_grad[0]:
+            d_ys = torch.empty_like(ys)
+            d_ys[inverse] = (g * weights.unsqueeze(-1)).reshape(t * k, -1)
+        if ctx.needs_input_grad[2]:
+            d_w = (g * ys[inverse].reshape(t, k, -1)).sum(-1)
+        return d_ys, None, d_w
+
+
+def combine(ys: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """ys [R, H] expert outputs in sorted order, inverse [R], weights [T, k] -> [T, H]."""
+    if USE_KERNEL and fused_applies(ys):
+        return _Combine.apply(ys, inverse, weights)
+    t, k = weights.shape
+    return (ys[inverse].reshape(t, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
