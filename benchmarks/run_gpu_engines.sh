@@ -11,6 +11,7 @@
 #   sample    the sampler's token draw: the Triton kernel against the torch reference (bench_sample.py)
 #   rollout_draw  MoE rollout (24 layers, bf16 and aligned, 2 paired rounds) with the torch draw, then the
 #             kernel, twice, alternating
+#   rollout_combine  the same with the MoE combine in torch, then the kernel, twice, alternating
 #   decode    the dense decode GEMM (M <= 64) vs cuBLAS bf16, fast and aligned K order (bench_decode_gemm.py)
 #   ncu_decode  Nsight Compute counters of the decode GEMM (benchmarks/ncu_decode.py): HBM, L2, stalls
 #   decode_wide  the decode GEMM's wide N tiles at M = 32 / 64 (sweep_decode_gemm.py --wide)
@@ -139,6 +140,14 @@ for part in "$@"; do
         for draw in torch kernel; do
           step 90 python3 benchmarks/bench_rollout.py --models moe --moe-layers 24 --new-tokens 256 \
             --backend triton --no-hf --rounds 2 --draw $draw --out "$OUT/extra/rollout_moe24_${draw}_$i.json"
+        done
+      done ;;
+    rollout_combine)
+      for i in 1 2; do
+        for combine in torch kernel; do
+          step 90 python3 benchmarks/bench_rollout.py --models moe --moe-layers 24 --new-tokens 256 \
+            --backend triton --no-hf --rounds 2 --moe-combine $combine \
+            --out "$OUT/extra/rollout_moe24_combine_${combine}_$i.json"
         done
       done ;;
     decode)
