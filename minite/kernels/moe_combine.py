@@ -29,7 +29,9 @@ def _combine_kernel(ys_ptr, inverse_ptr, w_ptr, out_ptr, H, stride_y, stride_o, 
         row = tl.load(inverse_ptr + t * K + j).to(tl.int64)
         w = tl.load(w_ptr + t * K + j)
         y = tl.load(ys_ptr + row * stride_y + offs, mask=mask, other=0.0)
-        acc += (y * w).to(tl.float32)  # the product rounded to the 16-bit dtype first
+        # the product rounded to the input dtype first (exact in fp32 for 16-bit inputs, so this is the
+        # 16-bit multiply's rounding; the interpreter has no bf16 arithmetic)
+        acc += (y.to(tl.float32) * w.to(tl.float32)).to(y.dtype).to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64) * stride_o + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -53,6 +55,7 @@ def combine(ys: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> t
         return out
     block = min(CONFIG["BLOCK_H"], next_power_of_2(h))
     args = (ys, inverse.contiguous(), weights.contiguous(), out, h, ys.stride(0), out.stride(0))
+    # no FMA contraction: fp32 products are rounded before the sum, as the reference's are
     launch_kernel(_combine_kernel, (t, cdiv(h, block)), args, K=k, BLOCK_H=block,
-                  num_warps=CONFIG["num_warps"])
+                  num_warps=CONFIG["num_warps"], enable_fp_fusion=False)
     return out

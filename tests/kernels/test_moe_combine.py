@@ -56,6 +56,8 @@ def test_autograd_op_gives_autograd_gradients_of_the_torch_form():
         use_fused_kernels(None)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-interpreter test (fp32 experts on "
+                    "torch._grouped_mm); on CUDA the agreement runs cover the MoE layer")
 def test_moe_layer_through_the_kernel_equals_the_torch_combine(monkeypatch):
     """Bitwise on the CPU interpreter (fp32): output, input and parameter gradients."""
     moe = MoEExperts(8, 32, 16, 2, recipe="bf16")
