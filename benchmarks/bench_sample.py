@@ -1,5 +1,7 @@
 """The sampler's draw: the Triton inverse-CDF kernel against the torch reference (exp, cumsum,
-searchsorted), alone and inside `sampler.sample.sample` (log-softmax of the bf16 logits, draw, gather).
+searchsorted), alone and inside `sampler.sample.sample`: torch throughout (log-softmax of the bf16
+logits, draw, gather), the kernel draw on torch's log-probs, and the default (the row's log-sum-exp
+and the draw straight from the logits, `minite.nn.token_logprobs`).
 
 Shapes: a rollout decode step's rows (64 and 512 sequences) over Qwen3's 151936 ids. CUDA graphs over
 2 input copies, interleaved rounds (`bench_common.paired_graph_us`). The kernel reads the fp32
@@ -15,6 +17,7 @@ import torch
 from bench_common import paired_graph_us, parse_args, ratio_stats, report, warm_up, with_flag
 
 from minite.kernels import sample as ks
+from minite.nn import token_logprobs
 from minite.ref.sample import draw as reference
 from minite.sampler import sample as sampler_sample
 from minite.sampler.rng import uniforms
@@ -40,6 +43,8 @@ def main():
             "draw, torch": [lambda x=x: reference(x, u) for x in logps],
             "draw": [lambda x=x: ks.draw(x, u) for x in logps],
             "sample, torch draw": [with_flag(sampler_sample, "USE_KERNEL", False, f) for f in full],
+            "sample, kernel draw on torch log-probs": [with_flag(token_logprobs, "USE_KERNEL", False, f)
+                                                       for f in full],
             "sample": full,
         }
         us = paired_graph_us(variants)

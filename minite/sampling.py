@@ -11,6 +11,10 @@ The sampler draws token y_t from, and reports log mu(y_t) under, the *processed*
 temperature == 0 means greedy: the distribution is one-hot on the argmax (lowest id among ties), so
 the sampled token's log-prob is 0. The learner recomputes its log-probs with this same function on
 its own logits (FACTS.md 4 lists "truncation not mirrored on the learner" as a classic bug).
+
+Where the fused kernels run (CUDA by default) the plain distribution (no top-k / top-p) takes a
+kernel path in both engines (`minite.nn.token_logprobs`): log-probs within a few fp32 ulps of this
+function's, and the same bits in sampler and learner.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from minite.nn import token_logprobs as kernel_path
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
                    top_k: int = 0, top_p: float = 1.0, chunk: int = 1024) -> torch.Tensor:
     """log-probs of `tokens` [N] under the processed distribution of logits [N, V], in row chunks so
     that no more than `chunk` rows of fp32 [., V] exist at once. Returns fp32 [N]."""
+    if kernel_path.plain_applies(logits, temperature, top_k, top_p):
+        return kernel_path.plain_token_logprobs(logits, tokens, temperature)
     out = torch.empty(tokens.shape, dtype=torch.float32, device=logits.device)
     for s in range(0, tokens.shape[0], chunk):
         lp = processed_logprobs(logits[s: s + chunk], temperature, top_k, top_p)

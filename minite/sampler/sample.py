@@ -3,7 +3,9 @@ counter-based uniforms, and return each drawn token's log-prob under that same d
 
 The draw is the inverse-CDF one of `minite.ref.sample.draw`; on CUDA it runs as two Triton launches
 (`minite.kernels.sample`, one read of the [B, V] log-probs instead of three passes; `USE_KERNEL`
-switches back to the reference). temperature 0 takes the argmax (log-prob 0), as
+switches back to the reference). The plain distribution (no top-k / top-p) on the kernels writes no
+[B, V] log-probs at all: the row's log-sum-exp, the draw from the logits, and the token's log-prob by
+the learner's formula (`minite.nn.token_logprobs`). temperature 0 takes the argmax (log-prob 0), as
 `processed_logprobs` defines.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from minite import kernels
+from minite.nn import token_logprobs as kernel_path
 from minite.ref.sample import draw as draw_reference
 from minite.sampler.rng import uniforms
 from minite.sampling import SamplingParams, processed_logprobs
@@ -39,6 +42,18 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], keys: torch.Tenso
     for (temperature, top_k, top_p), rows in groups.items():
         idx = None if len(rows) == B else torch.tensor(rows, device=logits.device)
         sub = logits if idx is None else logits[idx]
+        if kernel_path.plain_applies(sub, temperature, top_k, top_p) and USE_KERNEL:
+            # the learner's formula on the kernels (minite.nn.token_logprobs); no [b, V] log-probs
+            sub = sub.contiguous()
+            lse = kernel_path.row_lse(sub, temperature)
+            u = uniforms(keys if idx is None else keys[idx], steps if idx is None else steps[idx])
+            tok = kernels.lazy.sample.draw_from_logits(sub, lse, temperature, u)
+            lp = kernel_path.token_logprob(sub, tok, lse, temperature)
+            if idx is None:
+                tokens, logprobs = tok, lp
+            else:
+                tokens[idx], logprobs[idx] = tok, lp
+            continue
         logp = processed_logprobs(sub, temperature, top_k, top_p)  # [b, V] fp32
         if temperature == 0:
             tok = logp.argmax(-1)
