@@ -9,7 +9,8 @@
 - `grouped_decode.grouped_decode_gemm`: MoE experts of a decode step on their decode layouts, aligned K
   order, one launch.
 - `moe_combine.combine`: the MoE combine (gather, weight, sum over top-k) in one launch.
-- `sample.draw`: the sampler's inverse-CDF token draw, one read of the log-probs.
+- `sample.draw` / `draw_from_logits`: the sampler's inverse-CDF token draw, one read of the row.
+- `logprobs.row_lse` / `token_logprob_grad`: the plain distribution's log-sum-exp and gradient.
 
 Nothing here imports Triton at package import time: `available()` says whether the kernels can run
 (Triton importable and CUDA present, or the CPU interpreter requested with TRITON_INTERPRET=1).

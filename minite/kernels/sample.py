@@ -13,9 +13,10 @@ So a draw reads the row once, plus one block. The reference's `exp` + `cumsum` +
 over [B, V] fp32 three times. A parallel scan is not monotone to the last bit in fp32, hence the
 nonzero-probability test: a dropped token is never picked. The token equals the reference's except
 where the target lies within fp32 rounding of a cdf step (`tl.exp` is within 2 ulp on the GPU, the
-sums run in another order; H200, 512 x 151936 random rows: 512 of 512 tokens the reference's, 63 of 64
-at 64 rows: s16 run4). One
-program per row: a row's token never depends on the other rows.
+sums run in another order; H200, 512 x 151936 random rows: 512 and 510 of 512 tokens the reference's,
+63 of 64 at 64 rows: s16 runs 4 and 7). One program per row: a row's token never depends on the
+other rows. `draw_from_logits` draws from logits and their row log-sum-exp (`kernels.logprobs`)
+without writing log-probs.
 """
 
 import torch
@@ -107,7 +108,7 @@ def draw_from_logits(logits: torch.Tensor, lse: torch.Tensor, temperature: float
 
 def _draw(x: torch.Tensor, lse: torch.Tensor | None, temperature: float, u: torch.Tensor) -> torch.Tensor:
     if x.ndim != 2 or x.stride(1) != 1 or not x.is_floating_point():
-        raise ValueError(f"logp must be float [B, V] with unit stride along V, got {x.dtype} "
+        raise ValueError(f"logp / logits must be float [B, V] with unit stride along V, got {x.dtype} "
                          f"{tuple(x.shape)} strides {x.stride()}")
     b, v = x.shape
     if u.dtype != torch.float32 or tuple(u.shape) != (b,) or u.device != x.device:

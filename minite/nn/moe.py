@@ -185,18 +185,15 @@ class MoEExperts(nn.Module):
         if self._calib_amax is None and self.graph_safe():
             s = sort_by_expert(r.experts, self.num_experts)
             ys = self.sorted_experts_forward(x2[s.tokens], s)  # [R, H]
-            return self._out(combine(ys, s.inverse, r.weights).reshape(x.shape), r, return_router)
+            out = combine(ys, s.inverse, r.weights)  # [T, H]
         else:
             g = group_by_expert(r.experts, self.num_experts)
             xg = x2.new_zeros(len(g.experts), g.capacity, self.hidden_size).index_put(
                 (g.slot, g.rank), x2[g.tokens])  # [A, C, H]
             yg = self.experts_forward(xg, g.experts)  # [A, C, H]
-            rows = yg[g.slot, g.rank][g.inverse]
-        rows = rows.reshape(*r.weights.shape, self.hidden_size)  # [T, k, H]
-        return self._out((rows * r.weights.unsqueeze(-1)).sum(dim=1).reshape(x.shape), r, return_router)
-
-    @staticmethod
-    def _out(out: torch.Tensor, r: Routing, return_router: bool):
+            rows = yg[g.slot, g.rank][g.inverse].reshape(*r.weights.shape, self.hidden_size)  # [T, k, H]
+            out = (rows * r.weights.unsqueeze(-1)).sum(dim=1)
+        out = out.reshape(x.shape)
         return (out, r) if return_router else out
 
     def graph_safe(self) -> bool:
