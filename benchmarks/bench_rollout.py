@@ -34,7 +34,7 @@ from bench_common import ratio_stats, report  # noqa: E402
 from minite.models import ModelConfig, Qwen3, tiny_qwen3, tiny_qwen3_moe  # noqa: E402
 from minite.models.checkpoint import EXPERT_PARAM, expert_pieces, fused_expert_name, hf_name  # noqa: E402
 from minite.models.presets import qwen3_1_7b, qwen3_30b_a3b  # noqa: E402
-from minite.nn import moe_combine, nvfp4_matmul, use_grouped_mm  # noqa: E402
+from minite.nn import moe_combine, nvfp4_matmul, token_logprobs, use_grouped_mm  # noqa: E402
 from minite.nn.fused import use_fused_kernels  # noqa: E402
 from minite.recipe import get_recipe  # noqa: E402
 from minite.sampler import Sampler  # noqa: E402
@@ -69,6 +69,9 @@ def parse_args(argv=None):
     p.add_argument("--draw", default="kernel", choices=["kernel", "torch"],
                    help="the token draw on CUDA: the Triton kernel (the default) or the torch reference "
                         "(before session 16)")
+    p.add_argument("--logprobs", default="kernel", choices=["kernel", "torch"],
+                   help="the plain distribution's log-probs on CUDA: the row log-sum-exp kernel (the "
+                        "default) or torch's fp32 log-softmax (before session 16)")
     p.add_argument("--moe-combine", default="kernel", choices=["kernel", "torch"],
                    help="the MoE combine on CUDA: one Triton launch (the default) or torch's gather, "
                         "multiply and sum (before session 16)")
@@ -113,6 +116,7 @@ def run_ours(model, recipe: str, prompts, args, device, async_decode: bool | Non
     use_fused_kernels(False if args.no_fused_kernels else None)
     sampler_sample.USE_KERNEL = args.draw == "kernel"
     moe_combine.USE_KERNEL = args.moe_combine == "kernel"
+    token_logprobs.USE_KERNEL = args.logprobs == "kernel"
     model.set_recipe(get_recipe(recipe, backend=args.backend))
     params = SamplingParams(n=args.samples, max_tokens=args.new_tokens, seed=args.seed)
     seqs = len(prompts) * args.samples
@@ -238,7 +242,7 @@ def main(argv=None):
                     moe_grouped_mm=not args.no_moe_grouped_mm,
                     moe_decode_max_rows_per_expert=nvfp4_matmul.DECODE_MAX_ROWS_PER_EXPERT,
                     fused_kernels=not args.no_fused_kernels, draw=args.draw,
-                    moe_combine=args.moe_combine)
+                    logprobs=args.logprobs, moe_combine=args.moe_combine)
     report("rollout", rows, args.out, extra=dict(workload=workload, vs_bf16=paired_vs_bf16(rows)))
     return rows
 
