@@ -1,5 +1,5 @@
-"""The MoE combine in one launch (`minite.ref.moe.combine`, same arguments and bits): gathers each
-token's k expert rows by `inverse`, weights them and sums them in fp32 in top-k order.
+"""The MoE combine in one launch (`minite.ref.moe_combine.combine`, same arguments and bits): gathers
+each token's k expert rows by `inverse`, weights them and sums them in fp32 in top-k order.
 
 torch runs it as a gather, a broadcast multiply and a sum over k: three [T, k, H] passes and a
 non-vectorized broadcast kernel (H200, MoE decode step, 512 tokens x 8 x 2048: ~37 us a layer, s12

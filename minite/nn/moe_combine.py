@@ -1,4 +1,5 @@
-"""The MoE combine as an autograd op: out[t] = sum_j ys[inverse[t * k + j]] * w[t, j] (`minite.ref.moe`).
+"""The MoE combine as an autograd op: out[t] = sum_j ys[inverse[t * k + j]] * w[t, j]
+(`minite.ref.moe_combine`).
 
 Where the fused kernels run (`minite.nn.fused.fused_applies`: CUDA by default) the forward is one
 launch (`minite.kernels.moe_combine`), for learner and sampler alike, so both get its bits; elsewhere

@@ -9,7 +9,7 @@ from minite.kernels import moe_combine as kc
 from minite.nn import MoEExperts
 from minite.nn import moe_combine as nc
 from minite.nn.fused import use_fused_kernels
-from minite.ref.moe import combine as reference
+from minite.ref.moe_combine import combine as reference
 from tests.kernels.helpers import device
 
 
