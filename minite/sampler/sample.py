@@ -42,25 +42,18 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], keys: torch.Tenso
     for (temperature, top_k, top_p), rows in groups.items():
         idx = None if len(rows) == B else torch.tensor(rows, device=logits.device)
         sub = logits if idx is None else logits[idx]
-        if kernel_path.plain_applies(sub, temperature, top_k, top_p) and USE_KERNEL:
+        u = None if temperature == 0 else uniforms(keys if idx is None else keys[idx],
+                                                    steps if idx is None else steps[idx])
+        if USE_KERNEL and kernel_path.plain_applies(sub, temperature, top_k, top_p):
             # the learner's formula on the kernels (minite.nn.token_logprobs); no [b, V] log-probs
             sub = sub.contiguous()
             lse = kernel_path.row_lse(sub, temperature)
-            u = uniforms(keys if idx is None else keys[idx], steps if idx is None else steps[idx])
             tok = kernels.lazy.sample.draw_from_logits(sub, lse, temperature, u)
             lp = kernel_path.token_logprob(sub, tok, lse, temperature)
-            if idx is None:
-                tokens, logprobs = tok, lp
-            else:
-                tokens[idx], logprobs[idx] = tok, lp
-            continue
-        logp = processed_logprobs(sub, temperature, top_k, top_p)  # [b, V] fp32
-        if temperature == 0:
-            tok = logp.argmax(-1)
         else:
-            u = uniforms(keys if idx is None else keys[idx], steps if idx is None else steps[idx])
-            tok = draw(logp, u)
-        lp = logp.gather(-1, tok[:, None])[:, 0]
+            logp = processed_logprobs(sub, temperature, top_k, top_p)  # [b, V] fp32
+            tok = logp.argmax(-1) if temperature == 0 else draw(logp, u)
+            lp = logp.gather(-1, tok[:, None])[:, 0]
         if idx is None:
             tokens, logprobs = tok, lp
         else:
