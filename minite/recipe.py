@@ -2,7 +2,10 @@
 
 A `Recipe` says how each operand of a linear layer is quantized (`QuantSpec`: scaling policy, block
 shape, rounding, scale chain, Hadamard), how the GEMM epilogue applies the global scales, how the
-backward pass is computed, which layers stay bf16, and which backend executes it. Named recipes:
+backward pass is computed, which layers stay bf16, and which backend executes it: `auto` (the
+default) runs the Triton kernels on CUDA where they cover the recipe and the reference elsewhere,
+`ref` forces the reference, `triton` the kernels (also on CPU tensors under TRITON_INTERPRET=1).
+Named recipes:
 
 - `bf16`: no quantization (the baseline).
 - `aligned` (project default for RL): per-token activation scale, 1x16 weight blocks with a per-tensor
@@ -25,7 +28,7 @@ ROUNDINGS = ("rne", "stochastic")
 CHAINS = ("te", "vllm", "torchao")
 EPILOGUES = ("sdec", "alpha", "bf16_scalar")
 BACKWARDS = ("dequantized", "nvfp4")
-BACKENDS = ("ref", "triton")
+BACKENDS = ("auto", "ref", "triton")
 
 
 def _check(what: str, value, allowed) -> None:
@@ -62,7 +65,7 @@ class Recipe:
     weight: QuantSpec = field(default_factory=lambda: QuantSpec(scaling="tensor"))
     epilogue: str = "sdec"
     backward: str = "dequantized"
-    backend: str = "ref"
+    backend: str = "auto"
     bf16_first_layers: int = 0
     bf16_last_layers: int = 0
 
@@ -102,7 +105,7 @@ RECIPES: dict[str, Recipe] = {
 
 
 def get_recipe(recipe: str | Recipe, **overrides) -> Recipe:
-    """A named recipe (or the given one) with overrides: `get_recipe("aligned", backend="triton")`."""
+    """A named recipe (or the given one) with overrides: `get_recipe("aligned", backend="ref")`."""
     if isinstance(recipe, Recipe):
         base = recipe
     elif recipe in RECIPES:

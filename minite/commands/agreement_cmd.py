@@ -35,8 +35,9 @@ def add_parser(sub, name):
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="default: float32 on CPU, bfloat16 on CUDA (a --model keeps its own unless set)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--backend", choices=["ref", "triton"], default="ref",
-                   help="NVFP4 execution backend of both recipes (triton: the kernels, on CUDA)")
+    p.add_argument("--backend", choices=["auto", "ref", "triton"], default="auto",
+                   help="NVFP4 execution backend of both recipes (auto: the kernels on CUDA, the "
+                        "reference elsewhere)")
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="sampler KV slots (default: auto)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 

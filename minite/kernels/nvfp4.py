@@ -384,6 +384,52 @@ def quantize_unscaled(x: torch.Tensor, out_dtype=torch.bfloat16, chain: str = "t
     return out
 
 
+def quantize_unscaled_global(x: torch.Tensor, out_dtype=torch.bfloat16, chain: str = "te",
+                             static: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """The fused activation form with one global scale for all of x (1x16 blocks, RNE): the amax of
+    x ('tensor' scaling, TE's dynamic per-tensor recipe), or a calibrated scale ('static'), given as
+    `static` = (fp32 [2] (S_enc, S_dec), fp32 [] amax) from `static_global_scales` -> (values
+    e2m1 * s_b in out_dtype [..., K], S_dec fp32 [], amax fp32 []). Bitwise `quantize(x, scaling=...)`'s
+    `unscaled()`, global scale and amax. No host synchronization and no host-to-device copy, so a
+    CUDA graph can capture it. x holding inf or NaN gets S_dec = amax = NaN (with a static scale this
+    costs one amax pass over x)."""
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"quantize_unscaled_global writes bf16 or fp16 values, not {out_dtype}")
+    _check_device(x)
+    _check_input(x, (1, 16))
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    r, dev = x2.shape[0], x.device
+    vals = torch.empty(r, k, dtype=out_dtype, device=dev)
+    scales = torch.empty(r, k // 16, dtype=torch.uint8, device=dev)
+    if static is None:
+        amx = amax(x2)
+        sdec = torch.empty(1, dtype=torch.float32, device=dev)
+        _launch(x2, scales, scales, vals, sdec, amx, amx, 0, 1, chain, (1, 16), False,
+                write_codes=False, vals=vals)
+        sdec, finite = sdec.reshape(()), torch.isfinite(amx)
+    else:
+        gs, amx = static
+        sdec = gs[1]
+        _launch(x2, scales, scales, vals, sdec, amx, gs, 0, 2, chain, (1, 16), False,
+                write_codes=False, vals=vals)
+        finite = torch.isfinite(amax(x2))
+    return (vals.reshape(*lead, k), sdec.masked_fill(~finite, float("nan")),
+            amx.masked_fill(~finite, float("nan")))
+
+
+def static_global_scales(static_scale: torch.Tensor, chain: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A calibrated decode scale (fp32, one element) -> ((S_enc, S_dec) fp32 [2], amax fp32 []), the
+    reference's `global_scales(static=True)`: what `quantize_unscaled_global(static=)` takes. Made once
+    per calibration, outside any CUDA graph (it copies constants to the device)."""
+    s = static_scale.to(torch.float32).reshape(())
+    s_enc, sdec = ref.global_scales(s, chain, static=True)
+    return torch.stack([s_enc, sdec]), s * torch.tensor(ref.TE_AMAX_TO_SCALE, dtype=torch.float32,
+                                                         device=s.device)
+
+
 def quantize_tensors(x: torch.Tensor, block=(1, 16), chain: str = "te", out_dtype=torch.bfloat16):
     """E tensors at once, each with its own per-tensor scale (RNE, no RHT): x [E, N, K] ->
     (packed codes uint8 [E, N, K // 2], block scales e4m3 [E, N, K // 16], S_dec fp32 [E], amax fp32

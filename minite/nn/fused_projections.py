@@ -71,7 +71,9 @@ def _members_fit(linears, device) -> bool:
     """The linears' settings allow the fused GEMM (whatever the input): one recipe on the kernels with
     the 'dequantized' backward, no bias, no fast mode, no calibration, weights on `device`."""
     recipe = linears[0].recipe
-    if not (recipe.fp4 and recipe.backward == "dequantized" and nm.use_kernels(recipe, device)):
+    # a calibrated static scale belongs to each linear, so a shared quantization would need them equal
+    if not (recipe.fp4 and recipe.backward == "dequantized" and nm.use_kernels(recipe, device)
+            and recipe.activation.scaling != "static"):
         return False
     return all(lin.recipe is recipe and lin.bias is None and not lin.fast and lin._calib_amax is None
                and lin.weight.device == device for lin in linears)

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minite.nn.nvfp4_matmul import LinearMatmul, use_kernels
+from minite.nn.nvfp4_matmul import LinearMatmul, StaticScale, static_scale, use_kernels
 from minite.nn.quantized_weight import QuantizedWeight, quantize_weight, weight_key
 from minite.recipe import Recipe, get_recipe
 
@@ -71,6 +71,7 @@ class Linear(nn.Module):
         self.register_buffer("input_scale", None, persistent=False)
         self._qweight: QuantizedWeight | None = None
         self._calib_amax: torch.Tensor | None = None
+        self._static: StaticScale | None = None
         self.set_recipe(recipe)
         self.reset_parameters()
 
@@ -126,14 +127,20 @@ class Linear(nn.Module):
         NVFP4 on the Triton kernels (the reference quantizer builds small host tensors per call)."""
         return not self.recipe.fp4 or use_kernels(self.recipe, self.weight.device)
 
-    def _static_scale(self) -> torch.Tensor | None:
+    def _static_scale(self) -> StaticScale | None:
+        """The calibrated input scale in the form the GEMM takes, made again only when `input_scale`
+        changed (a new calibration, a load, a device move)."""
         if self.recipe.activation.scaling != "static":
             return None
-        if self.input_scale is None:
+        s = self.input_scale
+        if s is None:
             raise RuntimeError(
                 f"{self!r} uses static activation scaling (recipe {self.recipe.name!r}) but was never "
                 "calibrated: run `with minite.nn.calibrate(model): model(batch)` first")
-        return self.input_scale.reshape(1)
+        cached = self._static
+        if cached is None or cached.key != (s.data_ptr(), s._version, self.recipe.activation.chain):
+            cached = self._static = static_scale(s, self.recipe)
+        return cached
 
     def start_calibration(self) -> None:
         self._calib_amax = torch.zeros((), dtype=torch.float32, device=self.weight.device)

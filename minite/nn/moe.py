@@ -7,7 +7,7 @@ Expert e computes down_e(silu(x W_gate,e^T) * (x W_up,e^T)) with gate_up_proj[e]
 Grouped execution (one path for all experts; no Python loop over tokens): the T*k token-expert
 assignments are sorted by expert (stable; `sort_by_expert`, computed on the device). Then:
 
-- Triton kernels (`recipe.backend == "triton"` on CUDA, recipes they cover, see
+- Triton kernels (the recipe's backend runs them on CUDA, row-scaled recipes they cover, see
   `minite.nn.nvfp4_matmul`): the sorted rows [T*k, H] and the per-expert row offsets [E + 1] go to one
   grouped W4A4 launch per projection (`grouped_nvfp4_matmul`, 'aligned' config). Nothing in the
   forward synchronizes with the host, so a decode step can be captured in a CUDA graph.
@@ -44,7 +44,7 @@ from torch import nn
 
 from minite.nn.linear import TE_AMAX_TO_SCALE, Linear
 from minite.nn.moe_combine import combine
-from minite.nn.nvfp4_matmul import grouped_nvfp4_matmul, nvfp4_matmul, use_kernels
+from minite.nn.nvfp4_matmul import grouped_nvfp4_matmul, nvfp4_matmul, use_grouped_kernels
 from minite.nn.quantized_weight import QuantizedWeight, quantize_weight, weight_key
 from minite.nn.swiglu import swiglu
 from minite.recipe import Recipe, get_recipe
@@ -202,7 +202,7 @@ class MoEExperts(nn.Module):
         offsets); the padded path reads A and C."""
         if not self.recipe.fp4:
             return self.grouped_mm_applies()
-        return use_kernels(self.recipe, self.down_proj.device)
+        return use_grouped_kernels(self.recipe, self.down_proj.device)
 
     def grouped_mm_on(self) -> bool:
         """`grouped_mm`, with None resolved: on for CUDA weights."""

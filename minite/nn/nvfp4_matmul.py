@@ -8,22 +8,23 @@ Forward (the contract of `minite.ref.gemm`): activations quantized with `recipe.
 one call; 'tensor'/'static': one global scale per batch entry, like one tensor per expert), weights
 from the shared `QuantizedWeight`; acc = unscaled_x @ unscaled_w^T in fp32, then `recipe.epilogue`.
 
-Execution (`recipe.backend`):
+Execution (`recipe.backend`; 'auto', the default, is 'triton' for CUDA tensors and 'ref' elsewhere):
 - 'ref': plain PyTorch on any device (the reference quantizer and fp32 GEMMs).
 - 'triton': on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1) with Triton available, and
-  when the activations are quantized the way the fused kernel does it (per-row 'row' scaling, 1x16
-  blocks, RNE, no RHT: the `aligned` recipe, with any chain, weight block shape or epilogue), the
-  forward runs `kernels.nvfp4.quantize_unscaled` (exact e2m1 * s_b values + fp32 row S_dec) and
-  `kernels.gemm.w4a4_gemm` (dense) or `kernels.grouped_gemm.grouped_w4a4_gemm` (experts, one launch)
-  in the batch-invariant 'aligned' configuration on the weight's unscaled copy, whatever M is. Few
-  rows read the packed weights in a decode layout instead, in the same K order (the same bits): M <=
-  `ALIGNED_DECODE_MAX_M` through `kernels.decode_gemm.aligned_decode_config`, MoE experts at <=
-  `DECODE_MAX_ROWS_PER_EXPERT` rows per expert on average through `kernels.grouped_decode`.
-  Recipes outside that (`te`, `torchao`: per-tensor activation scale; `vllm`: static scale;
-  stochastic rounding or RHT on activations) run the reference GEMM, with activations and weights
-  quantized by the kernels on CUDA (bitwise the same codes and scales). `fast=True` gives up the
-  alignment for speed: M <= 64 runs the decode GEMM on the weight's decode layout (K a multiple of
-  32, split-K where N is small), larger M 'prefill'.
+  when the activations are quantized the way the fused kernels do it (1x16 blocks, RNE, no RHT; any
+  chain, weight block shape or epilogue: `aligned`, `te`, `vllm`, `torchao`), the forward quantizes
+  the input to exact e2m1 * s_b values plus fp32 decode scales (`kernels.nvfp4.quantize_unscaled`
+  per row; `quantize_unscaled_global` for one per-tensor or calibrated static scale) and runs
+  `kernels.gemm.w4a4_gemm` (dense) or `kernels.grouped_gemm.grouped_w4a4_gemm` (experts, one launch,
+  row-scaled recipes only) in the batch-invariant 'aligned' configuration on the weight's unscaled
+  copy, whatever M is. Few rows read the packed weights in a decode layout instead, in the same K
+  order (the same bits): M <= `ALIGNED_DECODE_MAX_M` through `kernels.decode_gemm.aligned_decode_config`,
+  MoE experts at <= `DECODE_MAX_ROWS_PER_EXPERT` rows per expert on average through
+  `kernels.grouped_decode`. MoE experts under a per-tensor or static activation scale (one scale per
+  expert), stochastic rounding or RHT on activations run the reference GEMM, with activations and
+  weights quantized by the kernels on CUDA (bitwise the same codes and scales). `fast=True` gives up
+  the alignment for speed: M <= 64 runs the decode GEMM on the weight's decode layout (K a multiple
+  of 32, split-K where N is small), larger M 'prefill'.
   Kernel outputs equal the reference wherever the fp32 accumulation across 16-blocks is exact (nearly
   all outputs) and differ by at most one fp32 rounding per 16-block otherwise (`minite.ref.gemm`).
 
@@ -82,15 +83,26 @@ class Operand(NamedTuple):
 
 
 def quantize_backend(recipe: Recipe) -> str:
-    """The `minite.nvfp4.quantize` backend a recipe's quantizations use."""
-    return "auto" if recipe.backend == "triton" else "ref"
+    """The `minite.nvfp4.quantize` backend a recipe's quantizations use: the kernels on CUDA unless
+    the recipe forces the reference."""
+    return "ref" if recipe.backend == "ref" else "auto"
 
 
 def kernels_cover(recipe: Recipe) -> bool:
-    """Whether the fused activation quantizer + W4A4 GEMM kernels implement this recipe's forward."""
+    """Whether the fused activation quantizer + W4A4 GEMM kernels implement this recipe's forward:
+    1x16 activation blocks, RNE, no RHT, any activation scaling ('row'; 'tensor' and 'static' for
+    dense layers, see `row_scaled`), any chain, weight block shape or epilogue."""
     a = recipe.activation
-    return (recipe.fp4 and a.scaling == "row" and tuple(a.block) == (1, 16) and a.rounding == "rne"
-            and not a.hadamard and recipe.weight.scaling != "row")
+    return (recipe.fp4 and tuple(a.block) == (1, 16) and a.rounding == "rne" and not a.hadamard
+            and recipe.weight.scaling != "row")
+
+
+def row_scaled(recipe: Recipe) -> bool:
+    """Per-token activation scales: a row's quantization needs no other row, so the grouped MoE
+    kernels (rows of many experts in one launch) and the ops that quantize their output for the next
+    GEMM (norm, SwiGLU) can produce it. 'tensor' / 'static' scaling run on the kernels for dense
+    layers (one global scale for the whole input) and on the reference for MoE experts."""
+    return recipe.activation.scaling == "row"
 
 
 _USE_KERNELS: dict = {}  # (id(recipe), device type) -> (recipe, answer): asked on every linear call
@@ -110,13 +122,21 @@ def use_kernels(recipe: Recipe, device: torch.device) -> bool:
 
 
 def _use_kernels(recipe: Recipe, device_type: str) -> bool:
-    if recipe.backend != "triton" or not kernels_cover(recipe):
+    if recipe.backend == "ref" or not kernels_cover(recipe):
         return False
     from minite import kernels
 
     if not kernels.available():
         return False
+    if recipe.backend == "auto":
+        return device_type == "cuda"
     return device_type == "cuda" or kernels.interpreted()
+
+
+def use_grouped_kernels(recipe: Recipe, device: torch.device) -> bool:
+    """Whether MoE experts on `device` under `recipe` run the grouped kernels (sorted rows, one
+    launch): the kernels run the recipe and its activations are row-scaled."""
+    return use_kernels(recipe, device) and row_scaled(recipe)
 
 
 def _mark_non_finite(x: torch.Tensor, scales, per_row: bool) -> list[torch.Tensor]:
@@ -160,14 +180,35 @@ def matmul_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a.float(), b.float().transpose(1, 2))
 
 
+class StaticScale(NamedTuple):
+    """A calibrated activation decode scale and what the kernel quantizer derives from it, made once
+    per calibration (`static_scale`), so the forward neither syncs nor copies constants to the device."""
+
+    scale: torch.Tensor  # [1] fp32, S_dec (the reference path's input)
+    encode_decode: torch.Tensor | None  # [2] fp32 (S_enc, S_dec); None on the reference backend
+    amax: torch.Tensor | None  # [] fp32, S_dec * 2688
+    key: tuple  # identifies the scale it was made from (the quantized-input memo's key)
+
+
+def static_scale(scale: torch.Tensor, recipe: Recipe) -> StaticScale:
+    """The `StaticScale` of a calibrated input scale under `recipe` (its chain)."""
+    s = scale.reshape(1)
+    key = (scale.data_ptr(), scale._version, recipe.activation.chain)
+    if not use_kernels(recipe, scale.device):
+        return StaticScale(s, None, None, key)
+    gs, amax = lazy.nvfp4.static_global_scales(s, recipe.activation.chain)
+    return StaticScale(s, gs, amax, key)
+
+
 class _Scales(NamedTuple):
     global_scale: torch.Tensor
     amax: torch.Tensor
 
 
-def _kernel_rows(x2: torch.Tensor, recipe: Recipe):
+def _kernel_rows(x2: torch.Tensor, recipe: Recipe, static: StaticScale | None = None):
     """x2 [R, K] -> (a [R, K] e2m1 * s_b in the kernels' operand dtype, S_dec fp32 [R, 1], the
-    epilogue's row factor fp32 [R, 1]: S_dec, or amax for 'alpha').
+    epilogue's row factor fp32 [R, 1]: S_dec, or amax for 'alpha'; with 'tensor' / 'static' scaling
+    every row holds the one global value).
 
     Within a forward scope (`minite.nn.forward_scope`), consecutive GEMMs on the same input (q/k/v,
     gate/up) quantize it once: the last input's quantization is kept, with a reference to the input,
@@ -175,22 +216,23 @@ def _kernel_rows(x2: torch.Tensor, recipe: Recipe):
     the quantization asked for is the same."""
     memo = scope_memo("quantized_input")
     if memo is None:
-        return _quantize_rows(x2, recipe)
-    key = _memo_key(x2, recipe)
+        return _quantize_rows(x2, recipe, static)
+    key = _memo_key(x2, recipe, static)
     if memo.get("key") != key:
-        memo.update(key=key, x=x2, rows=_quantize_rows(x2, recipe))
+        memo.update(key=key, x=x2, rows=_quantize_rows(x2, recipe, static))
     return memo["rows"]
 
 
-def _memo_key(x2: torch.Tensor, recipe: Recipe) -> tuple:
+def _memo_key(x2: torch.Tensor, recipe: Recipe, static: StaticScale | None = None) -> tuple:
     return (x2.data_ptr(), x2.device, x2.dtype, tuple(x2.shape), x2.stride(), x2._version,
-            recipe.activation.chain, recipe.epilogue == "alpha")
+            recipe.activation.chain, recipe.activation.scaling, recipe.epilogue == "alpha",
+            None if static is None else static.key)
 
 
 def can_seed_quantized_input(x: torch.Tensor, recipe: Recipe) -> bool:
     """Whether the op producing x can hand its row quantization to the linears that read x next
     (`seed_quantized_input`): they run the kernels, inside a forward scope."""
-    return (x.shape[-1] % 16 == 0 and use_kernels(recipe, x.device)
+    return (x.shape[-1] % 16 == 0 and use_kernels(recipe, x.device) and row_scaled(recipe)
             and scope_memo("quantized_input") is not None)
 
 
@@ -215,16 +257,26 @@ def produce_quantized(recipe: Recipe, device: torch.device, produce) -> torch.Te
     return out
 
 
-def _quantize_rows(x2: torch.Tensor, recipe: Recipe):
+def _quantize_rows(x2: torch.Tensor, recipe: Recipe, static: StaticScale | None = None):
     kg, kq = lazy.gemm, lazy.nvfp4
-    chain = recipe.activation.chain
+    chain, scaling = recipe.activation.chain, recipe.activation.scaling
     nvfp4._check_args(x2, "row", (1, 16), "rne", chain, None)
     nvfp4._pad_or_raise(x2, (1, 16), pad=False)
     host_check = x2.device.type != "cuda"
     if host_check:
         nvfp4._check_finite(x2)
     dt = kg.operand_dtype(x2.device)
-    # on CUDA a row holding inf or NaN gets NaN scales from the kernel itself (no host check)
+    # on CUDA a row (or, with one global scale, the whole input) holding inf or NaN gets NaN scales
+    # from the kernel itself (no host check)
+    if scaling != "row":
+        if scaling == "static" and static is None:
+            raise RuntimeError("static activation scaling needs a calibrated input scale")
+        a, sdec, amax = kq.quantize_unscaled_global(x2, dt, chain, None if static is None else
+                                                    (static.encode_decode, static.amax))
+        rows = x2.shape[0]
+        sdec = sdec.reshape(1, 1).expand(rows, 1).contiguous()
+        amax = amax.reshape(1, 1).expand(rows, 1).contiguous() if recipe.epilogue == "alpha" else sdec
+        return a, sdec, amax
     if recipe.epilogue == "alpha":
         a, sdec, _, _, amax = kq.quantize_unscaled(x2, dt, chain, return_codes=True)
     else:
@@ -244,10 +296,11 @@ def _weight_scale(qweight: QuantizedWeight, recipe: Recipe) -> torch.Tensor:
                           lambda: s.reshape(-1 if s.ndim else ()).float())
 
 
-def _dense_kernel(x2: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe, fast: bool):
+def _dense_kernel(x2: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe, fast: bool,
+                  static: StaticScale | None = None):
     """x2 [M, K] times a 2D weight on the kernels -> (out [M, N] in x2.dtype, a, S_dec)."""
     kd, kg = lazy.decode_gemm, lazy.gemm
-    a, sdec, row_factor = _kernel_rows(x2, recipe)
+    a, sdec, row_factor = _kernel_rows(x2, recipe, static)
     m, k = a.shape
     n = qweight.unscaled.shape[-2]
     sw = _weight_scale(qweight, recipe)
@@ -297,10 +350,14 @@ class NVFP4Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, qweight: QuantizedWeight, recipe: Recipe, static_scale, experts, fast):
         b, m, k = x.shape
-        if use_kernels(recipe, x.device) and x.numel():
+        static = static_scale if isinstance(static_scale, StaticScale) else None
+        if static is not None:
+            static_scale = static.scale
+        dense = qweight.unscaled.ndim == 2
+        if use_kernels(recipe, x.device) and x.numel() and (row_scaled(recipe) or (dense and b == 1)):
             x2 = x.reshape(b * m, k)
-            if qweight.unscaled.ndim == 2:
-                out, a, sdec = _dense_kernel(x2, qweight, recipe, fast)
+            if dense:
+                out, a, sdec = _dense_kernel(x2, qweight, recipe, fast, static)
             else:
                 e = qweight.unscaled.shape[0]
                 ids = torch.arange(e, device=x.device) if experts is None else experts
@@ -535,7 +592,7 @@ def grouped_nvfp4_matmul(xs: torch.Tensor, weight: torch.Tensor, qweight: Quanti
     if xs.ndim != 2 or weight.ndim != 3 or xs.shape[-1] != weight.shape[-1]:
         raise ValueError(f"grouped_nvfp4_matmul expects xs [R, K] and weight [E, N, K]; got "
                          f"{tuple(xs.shape)} and {tuple(weight.shape)}")
-    if not use_kernels(recipe, xs.device):
+    if not use_grouped_kernels(recipe, xs.device):
         raise ValueError(f"recipe {recipe.name!r} (backend {recipe.backend!r}) on {xs.device} does not run "
-                         "on the Triton kernels; use nvfp4_matmul on the padded layout")
+                         "on the grouped Triton kernels; use nvfp4_matmul on the padded layout")
     return GroupedNVFP4Matmul.apply(xs, weight, qweight, recipe, offsets, row_experts, fast, grouped_mm)

@@ -12,7 +12,7 @@ from minite.models import Qwen3, tiny_qwen3, tiny_qwen3_moe
 from minite.nn import Linear, MoEExperts, moe_reference, use_grouped_mm
 from minite.nn.forward_scope import forward_scope
 from minite.nn.moe import group_by_expert, sort_by_expert
-from minite.nn.nvfp4_matmul import use_kernels
+from minite.nn.nvfp4_matmul import use_grouped_kernels, use_kernels
 from minite.nvfp4 import dequantize, quantize  # noqa: E402
 from minite.nvfp4 import use_kernels as quantize_uses_kernels  # noqa: E402
 from minite.recipe import QuantSpec, get_recipe  # noqa: E402
@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="Triton is not i
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ALIGNED_TRITON = get_recipe("aligned", backend="triton")
+ALIGNED_REF = get_recipe("aligned", backend="ref")
 # Kernel and reference GEMMs both sum exact 16-block partial sums in fp32, in different orders: each
 # may round once per 16-block (at most 2^-24 of sum_k |x_dq| |w_dq| each), so they differ by at most
 # GEMM_ROUNDINGS_RTOL * (K / 16) of that sum (observed: bitwise equal on these shapes).
@@ -42,7 +43,7 @@ FULL_FORWARD_LOGPROB_TOL = 1e-2
 def _pair(module_cls, *args, **kwargs):
     """The same module twice (shared initial weights): backend 'ref' and backend 'triton'."""
     torch.manual_seed(0)
-    ref = module_cls(*args, recipe="aligned", **kwargs).to(DEVICE)
+    ref = module_cls(*args, recipe=ALIGNED_REF, **kwargs).to(DEVICE)
     tri = module_cls(*args, recipe=ALIGNED_TRITON, **kwargs).to(DEVICE)
     tri.load_state_dict(ref.state_dict())
     return ref, tri
@@ -87,9 +88,17 @@ def test_quantize_auto_keeps_cpu_on_the_reference():
 
 def test_only_covered_recipes_use_the_kernels():
     assert use_kernels(ALIGNED_TRITON, DEVICE)
-    assert not use_kernels(get_recipe("aligned"), DEVICE)
-    for name in ("te", "vllm", "torchao", "bf16"):
-        assert not use_kernels(get_recipe(name, backend="triton"), DEVICE)
+    assert not use_kernels(ALIGNED_REF, DEVICE)
+    # 'auto': the kernels on CUDA, the reference on the CPU (also under the interpreter)
+    assert use_kernels(get_recipe("aligned"), "cuda") and not use_kernels(get_recipe("aligned"), "cpu")
+    for name in ("te", "vllm", "torchao"):
+        assert use_kernels(get_recipe(name, backend="triton"), DEVICE)
+        assert not use_grouped_kernels(get_recipe(name, backend="triton"), DEVICE)
+    assert use_grouped_kernels(ALIGNED_TRITON, DEVICE)
+    assert not use_kernels(get_recipe("bf16", backend="triton"), DEVICE)
+    for changes in (dict(rounding="stochastic"), dict(hadamard=True)):
+        spec = QuantSpec(scaling="tensor", **changes)
+        assert not use_kernels(get_recipe("te", backend="triton", activation=spec), DEVICE)
 
 
 @pytest.mark.parametrize("lead", [(1,), (7,), (2, 5)])
@@ -187,7 +196,7 @@ if torch.cuda.is_available():  # the interpreter's fp32 -> bf16 cast truncates (
 
 @pytest.mark.parametrize("changes", list(VARIANTS.values()), ids=list(VARIANTS))
 def test_linear_triton_covers_variants_of_aligned(changes):
-    recipe = get_recipe("aligned", **changes)
+    recipe = get_recipe("aligned", backend="ref", **changes)
     torch.manual_seed(0)
     ref = Linear(64, 40, recipe=recipe).to(DEVICE)
     tri = Linear(64, 40, recipe=recipe.replace(backend="triton")).to(DEVICE)
@@ -199,11 +208,44 @@ def test_linear_triton_covers_variants_of_aligned(changes):
 
 def test_linear_uncovered_recipe_falls_back_to_the_reference():
     torch.manual_seed(0)
-    ref = Linear(64, 32, recipe="te").to(DEVICE)
-    tri = Linear(64, 32, recipe=get_recipe("te", backend="triton")).to(DEVICE)
+    spec = QuantSpec(scaling="tensor", hadamard=True)
+    ref = Linear(64, 32, recipe=get_recipe("te", backend="ref", activation=spec)).to(DEVICE)
+    tri = Linear(64, 32, recipe=get_recipe("te", backend="triton", activation=spec)).to(DEVICE)
     tri.load_state_dict(ref.state_dict())
     x = torch.randn(5, 64, device=DEVICE)
     assert torch.equal(tri(x), ref(x))
+
+
+def _calibrated(lin: Linear, x: torch.Tensor) -> Linear:
+    lin.input_scale = (x.abs().amax().float() * 1.5) / 2688  # headroom: inputs stay inside the scale
+    return lin
+
+
+@pytest.mark.parametrize("name", ["te", "vllm", "torchao"])
+@pytest.mark.parametrize("rows", [3, 80])  # the decode layout and the bf16 copy
+def test_linear_engine_emulations_on_the_kernels_match_their_references(name, rows):
+    """`te` (per-tensor dynamic scale, 16x16 weights, alpha epilogue), `vllm` (static scale) and
+    `torchao` run their forward on the kernels with the reference's bits (Gaussian inputs: every fp32
+    accumulation exact) and, like the reference, one global scale for the whole input: a row's output
+    depends on the others under `te`, not under the static scale."""
+    if name == "torchao" and not torch.cuda.is_available():
+        pytest.skip("the bf16_scalar epilogue needs the GPU's bf16 rounding (interpreter truncates)")
+    torch.manual_seed(0)
+    ref = Linear(64, 48, recipe=get_recipe(name, backend="ref")).to(DEVICE)
+    tri = Linear(64, 48, recipe=get_recipe(name, backend="triton")).to(DEVICE)
+    tri.load_state_dict(ref.state_dict())
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    if name == "vllm":
+        _calibrated(ref, x), _calibrated(tri, x)
+        tri.input_scale = ref.input_scale.clone()
+    assert use_kernels(tri.recipe, DEVICE)
+    out = tri(x)
+    assert torch.equal(out, ref(x))
+    if name == "vllm":
+        assert torch.equal(tri(x[:2]), out[:2])
+    x2 = x.clone()
+    x2[-1] *= 8  # a larger amax elsewhere in the batch
+    assert torch.equal(tri(x2), ref(x2))
 
 
 @pytest.mark.parametrize("backward", ["dequantized", "nvfp4"])
@@ -286,7 +328,7 @@ def test_moe_triton_backward_matches_ref():
 def test_tiny_model_logits_triton_vs_ref(moe):
     cfg = (tiny_qwen3_moe if moe else tiny_qwen3)(num_hidden_layers=1)
     torch.manual_seed(0)
-    ref = Qwen3(cfg, recipe="aligned").to(DEVICE)
+    ref = Qwen3(cfg, recipe=ALIGNED_REF).to(DEVICE)
     tri = Qwen3(cfg, recipe=ALIGNED_TRITON).to(DEVICE)
     tri.load_state_dict(ref.state_dict())
     ids = torch.randint(0, cfg.vocab_size, (2, 5), device=DEVICE)
@@ -297,7 +339,7 @@ def test_tiny_model_logits_triton_vs_ref(moe):
 
 def _cuda_pair(module_cls, *args, dtype=torch.float32, **kwargs):
     torch.manual_seed(0)
-    ref = module_cls(*args, recipe="aligned", **kwargs).to("cuda", dtype)
+    ref = module_cls(*args, recipe=ALIGNED_REF, **kwargs).to("cuda", dtype)
     tri = module_cls(*args, recipe=ALIGNED_TRITON, **kwargs).to("cuda", dtype)
     tri.load_state_dict(ref.state_dict())
     return ref, tri
@@ -349,7 +391,7 @@ def test_gpu_non_finite_rows_become_nan_without_a_sync():
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_gpu_tiny_model_logits_triton_vs_ref(moe):
     cfg = (tiny_qwen3_moe if moe else tiny_qwen3)()
-    ref, tri = Qwen3(cfg, recipe="aligned").cuda(), Qwen3(cfg, recipe=ALIGNED_TRITON).cuda()
+    ref, tri = Qwen3(cfg, recipe=ALIGNED_REF).cuda(), Qwen3(cfg, recipe=ALIGNED_TRITON).cuda()
     tri.load_state_dict(ref.state_dict())
     ids = torch.randint(0, cfg.vocab_size, (3, 17), device="cuda")
     with torch.no_grad():
@@ -401,7 +443,7 @@ def test_gpu_sampler_graphs_on_for_triton_aligned(moe):
     graphed = Sampler(model, max_num_seqs=8, kv_cache_tokens=1024)
     eager = Sampler(model, max_num_seqs=8, kv_cache_tokens=1024, cuda_graphs=False)
     assert graphed.use_graphs
-    assert not Sampler(tiny_model("aligned", moe=moe).cuda(), kv_cache_tokens=256).use_graphs
+    assert not Sampler(tiny_model(ALIGNED_REF, moe=moe).cuda(), kv_cache_tokens=256).use_graphs
     a, b = graphed.generate(prompts, params), eager.generate(prompts, params)
     assert graphed.stats["graph_steps"] > 0
     assert tokens_of(a) == tokens_of(b)
