@@ -6,7 +6,8 @@ The sampler draws token y_t from, and reports log mu(y_t) under, the *processed*
 2. top-k (k > 0): keep the k largest z (ties broken by lower token id);
 3. top-p (p < 1): of what remains, sorted by z descending (ties by lower id), keep the shortest
    prefix whose softmax mass reaches p (the token that crosses p is kept);
-4. log-softmax over the kept tokens; dropped tokens get -inf.
+4. log-softmax over the kept tokens; dropped tokens get -inf. With a cut, the masses of steps 3-4 are
+   summed as integers (`MASS_BITS`), so a row's result does not depend on its batch.
 
 temperature == 0 means greedy: the distribution is one-hot on the argmax (lowest id among ties), so
 the sampled token's log-prob is 0. The learner recomputes its log-probs with this same function on
@@ -50,9 +51,21 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
 
+# Truncated distributions sum probabilities as integers: exp(z - max) in units of 2^-MASS_BITS. Integer
+# sums and prefix sums are exact in any order, so the kept set and the normalizer of a row never depend
+# on how many rows share the call (torch's float reductions and scans change their order with the row
+# count on CUDA). 40 bits: the sum over a 152k vocabulary stays below 2^63; a token's mass is off by
+# at most 2^-41 of the largest one's.
+MASS_BITS = 40
+
+
 def processed_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
                        top_p: float = 1.0) -> torch.Tensor:
-    """logits [..., V] -> fp32 log-probs [..., V] of the processed distribution (-inf where dropped)."""
+    """logits [..., V] -> fp32 log-probs [..., V] of the processed distribution (-inf where dropped).
+
+    With a top-k / top-p cut, every row is computed with exact integer sums (`MASS_BITS`): the kept set
+    and log-probs are bitwise the same whichever rows are computed together (sampler decode batches,
+    learner chunks); they equal the float definition up to the rounding of each mass to 2^-40."""
     z = logits.float()
     vocab = z.shape[-1]
     if temperature == 0:
@@ -65,15 +78,20 @@ def processed_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_k: in
     # Stable sort of -z: descending z, ties in ascending token id.
     order = torch.sort(-z, dim=-1, stable=True).indices
     zs = torch.gather(z, -1, order)
-    keep = torch.ones_like(zs, dtype=torch.bool)
+    top = zs[..., :1]
+    mass = torch.round(torch.exp(zs - top) * 2.0**MASS_BITS).to(torch.int64)  # [..., V], top: 2^40
     if 0 < top_k < vocab:
-        keep[..., top_k:] = False
+        mass[..., top_k:] = 0
     if top_p < 1:
-        probs = torch.softmax(zs.masked_fill(~keep, float("-inf")), dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        keep &= mass_before < top_p
+        before = torch.cumsum(mass, dim=-1) - mass
+        total = mass.sum(dim=-1, keepdim=True)
+        mass = torch.where(before.double() < top_p * total.double(), mass, 0)
+    keep = mass > 0
+    keep[..., 0] = True
+    total = mass.sum(dim=-1, keepdim=True).double() * 2.0**-MASS_BITS
+    lse = (top.double() + torch.log(total)).float()
     kept = torch.zeros_like(keep).scatter(-1, order, keep)
-    return torch.log_softmax(z.masked_fill(~kept, float("-inf")), dim=-1)
+    return torch.where(kept, z - lse, float("-inf"))
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,

@@ -53,3 +53,43 @@ def test_bad_params_name_the_field():
                       ({"n": 0}, "n"), ({"top_k": -2}, "top_k"), ({"max_tokens": 0}, "max_tokens")]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kw)
+
+
+def _float_definition(z, top_k, top_p):
+    """The cut in fp32 floats (softmax, cumsum), as the module docstring states it."""
+    order = torch.sort(-z, dim=-1, stable=True).indices
+    zs = torch.gather(z, -1, order)
+    keep = torch.ones_like(zs, dtype=torch.bool)
+    if top_k:
+        keep[..., top_k:] = False
+    probs = torch.softmax(zs.masked_fill(~keep, float("-inf")), dim=-1)
+    keep &= (torch.cumsum(probs, dim=-1) - probs) < top_p
+    kept = torch.zeros_like(keep).scatter(-1, order, keep)
+    return torch.log_softmax(z.masked_fill(~kept, float("-inf")), dim=-1)
+
+
+CUTS = [dict(temperature=1.0, top_p=0.9), dict(temperature=0.6, top_p=0.95),
+        dict(temperature=0.7, top_k=50, top_p=0.95), dict(temperature=1.0, top_k=20)]
+
+
+def _batch_invariance(device, rows, vocab):
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(rows, vocab, generator=g) * 3).to(device=device, dtype=torch.bfloat16)
+    for cut in CUTS:
+        full = processed_logprobs(logits, **cut)
+        for lo, hi in ((0, 1), (5, 12), (rows // 2, rows)):
+            assert torch.equal(processed_logprobs(logits[lo:hi], **cut), full[lo:hi]), (cut, lo, hi)
+        want = _float_definition(logits.float() / cut["temperature"], cut.get("top_k", 0), cut.get("top_p", 1))
+        same_set = torch.isfinite(full) == torch.isfinite(want)
+        assert same_set.all(dim=-1).float().mean() >= 0.99, cut  # a mass within 2^-40 of the cut may move
+        both = torch.isfinite(full) & torch.isfinite(want) & same_set.all(dim=-1, keepdim=True)
+        assert (full[both] - want[both]).abs().max() <= 1e-5, cut
+
+
+def test_truncated_rows_do_not_depend_on_their_batch():
+    _batch_invariance("cpu", 48, 2000)
+
+
+@pytest.mark.gpu
+def test_gpu_truncated_rows_do_not_depend_on_their_batch():
+    _batch_invariance("cuda", 512, 151936)
