@@ -94,17 +94,37 @@ class SamplingSection:
             raise ValueError("need 0 < top_p <= 1, top_k >= 0 and max_tokens >= 1")
 
 
+CALIBRATIONS = ("once", "every_sync")
+
+
 @dataclass(frozen=True)
 class SamplerSection:
-    """Rollout engine sizing (`minite.sampler.Sampler`): sequences decoded together, and the share of
-    free GPU memory its KV cache takes (the learner needs the rest)."""
+    """The rollout engine (`minite.sampler.Sampler`). `recipe` empty: the learner's recipe on the
+    learner's own model object (one quantization per update, shared: the aligned deployment). A recipe
+    name (with `recipe_overrides`): the sampler gets its own model under that recipe, fed the learner's
+    weights after every update (weight sync; the sampler quantizes with its own chain), with static
+    activation scales calibrated after the warm start (`calibration = "once"`) or after every sync
+    (`"every_sync"`), as a separate inference engine is deployed (`te` learner + `vllm` sampler: the
+    naive setting). Sizing: sequences decoded together, the share of free GPU memory its KV cache
+    takes (the learner needs the rest)."""
 
+    recipe: str = ""
+    recipe_overrides: dict[str, Any] = field(default_factory=dict)
+    calibration: str = "once"
     max_num_seqs: int = 256
     kv_memory_fraction: float = 0.3
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or not 0 < self.kv_memory_fraction < 1:
             raise ValueError("need max_num_seqs >= 1 and 0 < kv_memory_fraction < 1")
+        if self.calibration not in CALIBRATIONS:
+            raise ValueError(f"calibration={self.calibration!r}; choose one of {list(CALIBRATIONS)}")
+        if self.recipe_overrides and not self.recipe:
+            raise ValueError("recipe_overrides need a sampler recipe (empty: the learner's own model)")
+
+    def separate(self) -> bool:
+        """Whether the sampler runs its own model (a recipe is named)."""
+        return bool(self.recipe)
 
 
 @dataclass(frozen=True)
@@ -302,6 +322,8 @@ def check(cfg: TrainConfig) -> None:
     from minite.rl.tasks import make_task
 
     attempts = [("recipe", lambda: get_recipe(cfg.recipe.name, **cfg.recipe.overrides)),
+                ("sampler.recipe", lambda: cfg.sampler.recipe and get_recipe(cfg.sampler.recipe,
+                                                                             **cfg.sampler.recipe_overrides)),
                 ("task.args", lambda: make_task(cfg.task.name, seed=cfg.task.seed, **cfg.task.args))]
     if not cfg.model.path:
         attempts.append(("model.config", cfg.model.model_config))

@@ -1,5 +1,8 @@
 """Weight sync: quantize once per update and share; or ship codes and scales to another model.
 
+Separate sampler (another recipe, the naive deployment): `sync_sampler_model(sampler, learner)`
+copies the learner's weights into the sampler's model, which quantizes them with its own chain.
+
 Colocated (one process, one device): the sampler runs the *same model object* as the learner. After
 each optimizer step `sync_weights(model)` quantizes every NVFP4 weight once; each module caches its
 `QuantizedWeight` keyed on the parameter's version, so the learner's next forward and every sampler
@@ -36,6 +39,23 @@ CONTAINER_META = ("shape", "block", "scaling", "chain", "hadamard")
 def sync_weights(model: nn.Module) -> int:
     """Quantize every NVFP4 weight of `model` once, now; returns the number of modules refreshed."""
     return refresh_quantized_weights(model)
+
+
+@torch.no_grad()
+def sync_sampler_model(sampler_model: nn.Module, learner_model: nn.Module) -> None:
+    """A sampler with its own model and recipe (the naive deployment): copy the learner's current
+    weights (the model's parameters, not the optimizer's fp32 masters) into `sampler_model`, which
+    then quantizes them once with its own recipe and chain, as a separate inference engine does after
+    a weight update. Both models have one config; static input scales stay the sampler's own."""
+    src = dict(learner_model.named_parameters())
+    dst = dict(sampler_model.named_parameters())
+    if src.keys() != dst.keys():
+        missing, extra = sorted(src.keys() - dst.keys())[:4], sorted(dst.keys() - src.keys())[:4]
+        raise ValueError(f"the sampler's model does not match the learner's: missing {missing}, "
+                         f"unexpected {extra}")
+    for name, p in dst.items():
+        _copy(p, src[name], name)
+    refresh_quantized_weights(sampler_model)
 
 
 def quantized_weights(model: nn.Module) -> dict[str, QuantizedWeight]:

@@ -11,7 +11,11 @@ One RL step on `rl.prompts` training prompts:
    rollout batch (its batch statistics need all of it) and sliced per minibatch;
 5. the rollout batch is shuffled (seeded by the step) into `rl.minibatches` minibatches, one
    clipped policy-gradient update each (`rl.loss`); after each update the learner quantizes the
-   weights once, and the sampler, running the same model object, uses them for the next rollout.
+   weights once, and the sampler, running the same model object, uses them for the next rollout;
+6. a sampler with its own recipe (`sampler.recipe`, the naive deployment) has its own model instead:
+   after the step's updates the learner's weights are copied into it and quantized with its chain
+   (`time/weight_sync_s`), its static activation scales calibrated after the warm start
+   (`sampler.calibration = "once"`) or after every sync (`"every_sync"`).
 
 Before RL, `warmup.steps` supervised steps on the task's worked solutions (`Example.solution` + eos)
 give a tiny randomly initialized model a policy worth reinforcing. A recipe with static activation
@@ -41,6 +45,7 @@ import torch
 from minite.config import TrainConfig, to_dict, to_toml
 from minite.diagnostics.metrics import mismatch_metrics
 from minite.learner import Learner, SequenceBatch, sequence_logprobs
+from minite.learner.weight_sync import sync_sampler_model
 from minite.models import Qwen3, load_pretrained
 from minite.nn.calibrate import calibrate, load_static_scales, static_scales, uses_static_scales
 from minite.recipe import get_recipe
@@ -77,7 +82,8 @@ def new_run_dir() -> Path:
 
 class Trainer:
     """`Trainer(cfg, run_dir).run()`; with `resume=True` it continues from the run's latest checkpoint.
-    `make_sampler(model, cfg)` builds the rollout engine on the learner's model object."""
+    `make_sampler(model, cfg)` builds the rollout engine on the model it samples with: the learner's
+    model object, or the sampler's own (`sampler.recipe`)."""
 
     def __init__(self, cfg: TrainConfig, run_dir: str | Path | None = None, resume: bool = False,
                  make_sampler=default_sampler, progress_stream=None):
@@ -92,6 +98,8 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
         self.task = make_task(cfg.task.name, seed=cfg.task.seed, **cfg.task.args)
         self.recipe = get_recipe(cfg.recipe.name, **cfg.recipe.overrides)
+        self.sampler_recipe = (get_recipe(cfg.sampler.recipe, **cfg.sampler.recipe_overrides)
+                               if cfg.sampler.separate() else None)
         self.dtype = getattr(torch, cfg.model.dtype)
         self.progress = Progress(cfg.rl.steps, cfg.logging.progress, progress_stream)
         ckpt = latest_checkpoint(self.ckpt_dir)
@@ -105,7 +113,8 @@ class Trainer:
             self.model, self.ref_model = models["model"], models.get("ref_model")
         else:
             self.model = self._fresh_model()
-        self.sampler = make_sampler(self.model, cfg)
+        self.sampler_model = self._sampler_model()
+        self.sampler = make_sampler(self.sampler_model, cfg)
         self.step, self.data_pos = 0, cfg.warmup.steps * cfg.warmup.batch_size
         self.log = MetricsLog(self.run_dir, cfg.logging.tensorboard)
         self.needs_warmup = ckpt is None
@@ -118,6 +127,8 @@ class Trainer:
             self._make_learner()
             self.learner.load_state_dict(state["learner"])
             load_static_scales(self.model, state.get("static_scales", {}))
+            if self.sampler_model is not self.model:
+                load_static_scales(self.sampler_model, state.get("sampler_static_scales", {}))
             set_rng_state(state["rng"])
             self.step, self.data_pos = state["step"], state["data"]["position"]
             self.log.truncate_after(self.step)
@@ -146,6 +157,31 @@ class Trainer:
         model.init_weights(m.init_std, torch.Generator().manual_seed(self.cfg.seed))
         return model.to(device=m.device, dtype=self.dtype)
 
+    def _sampler_model(self):
+        """The model the sampler runs: the learner's, or (a sampler recipe) its own, synced now."""
+        if self.sampler_recipe is None:
+            return self.model
+        model = Qwen3(self.model.config, self.sampler_recipe)
+        model = model.to(device=next(self.model.parameters()).device, dtype=self.dtype)
+        sync_sampler_model(model, self.model)
+        self.progress.message(f"sampler: its own model under recipe {self.sampler_recipe.name!r}, "
+                              f"learner under {self.recipe.name!r} (weights synced after every update)")
+        return model
+
+    def sync_sampler(self, calibrate: bool = False) -> float:
+        """Feed the sampler's own model the learner's weights (quantized with the sampler's chain) and,
+        if asked or `sampler.calibration == "every_sync"`, calibrate its static scales; seconds taken
+        (0 when the sampler runs the learner's model)."""
+        if self.sampler_model is self.model:
+            return 0.0
+        t0 = time.perf_counter()
+        sync_sampler_model(self.sampler_model, self.model)
+        if calibrate or self.cfg.sampler.calibration == "every_sync":
+            self.calibrate(self.sampler_model, quiet=not calibrate)
+        if self.sampler_model.embed_tokens.weight.is_cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
     def _make_learner(self) -> None:
         rl = self.cfg.rl
         self.learner = Learner(self.model, lr=rl.lr, weight_decay=rl.weight_decay,
@@ -157,6 +193,7 @@ class Trainer:
         cfg = self.cfg
         if self.needs_warmup:
             self.warmup()
+            self.sync_sampler(calibrate=True)
             self._make_learner()
             if cfg.rl.loss.kl_coef > 0:
                 self.ref_model = copy.deepcopy(self.model).requires_grad_(False)
@@ -180,6 +217,8 @@ class Trainer:
     def save(self) -> None:
         state = {"learner": self.learner.state_dict(), "data": {"position": self.data_pos},
                  "config": to_dict(self.cfg), "static_scales": static_scales(self.model)}
+        if self.sampler_model is not self.model:
+            state["sampler_static_scales"] = static_scales(self.sampler_model)
         models = {"model": self.model}
         if self.ref_model is not None:
             models["ref_model"] = self.ref_model
@@ -216,21 +255,25 @@ class Trainer:
         self.calibrate()
 
     @torch.no_grad()
-    def calibrate(self, size: int = 64) -> None:
-        """Static activation scales (recipes with `activation.scaling == "static"`) from the model's
-        inputs on `size` training examples: prompt + worked solution where the task has one."""
-        if not uses_static_scales(self.model):
+    def calibrate(self, model=None, size: int = 64, quiet: bool = False) -> None:
+        """Static activation scales (recipes with `activation.scaling == "static"`) of `model` (the
+        learner's by default) from its inputs on `size` training examples: prompt + worked solution
+        where the task has one."""
+        model = self.model if model is None else model
+        if not uses_static_scales(model):
             return
         examples = self.task.batch("train", 0, size)
         seqs = [self.encode_prompt(ex.prompt) + self.tokenizer.encode(ex.solution or "", add_eos=True)
                 for ex in examples]
-        device = next(self.model.parameters()).device
+        device = next(model.parameters()).device
         lens = [len(q) for q in seqs]
         ids = torch.tensor([sum(seqs, [])], device=device)
         cu = torch.tensor([0, *np.cumsum(lens).tolist()], device=device)
-        with calibrate(self.model):
-            self.model(ids, cu_seqlens=cu)
-        self.progress.message(f"calibrated static activation scales on {size} training examples")
+        with calibrate(model):
+            model(ids, cu_seqlens=cu)
+        if not quiet:
+            which = "the sampler's" if model is not self.model else "the"
+            self.progress.message(f"calibrated {which} static activation scales on {size} training examples")
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -294,6 +337,7 @@ class Trainer:
                                      aggregation=rl.loss.aggregation) for rows in order.chunk(rl.minibatches)]
         self.data_pos += rl.prompts
         now = time.perf_counter()
+        t_sync = self.sync_sampler()
         generated = int(mask.sum())
         record = {"kind": "rl", "step": self.step, "reward": rewards.mean().item(),
                   "reward_std": rewards.std().item(), "response_len": generated / len(samples),
@@ -306,7 +350,8 @@ class Trainer:
                   **_mean_dicts(updates),
                   "rollout/tokens_per_s": generated / max(t_rollout, 1e-9),
                   "learner/tokens_per_s": sum(u["tokens"] for u in updates) / max(now - t_update, 1e-9),
-                  "time/rollout_s": t_rollout, "time/update_s": now - t_update, "time/step_s": now - t0}
+                  "time/rollout_s": t_rollout, "time/update_s": now - t_update, "time/weight_sync_s": t_sync,
+                  "time/step_s": time.perf_counter() - t0}
         self.log.log(record)
         return record
 
