@@ -18,20 +18,23 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_aligned_gemm_sweep_smoke(tmp_path):
     out = tmp_path / "sweep.json"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sweep_aligned_gemm.py"), "--smoke", "--out",
-                    str(out)], check=True, env=env, cwd=ROOT, capture_output=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "benchmarks.tools.sweep_gemm_tiles", "--smoke", "--out", str(out)],
+                   check=True, env=env, cwd=ROOT, capture_output=True, timeout=300)
     doc = json.loads(out.read_text())
     assert len(doc["contract"]) == 2 and all(r["batch_invariant"] for r in doc["contract"])
     assert all(r["grouped_equals_dense"] and r["same_bits_as_current"] == 1.0 for r in doc["contract"])
     assert {t["kind"] for t in doc["timings"]} == {"dense", "grouped"}
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")))
+SCRIPTS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks").rglob("*.py"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_every_benchmark_imports(script):
-    """Each benchmark module at least imports (bench_gemm imported a name that had moved, unseen for
-    three sessions: the GPU call is where it failed)."""
-    code = f"import runpy; runpy.run_path({str(ROOT / 'benchmarks' / script)!r}, run_name='not_main')"
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'benchmarks'}")
+    """Each benchmark module at least imports (a benchmark that imported a name that had moved went
+    unseen until a GPU call failed on it)."""
+    code = f"import runpy; runpy.run_path({str(ROOT / script)!r}, run_name='not_main')"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -7,31 +7,27 @@ default 4: the fp32 masters and Adam moments of all 48 layers would not fit one 
 sequences of --seq-len tokens (--prompt-len prompt, the rest response), PPO-clipped policy loss with
 random advantages. Time: median over --steps steps after --warmup steps (CUDA synchronized).
 
-    python benchmarks/bench_learner.py --out benchmarks/results/learner_h200.json
-    python benchmarks/bench_learner.py --tiny          # CPU smoke run on the tiny presets
+    python -m benchmarks.e2e.bench_learner --out OUT.json [--kernels]
+    python -m benchmarks.e2e.bench_learner --tiny          # CPU smoke run on the tiny presets
 """
 
 import argparse
 import gc
 import json
-import os
 import statistics
-import sys
 import time
 from functools import partial
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import env_info, print_profile, profile_table, report  # noqa: E402
-
-from minite.learner import Learner, SequenceBatch  # noqa: E402
-from minite.models import Qwen3  # noqa: E402
-from minite.models.presets import model_preset  # noqa: E402
-from minite.nn import use_grouped_mm  # noqa: E402
-from minite.nn.fused import use_fused_kernels  # noqa: E402
-from minite.recipe import get_recipe  # noqa: E402
-from minite.rl.losses import LossConfig, policy_loss  # noqa: E402
+from benchmarks.common import env_info, print_profile, profile_table, report, sync, write_json
+from minite.learner import Learner, SequenceBatch
+from minite.models import Qwen3
+from minite.models.presets import model_preset
+from minite.nn import use_grouped_mm
+from minite.nn.fused import use_fused_kernels
+from minite.recipe import get_recipe
+from minite.rl.losses import LossConfig, policy_loss
 
 
 def parse_args(argv=None):
@@ -53,24 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--no-fused-kernels", action="store_true",
                    help="the plain torch RMSNorm/RoPE ops, not the fused kernels (the CUDA default)")
-    p.add_argument("--norm-path", default="quantizing", choices=["quantizing", "plain", "element"],
-                   help="quantizing: the norms quantize for the projections (the default); plain: they do "
-                        "not; element: nor do they take the word-layout kernel (the path before s11)")
-    p.add_argument("--launch-path", default="direct", choices=["direct", "triton"],
-                   help="direct: repeat kernel launches skip Triton's binding (minite.kernels.launch), dX "
-                        "takes the weight scale as a host float (the default); triton: neither (before s12)")
-    p.add_argument("--attention-backward", default="kernel", choices=["kernel", "reference"],
-                   help="the attention kernel's backward: the Triton kernels, or the fp32 reference "
-                        "recomputed under autograd (the path before session 13)")
-    p.add_argument("--projections", default="fused", choices=["fused", "separate"],
-                   help="fused: q/k/v and gate/up as one NVFP4 GEMM each (minite.nn.fused_projections, the "
-                        "default); separate: one GEMM per linear (before session 14)")
-    p.add_argument("--no-gc-freeze", action="store_true",
-                   help="Learner(freeze_gc=False): no gc.freeze() after the first step (before session 14)")
     p.add_argument("--keep-grads", action="store_true",
-                   help="Learner(release_grads=False): grads held between steps (before session 16)")
-    p.add_argument("--aligned-small-tile", action="store_true",
-                   help="the aligned GEMMs keep the small tile at every M (A/B for `gemm.ALIGNED_LARGE_M`)")
+                   help="Learner(release_grads=False): the grads stay allocated between steps")
     p.add_argument("--kernels", action="store_true",
                    help="also profile one step: the kernels (CPU: ops) with the most time, per recipe")
     p.add_argument("--out", default=None, help="JSON file to write")
@@ -132,7 +112,7 @@ class GcTimer:
 def bench_one(kind: str, recipe: str, args) -> dict:
     model = build(kind, recipe, args)
     learner = Learner(model, lr=1e-6, micro_batch_tokens=args.micro_batch_tokens,
-                      activation_checkpointing=args.activation_checkpointing, freeze_gc=not args.no_gc_freeze,
+                      activation_checkpointing=args.activation_checkpointing,
                       release_grads=not args.keep_grads)
     batch = make_batch(model.config.vocab_size, args)
     loss_fn = partial(policy_loss, cfg=LossConfig())
@@ -171,8 +151,8 @@ def release_frozen() -> None:
 
 def profile_one(kind: str, recipe: str, args) -> list[dict]:
     """The kernels of one learner step (after one unprofiled step), on a model of its own: run after every
-    timing, since a CUDA profile slows the launches of the process after it (session 12: the aligned
-    dense step timed after the bf16 one's profile read 0.885-0.892x, 0.91-0.96x unprofiled)."""
+    timing, since a CUDA profile slows the launches that follow it in the process (an aligned dense step
+    timed after the bf16 step's profile reads slower than unprofiled)."""
     model = build(kind, recipe, args)
     learner = Learner(model, lr=1e-6, micro_batch_tokens=args.micro_batch_tokens,
                       activation_checkpointing=args.activation_checkpointing)
@@ -186,38 +166,9 @@ def profile_one(kind: str, recipe: str, args) -> list[dict]:
     return table
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     use_fused_kernels(False if args.no_fused_kernels else None)
-    if args.norm_path != "quantizing":
-        from minite.kernels import norm_pairs
-        from minite.nn import nvfp4_matmul
-
-        nvfp4_matmul.can_seed_quantized_input = lambda *a: False
-        norm_pairs.ENABLED = args.norm_path == "plain"
-    if args.launch_path == "triton":
-        from minite.kernels import launch
-        from minite.nn.quantized_weight import QuantizedWeight
-
-        launch.ENABLED = False
-        QuantizedWeight.host_global_scale = lambda self: None
-    if args.attention_backward == "reference":
-        from minite.nn.attention import use_kernel_backward
-
-        use_kernel_backward(False)
-    if args.projections == "separate":
-        from minite.nn.fused_projections import use_fused_projections
-
-        use_fused_projections(False)
-    if args.aligned_small_tile:
-        from minite.kernels import gemm, grouped_gemm
-
-        gemm.ALIGNED_LARGE_M = grouped_gemm.ALIGNED_LARGE_ROWS_PER_EXPERT = 1 << 62
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("bench_learner needs CUDA (or --tiny for a CPU smoke run)")
     rows = []
@@ -237,13 +188,11 @@ def main(argv=None) -> list[dict]:
                 r["vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
     setup = {k: getattr(args, k) for k in ("seqs", "seq_len", "prompt_len", "micro_batch_tokens", "backend",
                                            "activation_checkpointing", "no_moe_grouped_mm",
-                                           "no_fused_kernels", "steps", "warmup", "tiny",
-                                           "attention_backward", "projections", "no_gc_freeze")}
+                                           "no_fused_kernels", "keep_grads", "steps", "warmup", "tiny")}
     table_rows = [{k: v for k, v in r.items() if k != "kernels"} for r in rows]
     report("learner train step (tokens/s)", table_rows, None)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"benchmark": "learner", "env": env_info(), "setup": setup, "rows": rows}, f, indent=1)
+        write_json(args.out, dict(benchmark="learner", setup=setup, rows=rows))
     print(json.dumps({"benchmark": "learner", "env": env_info(), "setup": setup, "rows": table_rows}))
     return rows
 

@@ -14,32 +14,28 @@ SDPA attention) gets our state dict under Hugging Face names; the largest logit 
 prompt is reported as a mapping check. Each engine runs a short warm-up (graph capture, kernel
 compilation) before the timed run. `--tiny` runs tiny models on the CPU in seconds (smoke test).
 Prints a table and writes JSON (GPU, date, commit, arguments, rows) to `--out`.
+
+    python -m benchmarks.e2e.bench_rollout --models dense --backend triton --out OUT.json
+    python -m benchmarks.e2e.bench_rollout --models moe --backend triton --new-tokens 256 --no-hf --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_common import ratio_stats, report  # noqa: E402
-
-from minite.models import ModelConfig, Qwen3, tiny_qwen3, tiny_qwen3_moe  # noqa: E402
-from minite.models.checkpoint import EXPERT_PARAM, expert_pieces, fused_expert_name, hf_name  # noqa: E402
-from minite.models.presets import qwen3_1_7b, qwen3_30b_a3b  # noqa: E402
-from minite.nn import moe_combine, nvfp4_matmul, token_logprobs, use_grouped_mm  # noqa: E402
-from minite.nn.fused import use_fused_kernels  # noqa: E402
-from minite.recipe import get_recipe  # noqa: E402
-from minite.sampler import Sampler  # noqa: E402
-from minite.sampler import sample as sampler_sample  # noqa: E402
-from minite.sampling import SamplingParams  # noqa: E402
+from benchmarks.common import ratio_stats, report, sync
+from minite.models import ModelConfig, Qwen3, tiny_qwen3, tiny_qwen3_moe
+from minite.models.checkpoint import EXPERT_PARAM, expert_pieces, fused_expert_name, hf_name
+from minite.models.presets import qwen3_1_7b, qwen3_30b_a3b
+from minite.nn import nvfp4_matmul, use_grouped_mm
+from minite.nn.fused import use_fused_kernels
+from minite.recipe import get_recipe
+from minite.sampler import Sampler
+from minite.sampling import SamplingParams
 
 
 def parse_args(argv=None):
@@ -66,24 +62,14 @@ def parse_args(argv=None):
                         "aligned tile on the bf16 copy)")
     p.add_argument("--no-fused-kernels", action="store_true",
                    help="the plain torch RMSNorm/RoPE ops, not the fused kernels (the CUDA default)")
-    p.add_argument("--draw", default="kernel", choices=["kernel", "torch"],
-                   help="the token draw on CUDA: the Triton kernel (the default) or the torch reference "
-                        "(before session 16)")
-    p.add_argument("--logprobs", default="kernel", choices=["kernel", "torch"],
-                   help="the plain distribution's log-probs on CUDA: the row log-sum-exp kernel (the "
-                        "default) or torch's fp32 log-softmax (before session 16)")
-    p.add_argument("--moe-combine", default="kernel", choices=["kernel", "torch"],
-                   help="the MoE combine on CUDA: one Triton launch (the default) or torch's gather, "
-                        "multiply and sum (before session 16)")
     p.add_argument("--sync-recipes", default="",
                    help="recipes also run without lookahead decode (Sampler(async_decode=False)), e.g. bf16")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
-    p.add_argument("--hf-first", action="store_true", help="run the Hugging Face baseline before our engine")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=1,
                    help="run our recipes this many times, the order reversed every other round; a recipe's "
-                        "speed against bf16 is then the median of its per-round ratios (the clock and host "
-                        "move between runs: one call read the MoE aligned rollout 1.06x, the next 1.26x)")
+                        "speed against bf16 is then the median of its per-round ratios (the clock and the "
+                        "host move between runs: unpaired readings of one recipe spread by 10 %% and more)")
     args = p.parse_args(argv)
     if args.tiny:
         args.prompts, args.samples, args.new_tokens, args.prompt_len = 3, 2, 6, 5
@@ -107,16 +93,8 @@ def build_model(config: ModelConfig, device, dtype, seed: int) -> Qwen3:
     return model.eval()
 
 
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def run_ours(model, recipe: str, prompts, args, device, async_decode: bool | None = None) -> dict:
     use_fused_kernels(False if args.no_fused_kernels else None)
-    sampler_sample.USE_KERNEL = args.draw == "kernel"
-    moe_combine.USE_KERNEL = args.moe_combine == "kernel"
-    token_logprobs.USE_KERNEL = args.logprobs == "kernel"
     model.set_recipe(get_recipe(recipe, backend=args.backend))
     params = SamplingParams(n=args.samples, max_tokens=args.new_tokens, seed=args.seed)
     seqs = len(prompts) * args.samples
@@ -124,10 +102,10 @@ def run_ours(model, recipe: str, prompts, args, device, async_decode: bool | Non
     sampler = Sampler(model, max_num_seqs=args.max_num_seqs, kv_cache_tokens=kv_tokens,
                       cuda_graphs=False if args.no_cuda_graphs else None, async_decode=async_decode)
     sampler.generate(prompts, SamplingParams(n=args.samples, max_tokens=min(16, args.new_tokens), seed=1))
-    sync(device)
+    sync()
     start = time.perf_counter()
     out = sampler.generate(prompts, params)
-    sync(device)
+    sync()
     seconds = time.perf_counter() - start
     tokens = sum(len(s.token_ids) for r in out for s in r.samples)
     row = dict(engine="minite", recipe=recipe, seconds=seconds, gen_tokens=tokens,
@@ -184,10 +162,10 @@ def run_hf(model: Qwen3, prompts, args, device, dtype) -> dict:
                   num_return_sequences=args.samples, pad_token_id=0, eos_token_id=None)
     n = args.new_tokens
     hf.generate(ids, max_new_tokens=min(4, n), min_new_tokens=min(4, n), **kwargs)
-    sync(device)
+    sync()
     start = time.perf_counter()
     out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
-    sync(device)
+    sync()
     seconds = time.perf_counter() - start
     tokens = (out.shape[1] - ids.shape[1]) * out.shape[0]
     del hf, out
@@ -215,15 +193,12 @@ def main(argv=None):
         shape = dict(model=kind, layers=config.num_hidden_layers)
         runs = [(r, None) for r in args.recipes.split(",")]
         runs += [(r, False) for r in args.sync_recipes.split(",") if r]
-        if not args.no_hf and args.hf_first:
-            rows.append(dict(shape, **run_hf(model, prompts, args, device, dtype)))
-            print(rows[-1], flush=True)
         for rnd in range(args.rounds):
             for recipe, async_decode in runs if rnd % 2 == 0 else runs[::-1]:
                 row = run_ours(model, recipe, prompts, args, device, async_decode)
                 rows.append(dict(shape, round=rnd, **row))
                 print(rows[-1], flush=True)
-        if not args.no_hf and not args.hf_first:
+        if not args.no_hf:
             rows.append(dict(shape, **run_hf(model, prompts, args, device, dtype)))
             print(rows[-1], flush=True)
         if not args.no_hf:
@@ -241,8 +216,7 @@ def main(argv=None):
                     moe_layers_of_48=args.moe_layers, dense_layers_of_28=args.dense_layers, tiny=args.tiny,
                     moe_grouped_mm=not args.no_moe_grouped_mm,
                     moe_decode_max_rows_per_expert=nvfp4_matmul.DECODE_MAX_ROWS_PER_EXPERT,
-                    fused_kernels=not args.no_fused_kernels, draw=args.draw,
-                    logprobs=args.logprobs, moe_combine=args.moe_combine)
+                    fused_kernels=not args.no_fused_kernels)
     report("rollout", rows, args.out, extra=dict(workload=workload, vs_bf16=paired_vs_bf16(rows)))
     return rows
 

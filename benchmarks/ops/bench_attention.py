@@ -3,23 +3,24 @@ head_dim 128), 512 sequences x context {512, 1024}:
 
 - ours: `kernels.attention.paged_attention` (the batch-invariant config, keys read in place);
 - sdpa: torch SDPA on a contiguous padded cache [B, Hkv, T, D] with enable_gqa (the HF-like baseline);
-- gather+ref: the sampler's previous path, keys gathered into a padded copy + fp32 einsum attention.
+- gather_ref: the reference, keys gathered into a padded copy + `minite.nn.attention.attention`.
 
 Bandwidth: KV bytes read (B x T x Hkv x D x 2 B x 2) / time, as a fraction of the 4.25 TB/s HBM copy
-rate (FACTS.md 1). Also: a prefill row (causal, 8 x 1024 tokens) vs SDPA's flash path, a small sweep
-of launch configs (measurements only; the config in use stays CONFIGS["gpu"]), and end to end on a
-tiny bf16 model the fraction of sampled tokens whose sampler log-prob equals the learner's bitwise,
-with the kernel on and off.
+rate (docs/facts.md). Also: a prefill row (causal, 8 x 1024 tokens) vs SDPA's flash path, and a small
+sweep of launch configs (measurements only; the config in use stays CONFIGS["gpu"]). Whether sampler
+and learner agree through the kernel is the GPU tests' and `minite agreement`'s job.
+
+    python -m benchmarks.ops.bench_attention --out OUT.json [--quick]
 """
 
 # ruff: noqa: B023  (lambdas are timed at once, inside the loop that binds them)
 import torch
 import torch.nn.functional as F
 import triton
-from bench_common import HBM_COPY_TBPS, bench_ms, parse_args, report
 
+from benchmarks.common import HBM_COPY_TBPS, bench_ms, parse_args, report
 from minite.kernels import attention as ka
-from minite.nn.attention import attention, use_kernel
+from minite.nn.attention import attention
 from minite.sampler.kv_cache import KVCache
 
 HQ, HKV, D, BLOCK = 16, 8, 128, 16
@@ -113,35 +114,8 @@ def prefill_rows(configs: list[dict], S: int = 8, T: int = 1024) -> tuple[list[d
     return [row], sweep
 
 
-def end_to_end_agreement() -> list[dict]:
-    """Tiny bf16 model, bf16 recipe: sampler log-probs vs the learner's, with the kernel on and off."""
-    import sys
-
-    sys.path.insert(0, ".")
-    from minite.sampling import SamplingParams
-    from tests.kernels.test_attention import sampler_vs_learner
-    from tests.sampler.common import prompts_of, tiny_model
-
-    rows = []
-    for head_dim in (16, 128):
-        model = tiny_model("bf16", head_dim=head_dim).to("cuda", torch.bfloat16)
-        prompts = prompts_of([5, 30, 70, 130, 12, 200, 64, 65])
-        params = SamplingParams(n=4, max_tokens=64, temperature=0.9, seed=5)
-        for kernel in (True, False):
-            previous = use_kernel(kernel)
-            try:
-                sampler, learner = sampler_vs_learner(model, prompts, params, max_num_seqs=32,
-                                                      kv_cache_tokens=16384)
-            finally:
-                use_kernel(previous)
-            rows.append(dict(head_dim=head_dim, kernel=kernel, tokens=sampler.numel(),
-                             bitwise_equal=(sampler == learner).float().mean().item(),
-                             max_abs_diff=(sampler - learner).abs().max().item()))
-    return rows
-
-
 def main():
-    args = parse_args("benchmarks/results/attention.json")
+    args = parse_args()
     rows, sweep = [], []
     configs = [] if args.quick else SWEEP
     for T in (512, 1024):
@@ -149,12 +123,10 @@ def main():
         rows += r
         sweep += s
     prefill, psweep = prefill_rows(configs)
-    agreement = end_to_end_agreement()
     report("attention prefill (packed, causal; ours includes planning its tiles)", prefill, None)
     report("attention config sweep (measurement only)", sweep + psweep, None)
-    report("end to end: sampler vs learner log-probs (tiny bf16 model)", agreement, None)
     report("attention decode (512 seqs, Qwen3-1.7B heads)", rows, args.out,
-           extra=dict(config=ka.CONFIGS["gpu"], prefill=prefill, sweep=sweep + psweep, agreement=agreement))
+           extra=dict(config=ka.CONFIGS["gpu"], prefill=prefill, sweep=sweep + psweep))
 
 
 if __name__ == "__main__":

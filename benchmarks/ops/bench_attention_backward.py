@@ -1,19 +1,18 @@
 """The learner's attention backward on the H200: our Triton backward (`kernels.attention_backward`)
 against torch's SDPA flash backward (bf16, the baseline measured in the same run) and against the
-reference backward it replaces in the learner (fp32 recompute under autograd), at the learner
+reference backward (`minite.nn.attention.varlen_attention` under autograd, fp32), at the learner
 benchmark's shapes (16 sequences x 1024 tokens; Qwen3-1.7B heads 16 / 8 and Qwen3-30B-A3B 32 / 4,
 head dim 128). Also a few launch configurations of the two kernels, each checked against the default.
 
-    python benchmarks/bench_attention_backward.py --out OUT.json [--quick]
+    python -m benchmarks.ops.bench_attention_backward --out OUT.json [--quick]
 """
 
 import argparse
-import json
 
 import torch
 import torch.nn.functional as F
-from bench_common import CUBLAS_BF16_TFLOPS, bench_ms, env_info, report, warm_up
 
+from benchmarks.common import CUBLAS_BF16_TFLOPS, bench_ms, report, warm_up, write_json
 from minite.kernels import attention_backward as bwd
 from minite.kernels.attention import contiguous_attention, plan_tiles
 from minite.nn.attention import varlen_attention
@@ -96,14 +95,14 @@ def bench_shape(name, hq, hkv, seqs, seq_len, d, quick) -> list[dict]:
                 row(f"ours dq{dq} dkdv{dkdv}", bench_ms(ours(cfg)), sdpa_ms, err)
             except Exception as e:  # a tile that does not fit (shared memory, registers) is reported
                 rows.append(dict(shape=name, what=f"ours dq{dq} dkdv{dkdv}", error=str(e)[:200]))
-        # the learner's path before this kernel: the reference recomputed under autograd (fp32)
+        # the reference backward: autograd through the fp32 reference attention
         inputs = [t.detach().requires_grad_() for t in (q, k, v)]
 
         def reference():
             with torch.enable_grad():
                 o = varlen_attention(*inputs, pos, cu)
                 return torch.autograd.grad(o, inputs, grad)
-        row("reference backward (fp32 recompute, before)", bench_ms(reference, warmup=2, rep=5), sdpa_ms)
+        row("reference backward (fp32, autograd)", bench_ms(reference, warmup=2, rep=5), sdpa_ms)
     return rows
 
 
@@ -122,9 +121,7 @@ def main():
         rows += bench_shape(name, hq, hkv, args.seqs, args.seq_len, 128, args.quick)
     report("attention backward (16 x 1024 tokens, causal, bf16)", rows, None)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"benchmark": "attention_backward", "env": env_info(), "default": bwd.config(),
-                       "rows": rows}, f, indent=1)
+        write_json(args.out, dict(benchmark="attention_backward", default=bwd.config(), rows=rows))
 
 
 if __name__ == "__main__":

@@ -5,46 +5,48 @@ decode layout (`decode_gemm.pack_weight`) stores 16-bit block scales, 0.625 B pe
 Ours: the `decode` config (`decode_gemm.decode_config`'s tile; GEMM alone, and with the activation
 quantizer) and the batch-invariant `aligned` config on the packed weights. In the aligned K order
 (the aligned path's bits): the decode kernel without split-K (`aligned_decode_config`, what the nn
-layers run at M <= 64) against the aligned tile on the bf16 copy. Tile sweeps: sweep_decode_gemm.py.
+layers run at M <= 64) against the aligned tile on the bf16 copy. Tile sweeps:
+`benchmarks/tools/sweep_decode_tiles.py`.
 
 Two timings of each: `do_bench` (one call, L2 flushed before it) and, as a decode step runs them, a
 CUDA graph of back-to-back calls over rotating weight copies (more bytes than the 50 MB L2, so every
 call reads its weight from HBM; no launch gaps). The headline `x` columns are the graph ones.
+
+    python -m benchmarks.ops.bench_decode_gemm --out OUT.json
 """
 
 # ruff: noqa: B023  (lambdas are timed at once, inside the loop that binds them)
 import multiprocessing as mp
 
 import torch
-from bench_common import DECODE_CEILING, bench_ms, capture_graph, parse_args, report, warm_up
 
+from benchmarks.common import (
+    DECODE_CEILING,
+    QWEN3_8B,
+    bench_ms,
+    copies,
+    graph_us,
+    parse_args,
+    report,
+    warm_up,
+)
 from minite.kernels import decode_gemm as kd
 from minite.kernels import gemm as kg
 from minite.kernels import nvfp4 as kq
 
 # Qwen3-8B: q/o, k/v, gate or up, gate+up fused, down
-SHAPES = {"q|o": (4096, 4096), "k|v": (1024, 4096), "gate|up": (12288, 4096),
-          "gate+up": (24576, 4096), "down": (4096, 12288)}
+SHAPES = {name: QWEN3_8B[name] for name in ("q|o", "k|v", "gate|up", "gate+up", "down")}
 MS = (1, 8, 32, 64)
-ROTATE_BYTES = 256 << 20  # weight bytes a graph's calls cycle through (> 5x the L2)
 
 
-def operands(n, k, m):
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+def operands(n, k, m, seed=0):
+    """bf16 weight [n, k] and activation [m, k], the quantized weight, the quantized activation."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
     wq = kq.quantize(w, "tensor")
     a, sa = kq.quantize_unscaled(x)
     return w, x, wq, a, sa
-
-
-def graph_us(calls) -> float:
-    """Microseconds per call of `calls` (a list of thunks) replayed as one CUDA graph."""
-    return bench_ms(capture_graph(calls).replay, warmup=10, rep=60) * 1e3 / len(calls)
-
-
-def copies(t: torch.Tensor, per_copy_bytes: int) -> list:
-    n = max(2, min(64, -(-ROTATE_BYTES // per_copy_bytes)))
-    return [t.clone() for _ in range(n)]
 
 
 def _warm(job):
@@ -61,7 +63,7 @@ def _warm(job):
 
 
 def main():
-    args = parse_args("benchmarks/results/kernels_decode_gemm.json")
+    args = parse_args()
     todo = [(n, k, m) for n, k in SHAPES.values() for m in MS]
     with mp.get_context("spawn").Pool(min(len(todo), 12)) as pool:
         pool.map(_warm, todo)
@@ -104,7 +106,7 @@ def main():
             print({key: round(v, 3) if isinstance(v, float) else v for key, v in row.items()}, flush=True)
     report("decode gemm", rows, args.out,
            dict(target="decode >= 2.5x cuBLAS bf16 at M in {1, 8, 32, 64}", ceiling=DECODE_CEILING,
-                decode_tiles=kd.DECODE_TILES, rotate_bytes=ROTATE_BYTES))
+                decode_tiles=kd.DECODE_TILES))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Qwen3-8B layer shapes (N, K); M in {4096, 16384}. Ours: the fused activation qua
 exact values + row scales) and the GEMM on the weight's dequantized bf16 copy; reported with and
 without the quantizer ("+quant": both kernels, timed together), for the fastest (`prefill`) and the
 batch-invariant (`aligned`) configs. Every variant is a CUDA graph of CALLS calls (GPU time alone),
-timed in interleaved rounds with cuBLAS (`bench_common.paired_graph_us`): the x-cuBLAS columns are
+timed in interleaved rounds with cuBLAS (`benchmarks.common.paired_graph_us`): the x-cuBLAS columns are
 the median of the per-round ratios, with their min and max. For the layers whose input an RMSNorm
 (q/k/v, gate/up) or the SwiGLU (down) produces, also the layer as the model runs it ("layer"): that
 op and cuBLAS against the op quantizing its output in the same launch
@@ -15,15 +15,24 @@ op and cuBLAS against the op quantizing its output in the same launch
 from statistics import median
 
 import torch
-import triton
-from bench_common import CUBLAS_BF16_TFLOPS, paired_graph_us, parse_args, ratio_stats, report, warm_up
 
+from benchmarks.common import (
+    CUBLAS_BF16_TFLOPS,
+    QWEN3_8B,
+    heavy,
+    paired_graph_us,
+    parse_args,
+    ratio_stats,
+    report,
+    warm_up,
+)
 from minite.kernels import gemm as kg
 from minite.kernels import norm as kn
 from minite.kernels import nvfp4 as kq
 from minite.kernels import swiglu as ks
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate|up": (12288, 4096), "down": (4096, 12288)}
+SHAPES = {"qkv": QWEN3_8B["qkv"], "o": QWEN3_8B["q|o"], "gate|up": QWEN3_8B["gate|up"],
+          "down": QWEN3_8B["down"]}
 CALLS = 4  # calls per CUDA graph
 # the op that produces each layer's input and, in the model, quantizes it for the GEMM in its own launch
 PRODUCERS = {"qkv": "rms_norm", "gate|up": "rms_norm", "down": "swiglu"}
@@ -39,16 +48,6 @@ def producer_ops(producer: str, m: int, k: int):
         return lambda: kn.rms_norm(x, nw, EPS), lambda: kn.rms_norm_quantize(x, nw, EPS)[1:3]
     gate, up = (torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 2 for _ in range(2))
     return lambda: ks.swiglu(gate, up), lambda: ks.swiglu_quantize(gate, up)[1:3]
-SWEEP = [dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4),  # pointer loads (s4-s6)
-         dict(kg.CONFIGS["prefill"]),  # TMA, persistent
-         dict(kg.CONFIGS["prefill"], PERSIST=0),  # TMA, one program per tile
-         dict(kg.CONFIGS["aligned"])]
-
-
-def heavy(m, k, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(m, k, generator=g, device="cuda") ** 3
-    return torch.where(torch.rand(m, k, generator=g, device="cuda") < 0.001, 50 * x, x)
 
 
 def alignment_rows():
@@ -84,9 +83,9 @@ def alignment_rows():
 
 
 def main():
-    args = parse_args("benchmarks/results/kernels_gemm.json")
+    args = parse_args()
     warm_up()
-    rows, sweep = [], []
+    rows = []
     ms_list = [4096] if args.quick else [4096, 16384]
     for m in ms_list:
         for layer, (n, k) in SHAPES.items():
@@ -126,23 +125,12 @@ def main():
                     row.update({f"layer_{cfg}_vs_cublas": mid, f"layer_{cfg}_min": lo,
                                 f"layer_{cfg}_max": hi})
             rows.append(row)
-            if m == 4096 and layer in ("gate|up", "down") and not args.quick:
-                for i, cfg in enumerate(SWEEP):
-                    try:
-                        t = paired_graph_us({"cublas": variants["cublas"], "cfg": [
-                            lambda: kg.w4a4_gemm(a, sa, wc, wq.global_scale, config=cfg)] * CALLS}, rounds=3)
-                    except triton.runtime.errors.OutOfResources:
-                        continue
-                    sweep.append(dict(layer=layer, M=m, cfg=i, **cfg, tflops=flop / median(t["cfg"]) / 1e6,
-                                      vs_cublas=ratio_stats(t["cublas"], t["cfg"])[0]))
     align = alignment_rows()
     report("gemm alignment on heavy-tailed data", align, None)
-    if sweep:
-        report("gemm config sweep", sweep, None)
     report("gemm (compute-bound)", rows, args.out,
            dict(target="prefill+quant >= 0.9x cuBLAS bf16 (layers with a producer: layer_prefill, the "
                        "producer quantizing + our GEMM against the producer + cuBLAS)",
-                configs=kg.CONFIGS, sweep=sweep, alignment=align))
+                configs=kg.CONFIGS, alignment=align))
 
 
 if __name__ == "__main__":

@@ -6,42 +6,38 @@ step, i.e. 4-64 rows per expert on average. Every column is one CUDA graph of se
 expert weights, 0.8 GB bf16, never fit in L2, so no rotation is needed), in microseconds per call.
 A tile sweep (`SWEEP`) follows at every token count, bitwise checked against the default tile.
 Writes JSON.
+
+    python -m benchmarks.ops.bench_grouped_decode --out OUT.json
 """
 
 # ruff: noqa: B023  (lambdas are timed at once, inside the loop that binds them)
 import multiprocessing as mp
 
 import torch
-from bench_common import parse_args, report, warm_up
-from bench_decode_gemm import graph_us
 
+from benchmarks.common import EXPERTS, MOE_OPS, TOP_K, graph_us, parse_args, report, warm_up
 from minite.kernels import decode_gemm as kd
 from minite.kernels import gemm as kg
 from minite.kernels import grouped_decode as gd
 from minite.kernels import grouped_gemm as gg
 from minite.kernels import nvfp4 as kq
 
-E, TOPK, HIDDEN, INTER = 128, 8, 2048, 768
-OPS = {"gate|up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
 TOKENS = (64, 256, 512, 1024)
 CALLS = 4  # calls per graph
-# s6 (the layout before the MMA-order one): BM 32/64 x BN 64/128 x BK 128/256 x 4/8 warps x 2-4
-# stages within a few % at 512 tokens, BN 256 slower; HALVES (a BM-row tile whose rows fit in BM / 2
-# runs half-height MMAs: the weight dequantized once per BM rows, no BM-row MMAs for short experts)
-# 3-7 % faster from 16 rows per expert on. s8 run4 (MMA-order layout): BN 128 / BK 128 / 3 stages
-# won from 16 rows on by 16-40 %. This sweep looks around those tiles, at every token count.
+# tiles around `grouped_decode.GROUPED_DECODE_TILES`: BM 16 for few rows per expert; HALVES (a BM-row
+# tile whose rows fit in BM / 2 runs half-height MMAs: the weight dequantized once per BM rows) above
 SWEEP = ([dict(BM=16, BN=bn, BK=bk, num_warps=4, num_stages=3) for bn in (64, 128) for bk in (128, 256)]
          + [dict(BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=st, HALVES=True) for bm in (32, 64)
             for bn, bk, st in ((128, 128, 3), (128, 128, 4), (256, 128, 3), (128, 64, 4))])
 
 
 def experts(n, k):
-    """bf16 weights [E, N, K], their quantized container, the bf16 copy and the decode layout."""
-    w = torch.randn(E, n, k, device="cuda", dtype=torch.bfloat16)
-    qs = [kq.quantize(w[e], "tensor") for e in range(E)]
+    """bf16 weights [EXPERTS, N, K], their quantized container, the bf16 copy and the decode layout."""
+    w = torch.randn(EXPERTS, n, k, device="cuda", dtype=torch.bfloat16)
+    qs = [kq.quantize(w[e], "tensor") for e in range(EXPERTS)]
     codes = torch.stack([q.codes for q in qs])
     sb = torch.stack([q.block_scales for q in qs])
-    sw = torch.stack([q.global_scale for q in qs]).reshape(E)
+    sw = torch.stack([q.global_scale for q in qs]).reshape(EXPERTS)
     copy = torch.stack([kg.unscaled_copy(q) for q in qs])
     return w, sw, copy, kd.pack_weight(codes, sb)
 
@@ -50,39 +46,40 @@ def _warm(job):
     """Compile one (op, tile) (fills Triton's on-disk cache for the timing process): random words,
     the real shapes and argument values."""
     (n, k), cfg = job
-    codes = torch.randint(0, 256, (E, n, k // 2), dtype=torch.uint8, device="cuda")
-    dw = kd.pack_weight(codes, torch.rand(E, n, k // 16, device="cuda").to(torch.float8_e4m3fn))
-    a = torch.randn(E * 4, k, device="cuda", dtype=torch.bfloat16)
-    offsets = torch.arange(0, E * 4 + 1, 4, dtype=torch.int32, device="cuda")
+    codes = torch.randint(0, 256, (EXPERTS, n, k // 2), dtype=torch.uint8, device="cuda")
+    dw = kd.pack_weight(codes, torch.rand(EXPERTS, n, k // 16, device="cuda").to(torch.float8_e4m3fn))
+    a = torch.randn(EXPERTS * 4, k, device="cuda", dtype=torch.bfloat16)
+    offsets = torch.arange(0, EXPERTS * 4 + 1, 4, dtype=torch.int32, device="cuda")
     try:
-        gd.grouped_decode_gemm(a, torch.ones(E * 4, device="cuda"), dw, torch.ones(E, device="cuda"), offsets,
-                               config=cfg)
+        ones = torch.ones(EXPERTS * 4, device="cuda")
+        gd.grouped_decode_gemm(a, ones, dw, ones[:EXPERTS], offsets, config=cfg)
         torch.cuda.synchronize()
     except Exception:  # a tile that does not build: reported by the timing loop
         pass
 
 
 def main():
-    args = parse_args("benchmarks/results/kernels_grouped_decode.json")
-    todo = [(nk, c) for nk in OPS.values() for c in SWEEP]
+    args = parse_args()
+    todo = [(nk, c) for nk in MOE_OPS.values() for c in SWEEP]
     with mp.get_context("spawn").Pool(12) as pool:
         pool.map(_warm, todo)
     warm_up()
     rows, sweep = [], []
-    for op, (n, k) in OPS.items():
+    for op, (n, k) in MOE_OPS.items():
         w, sw, copy, dw = experts(n, k)
         w_t = w.transpose(-2, -1)
         for tokens in TOKENS:
             g = torch.Generator(device="cuda").manual_seed(tokens)
-            ids = torch.randn(tokens, E, device="cuda", generator=g).topk(TOPK, dim=-1).indices.reshape(-1)
-            counts = torch.bincount(ids, minlength=E)
-            offsets = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
+            logits = torch.randn(tokens, EXPERTS, device="cuda", generator=g)
+            ids = logits.topk(TOP_K, dim=-1).indices.reshape(-1)
+            counts = torch.bincount(ids, minlength=EXPERTS)
+            offsets = torch.zeros(EXPERTS + 1, dtype=torch.int32, device="cuda")
             offsets[1:] = counts.cumsum(0)
-            t = tokens * TOPK
+            t = tokens * TOP_K
             x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
             a, sa = kq.quantize_unscaled(x)
             active = int((counts > 0).sum())
-            cfg = gd.grouped_decode_config(t, E, k)
+            cfg = gd.grouped_decode_config(t, EXPERTS, k)
             base = graph_us([lambda: torch._grouped_mm(x, w_t, offs=offsets[1:])] * CALLS)
             aligned = graph_us([lambda: gg.grouped_w4a4_gemm(a, sa, copy, sw, offsets, config="aligned")]
                                * CALLS)
@@ -92,7 +89,8 @@ def main():
             want = gg.grouped_w4a4_gemm(a, sa, copy, sw, offsets, config="aligned")
             got = gd.grouped_decode_gemm(a, sa, dw, sw, offsets)
             wbytes = active * n * k * (0.5 + 2 / 16)
-            row = dict(op=op, tokens=tokens, rows_per_expert=t / E, max_rows=int(counts.max()), N=n, K=k,
+            row = dict(op=op, tokens=tokens, rows_per_expert=t / EXPERTS, max_rows=int(counts.max()),
+                       N=n, K=k,
                        tile=f"BM{cfg['BM']} BN{cfg['BN']} BK{cfg['BK']} S{cfg['num_stages']}",
                        grouped_mm_us=base, aligned_copy_us=aligned, decode_us=ours, decode_quant_us=ours_q,
                        decode_vs_grouped_mm=base / ours, decode_vs_aligned_copy=aligned / ours,

@@ -1,32 +1,28 @@
 """MoE grouped W4A4 GEMM vs a bf16 grouped baseline (torch._grouped_mm, else a per-expert loop).
 
 Qwen3-30B-A3B experts: 128 experts, top-8, hidden 2048, expert intermediate 768; gate|up is
-N = 1536, K = 2048 and down N = 2048, K = 768, over tokens * 8 routed rows sorted by expert.
+N = 1536, K = 2048 and down N = 2048, K = 768, over tokens * 8 routed rows sorted by expert. With
+`--sweep`, also a few tiles around the configs in use, each checked bitwise against `aligned`.
+
+    python -m benchmarks.ops.bench_grouped_gemm --out OUT.json [--sweep]
 """
 
 # ruff: noqa: B023  (lambdas are timed at once, inside the loop that binds them)
-import torch
-from bench_common import bench_ms, parse_args, report
+import argparse
 
+import torch
+
+from benchmarks.common import EXPERTS, MOE_OPS, TOP_K, bench_ms, report
 from minite.kernels import gemm as kg
 from minite.kernels import grouped_gemm as gg
 from minite.kernels import nvfp4 as kq
 
-E, TOPK, HIDDEN, INTER = 128, 8, 2048, 768
-SWEEP = [dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4),  # pointer loads (s4-s6 `prefill`)
-         dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, TMA=True),
-         dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, TMA=True),  # s7-s9 `prefill`
-         dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4, TMA=True),
-         # one persistent program per SM (two for the 128 x 128 tile), loop nest flattened or not
-         dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, TMA=True, PERSIST=1, FLATTEN=True),
-         # s10 `prefill`, `aligned_large`
-         dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, TMA=True, PERSIST=1, FLATTEN=True),
-         dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, TMA=True, PERSIST=1),
-         dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, TMA=True, PERSIST=2, FLATTEN=True),
-         dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4, TMA=True, PERSIST=1, FLATTEN=True)]
-# s9 run6 also tried, for down's short K (768): BK 128 at BN 256 / 128, BM 256 x BN 128, BM 64 x BN 256;
-# all slower than the default at 4096 and 16384 tokens (down 16384: 0.63-0.84x against 0.83-0.85)
-OPS = {"gate|up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
+# tiles around the configs in use (`grouped_gemm.CONFIGS`): TMA, persistent (one or two programs per
+# SM), loop nest flattened or not
+SWEEP = [dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=s, TMA=True, PERSIST=p, FLATTEN=f)
+         for s, p, f in ((3, 0, False), (4, 0, False), (3, 1, True), (4, 1, True), (4, 1, False))]
+SWEEP += [dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=s, TMA=True, PERSIST=p, FLATTEN=True)
+          for s, p in ((4, 0), (3, 2), (4, 1))]
 
 
 def torch_grouped(a, w_t, offs_end):
@@ -35,25 +31,28 @@ def torch_grouped(a, w_t, offs_end):
 
 def loop_grouped(a, w, offsets):
     o = offsets.tolist()
-    return torch.cat([a[o[e]:o[e + 1]] @ w[e].t() for e in range(E)])
+    return torch.cat([a[o[e]:o[e + 1]] @ w[e].t() for e in range(EXPERTS)])
 
 
 def main():
-    args = parse_args("benchmarks/results/kernels_grouped_gemm.json")
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None, help="JSON file to write")
+    p.add_argument("--sweep", action="store_true", help="also time the tiles in SWEEP")
+    args = p.parse_args()
     rows, sweep = [], []
     for tokens in (4096, 16384):
-        logits = torch.randn(tokens, E, device="cuda")
-        experts = logits.topk(TOPK, dim=-1).indices.reshape(-1)
-        counts = torch.bincount(experts, minlength=E)
-        offsets = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
+        logits = torch.randn(tokens, EXPERTS, device="cuda")
+        experts = logits.topk(TOP_K, dim=-1).indices.reshape(-1)
+        counts = torch.bincount(experts, minlength=EXPERTS)
+        offsets = torch.zeros(EXPERTS + 1, dtype=torch.int32, device="cuda")
         offsets[1:] = counts.cumsum(0)
-        t = tokens * TOPK
-        for op, (n, k) in OPS.items():
+        t = tokens * TOP_K
+        for op, (n, k) in MOE_OPS.items():
             x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
-            w = torch.randn(E, n, k, device="cuda", dtype=torch.bfloat16)
-            sw = torch.empty(E, device="cuda")
+            w = torch.randn(EXPERTS, n, k, device="cuda", dtype=torch.bfloat16)
+            sw = torch.empty(EXPERTS, device="cuda")
             wc = torch.empty_like(w)
-            for e in range(E):
+            for e in range(EXPERTS):
                 q = kq.quantize(w[e], "tensor")
                 wc[e], sw[e] = kg.unscaled_copy(q), q.global_scale
             a, sa = kq.quantize_unscaled(x)
@@ -76,7 +75,7 @@ def main():
                 row[f"{cfg}+quant_vs_base"] = base / gq
             rows.append(row)
             ref = gg.grouped_w4a4_gemm(a, sa, wc, sw, offsets, config="aligned")
-            for i, c in enumerate(SWEEP):
+            for i, c in enumerate(SWEEP if args.sweep else []):
                 try:
                     same = torch.equal(gg.grouped_w4a4_gemm(a, sa, wc, sw, offsets, config=c), ref)
                     g = bench_ms(lambda: gg.grouped_w4a4_gemm(a, sa, wc, sw, offsets, config=c))
@@ -85,7 +84,8 @@ def main():
                     continue
                 sweep.append(dict(tokens=tokens, op=op, cfg=i, **c, tflops=flop / g / 1e9, vs_base=base / g,
                                   aligned_bits=same))
-    report("grouped config sweep", sweep, None)
+    if sweep:
+        report("grouped config sweep", sweep, None)
     report("grouped gemm (MoE)", rows, args.out,
            dict(target="prefill >= 0.9x bf16 grouped baseline", configs=gg.CONFIGS, sweep=sweep))
 

@@ -1,13 +1,15 @@
 """RMSNorm and SwiGLU kernels, and both quantizing their output for the next GEMM, against a device copy.
 
 Rows: Qwen3-8B hidden rows (4096 wide) at the compute-bound GEMM benchmark's M, the learner's 1.7B
-rows (2048 wide), and q_norm's head rows (128 wide). Variants: the element-layout kernel
-(`norm._rms_norm_kernel`), the word-layout kernel (`norm_pairs`), the norm then the quantizer
-(`quantize_unscaled`, two launches) and both in one launch (`rms_norm_quantize`). SwiGLU on the MLP
+rows (2048 wide), and q_norm's head rows (128 wide). Variants: the norm kernel (16-bit rows take the
+word-layout kernel, `norm_pairs`), the norm then the quantizer (`quantize_unscaled`, two launches)
+and both in one launch (`rms_norm_quantize`). SwiGLU on the MLP
 widths of Qwen3-8B / 1.7B and the 30B-A3B experts: torch's two kernels, ours, ours then the quantizer,
 both in one launch (`swiglu_quantize`). CUDA graphs over 4
-input copies (more than L2 holds), interleaved rounds (`bench_common.paired_graph_us`). Bytes
+input copies (more than L2 holds), interleaved rounds (`benchmarks.common.paired_graph_us`). Bytes
 counted: x read, every output written once.
+
+    python -m benchmarks.ops.bench_norm --out OUT.json [--quick]
 """
 
 # ruff: noqa: B023  (lambdas are timed at once, inside the loop that binds them)
@@ -15,10 +17,9 @@ from statistics import median
 
 import torch
 import torch.nn.functional as F
-from bench_common import paired_graph_us, parse_args, report, warm_up, with_flag
 
+from benchmarks.common import paired_graph_us, parse_args, report, warm_up
 from minite.kernels import norm as kn
-from minite.kernels import norm_pairs
 from minite.kernels import nvfp4 as kq
 from minite.kernels import swiglu as ks
 
@@ -28,12 +29,8 @@ COPIES = 4
 EPS = 1e-6
 
 
-def element_layout(fn):
-    return with_flag(norm_pairs, "ENABLED", False, fn)
-
-
 def main():
-    args = parse_args("benchmarks/results/kernels_norm.json")
+    args = parse_args()
     warm_up()
     rows = []
     for r, d in SHAPES[:1] if args.quick else SHAPES:
@@ -42,7 +39,6 @@ def main():
         n = r * d
         variants = {
             "copy": ([lambda x=x: x.clone() for x in xs], 4 * n),
-            "norm, element layout": ([element_layout(lambda x=x: kn.rms_norm(x, w, EPS)) for x in xs], 4 * n),
             "norm": ([lambda x=x: kn.rms_norm(x, w, EPS) for x in xs], 4 * n),
             "norm, then quantize": ([lambda x=x: kq.quantize_unscaled(kn.rms_norm(x, w, EPS)) for x in xs],
                                     8 * n + n // 16 + 4 * r),

@@ -1,33 +1,30 @@
 """NVFP4 quantize kernel throughput vs a device copy (the HBM ceiling), same process. bf16 inputs take
-the pair kernel (`nvfp4_pairs.py`); the rows marked "general kernel" time the path they took before.
+the pair kernel (`kernels/nvfp4_pairs.py`); fp32 inputs the general kernel (`kernels/nvfp4.py`).
 
 Bytes counted: the input read once plus every output written once (codes, scales, values, scales).
 Timed two ways: do_bench in three interleaved rounds (best of each), and as CUDA graphs over 8 input
-copies (`graph_frac_copy`, against a copy graphed the same way; s7 run2's do_bench rounds swung 2x).
+copies (`graph_frac_copy`, against a copy graphed the same way; do_bench rounds can swing 2x, the
+graphs agree to a fraction of a percent).
+
+    python -m benchmarks.ops.bench_quantize --out OUT.json [--quick]
 """
 
 # ruff: noqa: B023  (lambdas are timed at once, inside the loop that binds them)
 import torch
-from bench_common import HBM_COPY_TBPS, bench_ms, parse_args, report, warm_up, with_flag
-from bench_decode_gemm import graph_us
 
+from benchmarks.common import HBM_COPY_TBPS, bench_ms, graph_us, parse_args, report, warm_up
 from minite.kernels import nvfp4 as kq
-from minite.kernels import nvfp4_pairs as kp
 from minite.ref import nvfp4 as ref
 
 
-def general_kernel(fn):
-    """fn run with the pair kernel off: 16-bit inputs take the general kernel (the previous path)."""
-    return with_flag(kp, "ENABLED", False, fn)
-
-
 def main():
-    args = parse_args("benchmarks/results/kernels_quantize.json")
+    args = parse_args()
     shapes = [(16384, 4096)] if args.quick else [(16384, 4096), (4096, 12288), (16384, 12288)]
     rows = []
     warm_up()
     for r, k in shapes:
         x = torch.randn(r, k, device="cuda", dtype=torch.bfloat16)
+        xf = x.float()
         n = x.numel()
         copy_ms = bench_ms(lambda: x.clone())
         xs = [x.clone() for _ in range(8)]
@@ -40,11 +37,9 @@ def main():
                    "row fused values+sdec": lambda xi: kq.quantize_unscaled(xi)}
         variants = [
             ("row 1x16 te (codes)", lambda: kq.quantize_packed(x, "row"), 2 * n + codes_bytes),
-            ("row 1x16 te (codes), general kernel", general_kernel(lambda: kq.quantize_packed(x, "row")),
-             2 * n + codes_bytes),
+            ("row 1x16 te (codes), fp32 input (general kernel)", lambda: kq.quantize_packed(xf, "row"),
+             4 * n + codes_bytes),
             ("row fused values+sdec", lambda: kq.quantize_unscaled(x), 2 * n + 2 * n + n // 16 + 4 * r),
-            ("row fused values+sdec, general kernel", general_kernel(lambda: kq.quantize_unscaled(x)),
-             2 * n + 2 * n + n // 16 + 4 * r),
             ("tensor 1x16 te (amax+codes)", lambda: kq.quantize_packed(x, "tensor"), 2 * n + codes_bytes),
             ("tensor 16x16 te", lambda: kq.quantize_packed(x, "tensor", (16, 16)), 2 * n + codes_bytes),
             ("row 1x16 stochastic", lambda: kq.quantize_packed(x, "row", rounding="stochastic"),

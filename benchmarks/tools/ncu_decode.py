@@ -1,19 +1,19 @@
 """One decode-GEMM launch (and cuBLAS bf16 at the same shape) for Nsight Compute to read its counters.
 
 The kernels are compiled and run first; only the launches between cudaProfilerStart / Stop are
-profiled (`ncu --profile-from-start off`). Used by `run_gpu_engines.sh ncu_decode`, which asks for the
+profiled (`ncu --profile-from-start off`). Used by `tools/run_gpu.sh ncu_decode`, which asks for the
 throughput, memory, occupancy and warp-stall sections: whether a tile is bound by HBM, by L2 (the
 activation tile is re-read by every N tile: M * K * 2 bytes per BN weight rows) or by its issue.
 
-    ncu --profile-from-start off ... python3 benchmarks/ncu_decode.py --layer gate+up --m 64 \
+    ncu --profile-from-start off ... python3 -m benchmarks.tools.ncu_decode --layer gate+up --m 64 \
         [--bn 128 --warps 8 --stages 2 --split 1] [--cublas]
 """
 
 import argparse
 
 import torch
-from bench_decode_gemm import SHAPES, operands
 
+from benchmarks.ops.bench_decode_gemm import SHAPES, operands
 from minite.kernels import decode_gemm as kd
 
 

@@ -1,4 +1,4 @@
-"""How fast can any kernel be at the decode GEMM's shapes, in bench_decode_gemm.py's harness? The floor
+"""How fast can any kernel be at the decode GEMM's shapes, in `ops/bench_decode_gemm.py`'s harness? The floor
 of a kernel that only reads the packed weight's bytes, against cuBLAS bf16 and our decode GEMM timed
 the same way (CUDA graphs of back-to-back calls over rotating weight copies, so every call reads HBM).
 
@@ -6,16 +6,18 @@ the same way (CUDA graphs of back-to-back calls over rotating weight copies, so 
 - `read_us`: the fastest of several grids and step sizes of a kernel that streams the layout's bytes
   (0.625 per weight) and writes one word per program: no dequantization, no MMA, no split-K reduction;
 - `max_x` = cuBLAS / read_us: the most any kernel reading those bytes could reach against cuBLAS here.
-  Where it is below 2.5 (#7's decode target), no decode GEMM on this layout can reach the target.
+  Where it is below 2.5 (the decode target), no decode GEMM on this layout can reach the target.
+
+    python -m benchmarks.tools.probe_decode_floor --out OUT.json
 """
 
 # ruff: noqa: B023  (lambdas are timed at once, inside the loop that binds them)
 import torch
 import triton
 import triton.language as tl
-from bench_common import parse_args, report, warm_up
-from bench_decode_gemm import MS, SHAPES, copies, graph_us, operands
 
+from benchmarks.common import copies, graph_us, parse_args, report, warm_up
+from benchmarks.ops.bench_decode_gemm import MS, SHAPES, operands
 from minite.kernels import decode_gemm as kd
 
 GRIDS = (132, 264, 528, 1056, 2112, 4224)
@@ -52,7 +54,7 @@ def read_us(words: int, grid: int, block: int) -> float:
 
 
 def main():
-    args = parse_args("benchmarks/results/probe_decode_floor.json")
+    args = parse_args()
     warm_up()
     out = torch.empty(1, dtype=torch.int32, device="cuda")
     empty = graph_us([lambda: _empty[(256,)](out)] * 64)

@@ -1,12 +1,11 @@
 """Host time of one linear layer's forward + backward, bf16 against NVFP4 `aligned`, and of its parts.
 
-The dense learner step is host-bound on both recipes (session 10: the host returns after about the
-step time); the aligned step spends ~130 ms more host time than bf16's over 392 linear calls. This
-runs each piece many times on small shapes (the GPU never the limit) and reports host microseconds
-per call (`host_us`: the time to enqueue, without synchronizing; `triton_launch_us` the same on
-Triton's own launch path instead of `minite.kernels.launch`), plus cProfile breakdowns.
+The dense learner step is close to host-bound (docs/performance.md): what an NVFP4 linear costs the
+host is what the aligned step adds. This runs each piece many times on small shapes (the GPU never
+the limit) and reports host microseconds per call (`host_us`: the time to enqueue, without
+synchronizing), plus cProfile breakdowns.
 
-    python benchmarks/probe_linear_host.py --out OUT.json
+    python -m benchmarks.tools.probe_linear_host --out OUT.json
 """
 
 import argparse
@@ -17,10 +16,9 @@ import time
 import torch
 import torch.nn.functional as F
 import triton
-from bench_common import report
 
+from benchmarks.common import cprofile_top, report
 from minite.kernels import gemm as kg
-from minite.kernels import launch
 from minite.kernels import nvfp4 as kq
 from minite.kernels.scale import scale_rows
 from minite.nn import refresh_quantized_weights
@@ -122,11 +120,7 @@ def main():
     refresh_quantized_weights(lins["aligned"])  # as after an optimizer step: S_dec known on the host
     rows = []
     for name, fn in pieces.items():
-        row = dict(piece=name, host_us=host_us(fn))
-        launch.ENABLED = False  # Triton's own launch path (before session 12)
-        row["triton_launch_us"] = host_us(fn)
-        launch.ENABLED = True
-        rows.append(row)
+        rows.append(dict(piece=name, host_us=host_us(fn)))
     profiles = {name: profile(pieces[name]) for name in PROFILED}
     report("probe_linear_host", rows, args.out, extra=dict(shape=dict(m=M, k=K, n=N), profiles=profiles))
 
@@ -143,13 +137,7 @@ def profile(fn, calls: int = 100, top: int = 25) -> list[dict]:
         fn()
     prof.disable()
     torch.cuda.synchronize()
-    stats = pstats.Stats(prof)
-    stats.sort_stats("tottime")
-    rows = []
-    for func in stats.fcn_list[:top]:
-        _, nc, tt, ct, _ = stats.stats[func]
-        rows.append(dict(function=f"{func[0].split('site-packages/')[-1]}:{func[1]}({func[2]})",
-                         calls=nc / calls, tottime_us=tt / calls * 1e6, cumtime_us=ct / calls * 1e6))
+    rows = cprofile_top(pstats.Stats(prof), "tottime", top, calls)
     print(f"\n== cProfile: {fn.__name__ if hasattr(fn, '__name__') else fn}")
     for r in rows:
         print(f"{r['tottime_us']:8.1f} {r['cumtime_us']:8.1f} {r['calls']:5.1f}  {r['function']}")

@@ -9,26 +9,23 @@ and to the longest host op running at that launch (`idle_by_host_op_ms`).
 The profiler slows the host by a few us an op, so the gaps read larger than unprofiled; compare
 recipes within one run.
 
-    python benchmarks/probe_learner_gaps.py --out OUT.json [--recipes bf16,aligned] [--top 25]
+    python -m benchmarks.tools.profile_learner_gaps --out OUT.json [--recipes bf16,aligned] [--top 25]
 """
 
 import argparse
 import contextlib
 import json
 import os
-import sys
 import tempfile
 from functools import partial
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import env_info  # noqa: E402
-from bench_learner import build, make_batch, parse_args, release_frozen, sync  # noqa: E402
-
-import minite.learner.learner as learner_mod  # noqa: E402
-from minite.learner import Learner  # noqa: E402
-from minite.rl.losses import LossConfig, policy_loss  # noqa: E402
+import minite.learner.learner as learner_mod
+from benchmarks.common import sync, write_json
+from benchmarks.e2e.bench_learner import build, make_batch, parse_args, release_frozen
+from minite.learner import Learner
+from minite.rl.losses import LossConfig, policy_loss
 
 PHASES = ("pack", "forward", "loss", "optimizer", "refresh", "metrics")
 _MARK = "phase:"
@@ -146,8 +143,7 @@ def main():
         for g in r["idle_by_host_op_ms"][:15]:
             print("   ", g)
     if own.out:
-        with open(own.out, "w") as f:
-            json.dump(dict(benchmark="learner_gaps", env=env_info(), rows=rows), f, indent=1)
+        write_json(own.out, dict(benchmark="learner_gaps", rows=rows))
 
 
 if __name__ == "__main__":

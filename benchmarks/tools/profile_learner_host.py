@@ -1,38 +1,25 @@
 """Where the learner step's host time goes (cProfile), bf16 against an NVFP4 recipe, dense model.
 
-Session 7 run5: the dense aligned step's kernels took 2 % more GPU time than bf16's (1.177 vs 1.152 s)
-but the step 14 % more wall time (1.351 vs 1.189 s): the GPU waits on the host. This prints, per
-recipe, the step's wall time, the host time until the step returned (`enqueue_s`), and the functions
-with the most host time of their own and in total (minite's, torch's, triton's).
+The aligned step's kernels take about as much GPU time as bf16's; the rest of its wall time is the
+host's (docs/performance.md). This prints, per recipe, the step's wall time, the host time until the
+step returned (`enqueue_s`), and the functions with the most host time of their own and in total
+(minite's, torch's, triton's).
 
-    python benchmarks/profile_learner_host.py --out OUT.json [--layers 28] [--tiny]
+    python -m benchmarks.tools.profile_learner_host --out OUT.json [--layers 28] [--tiny]
 """
 
 import argparse
 import cProfile
-import json
 import pstats
 import time
 from functools import partial
 
 import torch
-from bench_common import env_info
-from bench_learner import build, make_batch, parse_args, sync
 
+from benchmarks.common import cprofile_top, sync, write_json
+from benchmarks.e2e.bench_learner import build, make_batch, parse_args
 from minite.learner import Learner
 from minite.rl.losses import LossConfig, policy_loss
-
-TOP = 30
-
-
-def top_entries(stats: pstats.Stats, key: str) -> list[dict]:
-    stats.sort_stats(key)
-    rows = []
-    for func in stats.fcn_list[:TOP]:
-        cc, nc, tt, ct, _ = stats.stats[func]
-        rows.append(dict(function=f"{func[0].split('site-packages/')[-1]}:{func[1]}({func[2]})", calls=nc,
-                         tottime_ms=tt * 1e3, cumtime_ms=ct * 1e3))
-    return rows
 
 
 def main():
@@ -63,19 +50,18 @@ def main():
         sync()
         prof.disable()
         stats = pstats.Stats(prof)
-        row = dict(recipe=recipe, step_s=wall, enqueue_s=t1 - t0, tottime=top_entries(stats, "tottime"),
-                   cumtime=top_entries(stats, "cumulative"))
+        row = dict(recipe=recipe, step_s=wall, enqueue_s=t1 - t0, tottime=cprofile_top(stats, "tottime"),
+                   cumtime=cprofile_top(stats, "cumulative"))
         print(f"== {recipe}: step {wall:.3f} s, host returned after {t1 - t0:.3f} s")
         for r in row["tottime"][:20]:
-            print(f"  self {r['tottime_ms']:8.1f} ms  total {r['cumtime_ms']:8.1f} ms  {r['calls']:6d}x  "
-                  f"{r['function']}")
+            print(f"  self {r['tottime_us'] / 1e3:8.1f} ms  total {r['cumtime_us'] / 1e3:8.1f} ms  "
+                  f"{r['calls']:6.0f}x  {r['function']}")
         out.append(row)
         del learner, model
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(env=env_info(), rows=out), f, indent=1)
+        write_json(args.out, dict(benchmark="learner host profile", rows=out))
 
 
 if __name__ == "__main__":

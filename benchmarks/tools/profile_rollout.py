@@ -4,30 +4,28 @@ sampler's own methods, and the GPU time of one graph replay and of one sampling 
 With `--kernels N`, also the CUDA kernels of N eager (graph-free) decode steps under torch.profiler,
 grouped by name: which of attention, GEMMs, norms and sampling fill the step. (The profiler is kept
 away from graph replays: with them it ran past a 90 s cap on the H200.) Same model and workload as
-`bench_rollout.py` (dense, bf16 by default). Prints the breakdown and writes JSON to `--out`.
+`benchmarks/e2e/bench_rollout.py` (dense, bf16 by default). Prints the breakdown and writes JSON to
+`--out`.
+
+    python -m benchmarks.tools.profile_rollout --recipe aligned --kernels 6 --out OUT.json
+    python -m benchmarks.tools.profile_rollout --model moe --moe-layers 24 --recipe aligned --kernels 4
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 from collections import defaultdict
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import bench_rollout  # noqa: E402
-from bench_common import env_info, print_profile, profile_table  # noqa: E402
-
-import minite.sampler.engine as engine  # noqa: E402
-from minite.nn.fused import use_fused_kernels  # noqa: E402
-from minite.recipe import get_recipe  # noqa: E402
-from minite.sampler import Sampler  # noqa: E402
-from minite.sampling import SamplingParams  # noqa: E402
+import minite.sampler.engine as engine
+from benchmarks.common import print_profile, profile_table, write_json
+from benchmarks.e2e import bench_rollout
+from minite.nn.fused import use_fused_kernels
+from minite.recipe import get_recipe
+from minite.sampler import Sampler
+from minite.sampling import SamplingParams
 
 
 def timed(store: dict, name: str, fn):
@@ -119,7 +117,7 @@ def main():
     keys = torch.arange(512, device=device)
     steps = torch.zeros(512, dtype=torch.int64, device=device)
     sample_ms = cuda_ms(lambda: engine.sample(logits, [params] * 512, keys, steps))
-    result = dict(env=env_info(), model=args.model, layers=config.num_hidden_layers, recipe=args.recipe,
+    result = dict(model=args.model, layers=config.num_hidden_layers, recipe=args.recipe,
                   fused_kernels=not args.no_fused_kernels, steps=n,
                   decode_steps=len(decode), wall_s=wall,
                   tokens=tokens, tokens_per_s=tokens / wall,
@@ -136,9 +134,7 @@ def main():
     if args.kernels:
         print_profile(f"CUDA kernels per eager decode step ({args.kernels} steps)", result["kernels"])
     if args.out:
-        import json
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

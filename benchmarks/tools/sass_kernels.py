@@ -13,7 +13,7 @@ this way).
   aligned configs, alone and segmented (`gemm.gemm_segments`): that sm_90 compiles them (the CPU
   interpreter takes code the GPU compiler rejects), their MMAs, registers and spills.
 
-    python benchmarks/sass_kernels.py [quantize|decode|grouped|gemm] [--k 4096]
+    python -m benchmarks.tools.sass_kernels [quantize|decode|grouped|gemm] [--k 4096]
 """
 
 import argparse

@@ -3,54 +3,15 @@
 Compiles every candidate first in parallel worker processes (they fill Triton's on-disk cache), then
 times, in one process: cuBLAS bf16, the `aligned` config on the packed weight, `decode_config`'s
 pick, and each candidate; each candidate's output is compared bit for bit with the aligned path on
-the dequantized copy (Gaussian data: nearly every fp32 sum is exact, FACTS.md 1.1). cuBLAS and the
-candidates are timed as bench_decode_gemm.py times them (CUDA graphs over rotating weight copies);
+the dequantized copy (Gaussian data: nearly every fp32 sum is exact, docs/facts.md). cuBLAS and the
+candidates are timed as ops/bench_decode_gemm.py times them (CUDA graphs over rotating weight copies);
 the aligned config with do_bench.
 
-Session 5, in order (graph timings in bench_decode_gemm.py; sass_kernels.py decode for the counts):
-- int16 code words, inline-PTX dequant into the wgmma register operand, strided bf16 activation
-  converted to fp16 in registers: 5.2-9.5 instructions per weight; measured 0.1-0.6x. The SASS had a
-  MEMBAR.ALL.CTA + proxy fence before every MMA (the register-written activation tile).
-- decode weight layout (activation slices async-copied untouched): 5.6-5.9 per weight, no fence;
-  measured 1.1-1.5x at M <= 8 on the large shapes (1.25-1.5 TB/s), 0.5-0.8x at M = 64.
-- block scales stored in the operand dtype (no E4M3 conversion in the loop): 3.2-3.8 per weight.
-  Expected 1.5-2x at M <= 8 if latency hiding holds, mma.sync tiles better than wgmma at M = 1-16.
-  Measured (graph): 1.3-2.2x at M <= 8, 0.8-1.4x at M = 64; fewer stages (more CTAs per SM) won,
-  mma.sync at 1-2 warps lost.
-- word bit placement (WORD_BITS) and an M <= 8 tile on mma.sync at 4 warps (m16n8k16: half the
-  activation tile): 2.7 per weight at M <= 8, 3.1-3.3 above. Expected ~10-20% at M <= 8.
-  Measured: BK 512 best at M <= 8 (1.3-2.6x, the table's tile since).
-- BK 128 at M = 32 / 64 (half the activation tile per stage, more CTAs per SM). Expected: M = 64
-  gains most (its st2 tile holds two CTAs per SM), ~10-25 %. Measured: no gain (0.74-1.43x as
-  before): occupancy is not what holds M = 64 back; the serialized wgmma waits and the activation
-  re-read by every N tile are the suspects.
+What the tiles trade (measured on the H200, docs/performance.md): fewer pipeline stages (more CTAs
+per SM) beat deeper ones; wide N tiles (`--wide`: less activation re-reading
+from L2) lose at M = 32 / 64, where the kernel is latency-bound.
 
-Session 8 (ncu_decode.py, run_gpu_engines.sh ncu_decode; s8 run1):
-- Nsight Compute at M = 64 (gate+up): L2 47 %, DRAM 34 %, tensor pipe 33 % of peak, issue 31 %:
-  latency-bound, not bandwidth-bound, so the activation re-reads are not the limit; the SASS waits
-  for each of the four dots' wgmma before dequantizing the next operand.
-- Wide N tiles (TILES_WIDE: BN 128 / 256 on 8 warps, less activation traffic): slower everywhere
-  (e.g. gate+up M = 64: 53.9 vs 40.3 us), fewer programs and no more overlap.
-- A layout in MMA register order, one dot per K step (now `decode_gemm`'s; probe
-  exp_decode_pairs.py at 736de97, s8 run2): the wgmma waits allow 7 in flight. Expected: M = 32 / 64
-  gain most. Measured (final tiles, run6 vs s6 run5): M = 32 4-28 % less time (q|o 12.7 -> 10.2,
-  down 23.9 -> 18.6 us), M = 64 9-19 % less, M <= 8 from 4 % more to 3 % less; still far from the
-  13 us tensor-pipe floor at M = 64 (gate+up 36.0 us).
-- A tiled copy of that layout (each 64-row block's K step contiguous; probe exp_decode_tiled.py at
-  93fb9ba, s8 run9). Expected 10-30 % at M <= 8 if DRAM page locality held it back. Measured
-  1.02-1.07x (gate+up 1.06-1.07x): a small part of the gap to cuBLAS's bandwidth.
-
-Session 10: the split at M <= 16 (MIN_PROGRAMS 132 to 1056, 2-4 stages, BK 128 / 256), after the
-floor probe (probe_decode_floor.py) found reads fastest over 1-4k small programs. Expected: at most
-5 % on down and gate|up (their reduction cost grows with the split). Measured (s10 run9): the picks
-fastest on gate|up, gate+up and down; q|o 3-5 % and k|v 2-4 % faster on other splits.
-
-Session 9 (h200_2026-11-30_s9): the layout in memory tiles of 64 rows x 256 columns (now
-`decode_gemm`'s; 4-6 % less time on gate+up); 8-bit scales lost (more instructions than bytes
-saved). The M = 32 / 64 sweep on it (run5): the picks best or within 3 %, but q|o at M = 64 (split 2
-at BK 128, 7 % faster); BK 256 unsplit at M = 64 (whole memory tiles) did not win.
-
-    python benchmarks/sweep_decode_gemm.py --out OUT.json [--workers 12]
+    python -m benchmarks.tools.sweep_decode_tiles --out OUT.json [--workers 12] [--wide --ms 32,64]
 """
 
 # ruff: noqa: B023  (lambdas are timed at once, inside the loop that binds them)
@@ -61,23 +22,23 @@ import time
 
 import torch
 
-SHAPES = {"q|o": (4096, 4096), "k|v": (1024, 4096), "gate|up": (12288, 4096),
-          "gate+up": (24576, 4096), "down": (4096, 12288)}
-MS = (1, 8, 32, 64)
+from benchmarks.common import bench_ms, copies, env_info, graph_us, warm_up
+from benchmarks.ops.bench_decode_gemm import MS, SHAPES, operands
+
 # (BN, BK, num_warps, num_stages, MIN_PROGRAMS[, SPLIT_K]) per M padded; SPLIT_K from decode_config's
 # rule (uncapped) unless given. BN a
 # multiple of 64 with 4 warps runs wgmma; 1-2 warps (or BN 32) run mma.sync (no warpgroup waits)
 TILES = {
     16: [(64, 256, 4, 3, 264), (128, 256, 4, 3, 264), (64, 128, 4, 3, 264), (128, 128, 4, 3, 264),
          (64, 256, 4, 4, 264),
-         # s10: the split at M <= 16 (the floor probe's fastest reads used 1-4k small programs)
+         # more programs at M <= 16 (the floor probe's fastest reads use 1-4k small programs)
          (64, 256, 4, 3, 528), (64, 256, 4, 2, 528), (64, 256, 4, 2, 264), (64, 256, 4, 3, 132),
          (64, 128, 4, 3, 528), (64, 128, 4, 4, 1056)],
     32: [(64, 256, 4, 3, 264), (64, 128, 4, 3, 264), (128, 256, 4, 3, 264), (128, 128, 4, 3, 264),
          (128, 128, 4, 3, 132)],
     64: [(64, 128, 4, 3, 264, 1), (64, 128, 4, 3, 264, 2), (64, 256, 4, 2, 0, 4), (128, 128, 4, 3, 264, 1),
          (128, 128, 4, 3, 0, 2), (128, 128, 4, 3, 0, 4), (128, 256, 4, 2, 0, 4),
-         # BK 256 unsplit: a K step is a whole 256-column memory tile of the decode layout (s9)
+         # BK 256 unsplit: a K step is a whole 256-column memory tile of the decode layout
          (64, 256, 4, 2, 264, 1), (64, 256, 4, 3, 264, 1), (64, 256, 4, 2, 0, 2)],
 }
 # wide N tiles for M = 32 / 64: the activation tile (M * BK * 2 bytes) is read from L2 by every N tile,
@@ -108,17 +69,6 @@ def candidates(m, n, k, wide=False):
         if k % (sp * bk) == 0 and cfg not in out:
             out.append(cfg)
     return out
-
-
-def operands(n, k, m, seed=0):
-    from minite.kernels import nvfp4 as kq
-
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
-    wq = kq.quantize(w, "tensor")
-    a, sa = kq.quantize_unscaled(x)
-    return w, x, wq, a, sa
 
 
 def jobs(ms=MS, layers=tuple(SHAPES), wide=False):
@@ -157,7 +107,7 @@ def tile_name(r):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--out", default="decode_gemm_sweep.json")
+    p.add_argument("--out", default="decode_tiles_sweep.json")
     p.add_argument("--workers", type=int, default=12)
     p.add_argument("--ms", default=",".join(map(str, MS)), help="the M values to sweep, comma-separated")
     p.add_argument("--layers", default=",".join(SHAPES), help="the shapes to sweep, comma-separated")
@@ -165,9 +115,6 @@ def main():
     args = p.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     layers = args.layers.split(",")
-    from bench_common import bench_ms, env_info, warm_up
-    from bench_decode_gemm import copies, graph_us
-
     from minite.kernels import decode_gemm as kd
     from minite.kernels import gemm as kg
 
@@ -188,7 +135,7 @@ def main():
         for m in ms:
             w, x, wq, a, sa = operands(n, k, m)
             ref = kg.w4a4_gemm(a, sa, kg.unscaled_copy(wq), wq.global_scale, out_dtype=torch.float32)
-            # CUDA graphs over rotating weight copies (bench_decode_gemm.py): HBM reads, no launch gaps
+            # CUDA graphs over rotating weight copies (ops/bench_decode_gemm.py): HBM reads, no launch gaps
             base = graph_us([lambda w=w_: torch.matmul(x, w.t()) for w_ in copies(w, w.numel() * 2)]) / 1e3
             aligned = bench_ms(lambda: kg.w4a4_gemm(a, sa, wq.codes, wq.global_scale, wq.block_scales),
                                warmup=5, rep=30)

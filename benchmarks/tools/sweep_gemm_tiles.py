@@ -12,22 +12,13 @@ accumulation order matters:
 - time at Qwen3-8B layer shapes for M in {512, 4096, 16384} against cuBLAS bf16 and the current
   config, and at Qwen3-30B-A3B expert shapes against `torch._grouped_mm` (bf16).
 
-Expectation written before the first run (2026-11-30): the current tile (64x128x64, 4 warps) runs
-at 0.55-0.68x of cuBLAS at M >= 4096 (`kernels_gemm.json`), while `prefill` (128x256x64, 8 warps)
-reaches 0.84-0.99x. Its K order (BK = 64 steps, each a chain of 16-wide MMAs) is the same, and the
-16-term block sums are exact in fp32, so larger BM/BN tiles with the same BK probably keep the bits.
-If so, a 128x256x64 aligned tile would lift the aligned GEMM to ~0.85x of cuBLAS, taking the learner
-forward and the aligned rollout with it. BK = 128 changes the accumulation chunks and may not keep
-the bits. Small row tiles (BM 16 / 32) run another MMA instruction; if they keep the bits anyway,
-decode and MoE (~32 rows per expert) could use them without leaving the aligned contract.
-
 `--decode-step` times the same tiles instead at a rollout decode step (M = 512 rows, the rollout
 models' attention and MLP shapes: Qwen3-1.7B and the Qwen3-30B-A3B attention), each as a CUDA graph
 over rotating weight copies (no launch gaps, weights from HBM as in a model's layer sequence),
 checking the bits against the current tile.
 
-    python benchmarks/sweep_aligned_gemm.py --out OUT.json [--workers 12] [--decode-step]
-    TRITON_INTERPRET=1 python benchmarks/sweep_aligned_gemm.py --smoke   # the script's logic, CPU
+    python -m benchmarks.tools.sweep_gemm_tiles --out OUT.json [--workers 12] [--decode-step]
+    TRITON_INTERPRET=1 python -m benchmarks.tools.sweep_gemm_tiles --smoke   # the script's logic, CPU
 """
 
 # ruff: noqa: B023  (lambdas are timed at once, inside the loop that binds them)
@@ -37,6 +28,8 @@ import json
 import time
 
 import torch
+
+from benchmarks.common import bench_ms, copies, env_info, graph_us, heavy, warm_up
 
 DENSE = {"q|o": (4096, 4096), "k|v": (1024, 4096), "gate|up": (12288, 4096), "down": (4096, 12288)}
 DENSE_MS = (512, 4096, 16384)
@@ -69,13 +62,6 @@ def candidates(smoke: bool = False) -> list[dict]:
 
 def name(cfg: dict) -> str:
     return f"{cfg['BM']}x{cfg['BN']}x{cfg['BK']} w{cfg['num_warps']} s{cfg['num_stages']}"
-
-
-def heavy(m: int, k: int, seed: int, dev) -> torch.Tensor:
-    g = torch.Generator(device=dev).manual_seed(seed)
-    x = torch.randn(m, k, generator=g, device=dev) ** 3
-    x[torch.rand(m, k, generator=g, device=dev) < 0.001] *= 50.0
-    return x
 
 
 def dense_operands(m, n, k, dev, seed=0):
@@ -155,9 +141,6 @@ def decode_step(args) -> None:
     """Every candidate tile at M = 512 on the rollout shapes, CUDA-graph timed (module docstring)."""
     import multiprocessing as mp
 
-    from bench_common import env_info, warm_up
-    from bench_decode_gemm import copies, graph_us
-
     from minite.kernels import gemm as kg
 
     dev = torch.device("cuda")
@@ -204,8 +187,6 @@ def main():
     if args.decode_step:
         decode_step(args)
         return
-    from bench_common import bench_ms, env_info
-
     from minite.kernels import gemm as kg
     from minite.kernels import grouped_gemm as gg
     from minite.kernels import nvfp4 as kq

@@ -1,20 +1,15 @@
-"""Sweep of the TMA variant of the W4A4 GEMM (`gemm._w4a4_tma_kernel`: operands by tensor descriptors,
-optionally persistent) against the pointer kernel the `aligned`/`prefill` configs run now (one GPU call).
+"""Sweep of the TMA W4A4 GEMM (`gemm._w4a4_tma_kernel`: operands by tensor descriptors, optionally
+persistent, the `aligned` / `aligned_large` / `prefill` configs) against the pointer kernel (which
+packed weights and unaligned operands take), in one GPU call.
 
 Every candidate keeps the aligned K order (BK = 64 chunks of k16 MMAs), so it must give the pointer
 tile's bits: checked on heavy-tailed data at every timed shape (`same_bits`) and across M in
 {1, 7, 64, 300, 4096} (`batch_invariant`). Timed: Qwen3-8B layers at M 4096 / 16384 (do_bench, as
 bench_gemm.py) and the rollout decode-step shapes at M = 512 (CUDA graphs over rotating weight
-copies, as `sweep_aligned_gemm.py --decode-step`), against cuBLAS bf16, the current configuration
-(`vs_current`; TMA since this sweep) and the session-6 pointer tiles.
+copies, as `sweep_gemm_tiles.py --decode-step`), against cuBLAS bf16, the current configuration
+(`vs_current`) and the same tiles on pointer loads.
 
-Expectation written before the first run (2026-11-30, session 7): the pointer kernel reaches 0.79-0.93x
-cuBLAS at M >= 4096 (s4 run3). TMA takes the address arithmetic and the global->shared copies off
-the warps that run the MMAs (Hopper, no warp specialization in Triton 3.6); the tutorial's TMA and
-persistent kernels are the fastest Triton GEMMs on Hopper. Expected: +3-8 % at M >= 4096; at M = 512,
-where our tile is 0.5-0.76x cuBLAS, persistence removes the 2-3 partial waves' tail: +5-15 %.
-
-    python benchmarks/sweep_tma_gemm.py --out OUT.json [--workers 12]
+    python -m benchmarks.tools.sweep_gemm_tma --out OUT.json [--workers 12]
 """
 
 # ruff: noqa: B023  (lambdas are timed at once, inside the loop that binds them)
@@ -24,10 +19,19 @@ import json
 import time
 
 import torch
-from sweep_aligned_gemm import DECODE_STEP, DECODE_STEP_M, DENSE, DENSE_MS, INVARIANCE_MS, dense_operands
+
+from benchmarks.common import bench_ms, copies, env_info, graph_us, warm_up
+from benchmarks.tools.sweep_gemm_tiles import (
+    DECODE_STEP,
+    DECODE_STEP_M,
+    DENSE,
+    DENSE_MS,
+    INVARIANCE_MS,
+    dense_operands,
+)
 
 BASE = dict(BK=64, GROUP_M=8, TMA=True)
-# the tiles on pointer loads that `aligned` (M < 2048) and `aligned_large` / `prefill` ran in session 6
+# the `aligned` (M < 2048) and `aligned_large` tiles on pointer loads
 POINTER_SMALL = dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4)
 POINTER_LARGE = dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4)
 CANDIDATES = [dict(BASE, BM=bm, BN=bn, num_warps=w, num_stages=s, PERSIST=p, FLATTEN=f)
@@ -66,9 +70,6 @@ def compile_worker(chunk):
 
 def main():
     import multiprocessing as mp
-
-    from bench_common import bench_ms, env_info, warm_up
-    from bench_decode_gemm import copies, graph_us
 
     from minite.kernels import gemm as kg
 

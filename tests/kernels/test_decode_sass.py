@@ -27,7 +27,8 @@ def test_decode_loop_keeps_its_weight_operand_in_registers():
     env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}  # compile, not interpret
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root
-    out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "sass_kernels.py"), "decode"],
+    script = os.path.join(root, "benchmarks", "tools", "sass_kernels.py")
+    out = subprocess.run([sys.executable, script, "decode"],
                          capture_output=True, text=True, env=env, cwd=root, timeout=600, check=True).stdout
     pattern = (r"decode M<=(\d+) \{'BM': \d+, 'BN': \d+, 'BK': (\d+)\}: "
                r".*?STS (\d+), LDS (\d+), HGMMA (\d+) \((.*)\)")

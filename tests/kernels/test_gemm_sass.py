@@ -21,7 +21,8 @@ def test_gemm_kernels_compile_for_sm90_without_spills():
     env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}  # compile, not interpret
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root
-    out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "sass_kernels.py"), "gemm",
+    script = os.path.join(root, "benchmarks", "tools", "sass_kernels.py")
+    out = subprocess.run([sys.executable, script, "gemm",
                           "--k", "2048"], capture_output=True, text=True, env=env, cwd=root, timeout=900,
                          check=True).stdout
     rows = re.findall(r"gemm (\w+) (tma|pointer) segmented=(True|False): main loop HGMMA (\d+) \((.*)\)", out)

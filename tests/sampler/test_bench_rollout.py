@@ -1,19 +1,14 @@
 """Smoke test of the rollout benchmark's `--tiny` mode (CPU, tiny models, a few tokens)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_rollout.py"
+from benchmarks.e2e import bench_rollout as bench
 
 
 @pytest.mark.slow
 def test_bench_rollout_tiny_writes_json(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_rollout", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     out = tmp_path / "rollout.json"
     bench.main(["--tiny", "--out", str(out)])
     doc = json.loads(out.read_text())

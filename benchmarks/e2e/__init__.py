@@ -1,0 +1,1 @@
+"""One benchmark per engine: rollout (sampler) and learner train step."""

@@ -1,0 +1,1 @@
+"""Tools: SASS of the kernels, Nsight Compute launches, profiles, probes and tile sweeps."""
