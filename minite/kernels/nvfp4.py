@@ -24,6 +24,7 @@ import triton.language as tl
 
 from minite.kernels.launch import cdiv, next_power_of_2
 from minite.kernels.launch import launch as launch_kernel
+from minite.nvfp4_format import NVFP4Tensor, check_quantize_args, pad_to_blocks, require_finite
 from minite.ref import nvfp4 as ref
 from minite.ref.hadamard import apply_rht
 
@@ -332,16 +333,14 @@ def quantize(x: torch.Tensor, scaling: str = "tensor", block=(1, 16), rounding: 
              chain: str = "te", static_scale=None, hadamard: bool = False, generator=None,
              check_finite: bool = True, pad: bool = False):
     """`minite.nvfp4.quantize` run by the kernel: same arguments, same checks, an NVFP4Tensor."""
-    from minite import nvfp4
-
     block = tuple(block)
-    nvfp4._check_args(x, scaling, block, rounding, chain, static_scale)
+    check_quantize_args(x, scaling, block, rounding, chain, static_scale)
     if check_finite:
-        nvfp4._check_finite(x)
-    xp = nvfp4._pad_or_raise(x, block, pad)
+        require_finite(x)
+    xp = pad_to_blocks(x, block, pad)
     codes, sb, s_dec, amx = quantize_packed(xp, scaling, block, rounding, chain, static_scale, hadamard,
                                             generator)
-    return nvfp4.NVFP4Tensor(codes, sb, s_dec, amx, tuple(x.shape), block, scaling, chain, hadamard)
+    return NVFP4Tensor(codes, sb, s_dec, amx, tuple(x.shape), block, scaling, chain, hadamard)
 
 
 def check_fused_output(op: str, width: int, out_dtype, chain: str) -> None:

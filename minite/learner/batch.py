@@ -3,7 +3,7 @@
 `SequenceBatch` holds S variable-length token sequences; sequence s is `prompt_lens[s]` prompt tokens
 followed by R_s = len(sequences[s]) - prompt_lens[s] response tokens. Per-token fields are [S, T]
 over *response positions* (T = the longest response, right-padded), the layout of
-`minite.rl.batch.RLBatch`, so `to_rl_batch(logprobs)` converts without reshuffling:
+`minite.loss_batch.RLBatch`, so `to_rl_batch(logprobs)` converts without reshuffling:
 
 - `sampler_logprobs`  log mu(y_t) reported by the sampler (None: taken equal to old_logprobs);
 - `old_logprobs`      log pi_theta_old(y_t) (None: the current log-probs, detached; exact for the
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from minite.rl.batch import RLBatch
+from minite.loss_batch import RLBatch
 from minite.sampling import SamplingParams
 
 PER_TOKEN = ("sampler_logprobs", "old_logprobs", "ref_logprobs", "token_mask")

@@ -16,7 +16,7 @@ asynchronous copies); a step waits on the GPU for the gradient norm (clipping, s
 step) and for the weight refresh's finiteness check.
 
 The loss: `loss_fn(rl_batch) -> (loss, metrics)` on each micro-batch converted to
-`minite.rl.batch.RLBatch` (e.g. `partial(policy_loss, cfg=cfg)`). With `correction=` (a
+`minite.loss_batch.RLBatch` (e.g. `partial(policy_loss, cfg=cfg)`). With `correction=` (a
 `Correction` computed once on the whole batch, as batch-level statistics such as TRIAGE's need),
 it is called as `loss_fn(rl_batch, correction=correction.rows(rows))`. Each micro-batch's loss is
 weighted by its share of the batch's response tokens (`aggregation="token_mean"`) or of its
@@ -49,8 +49,7 @@ from minite.learner.batch import SequenceBatch
 from minite.learner.logprobs import DEFAULT_CHUNK_ROWS, sequence_logprobs
 from minite.learner.optimizer import MasterAdamW
 from minite.learner.weight_sync import sync_weights
-from minite.rl.batch import Correction
-from minite.rl.losses import AGGREGATIONS
+from minite.loss_batch import AGGREGATIONS, Correction
 
 LossFn = Callable[..., tuple[torch.Tensor, dict]]
 

@@ -5,7 +5,7 @@
     epilogue "alpha"       : out = acc * (amax_x[m] * amax_w * fl32(1/7225344))  (TE; 7225344 = 2688^2)
     epilogue "bf16_scalar" : out = bf16(acc) * bf16(S_dec_x[m] * S_dec_w)        (torchao)
 
-The unscaled operands e2m1 * s_b are exact in bf16 and fp16 (FACTS.md 1), and every product inside one
+The unscaled operands e2m1 * s_b are exact in bf16 and fp16, and every product inside one
 16-block, and its 16-term sum, is exact in fp32; only the accumulation across blocks can round. So a
 kernel must match this reference bit for bit wherever that accumulation is exact (nearly all outputs
 on Gaussian data) and within one fp32 rounding per block otherwise; with the same accumulation order
@@ -14,7 +14,7 @@ on Gaussian data) and within one fp32 rounding per block otherwise; with the sam
 
 import torch
 
-from minite.nvfp4 import NVFP4Tensor
+from minite.nvfp4_format import NVFP4Tensor
 
 TE_ALPHA_DIVISOR = 7225344.0  # 2688 ** 2
 

@@ -5,7 +5,7 @@ scale s_b per 16 elements along K (or per 16x16 tile), and an fp32 global decode
 (per tensor, or per row). Decode: x ~= e2m1 * s_b * S_dec. All arithmetic below is fp32, IEEE
 round-to-nearest-even, each step one rounding, in the order written.
 
-Scale chains (FACTS.md 3.1 and 3.3), with amax the max |x| of the scaling group, r6 = fl32(1/6):
+Scale chains, with amax the max |x| of the scaling group, r6 = fl32(1/6):
 
 - te (default, Transformer Engine):
   S_enc = 2688/amax, S_dec = 1/S_enc; s_b = e4m3(bamax * (S_enc * r6)); e = min(1/(s_b * S_dec), FLT_MAX)
@@ -35,9 +35,9 @@ stream) are matched in distribution and closely, not bitwise.
 
 import torch
 
+from minite.nvfp4_format import E2M1_VALUES
 from minite.ref.hadamard import apply_rht
 
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E4M3_MAX = 448.0
 E4M3_MIN_NORMAL = 2.0**-6
 FLT_MAX = torch.finfo(torch.float32).max
@@ -120,13 +120,6 @@ def e2m1_stochastic(v: torch.Tensor, generator: torch.Generator | None, x: torch
     u = torch.rand(v.shape, generator=generator, device=v.device, dtype=torch.float32)
     idx = torch.where(u < p, hi, lo).to(torch.uint8)
     return idx | (torch.signbit(v if x is None else x).to(torch.uint8) << 3)
-
-
-def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes (0..15, unpacked) -> fp32 values."""
-    grid = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    mag = grid[(codes & 7).long()]
-    return torch.where((codes & 8) != 0, -mag, mag)
 
 
 def quantize_ref(x: torch.Tensor, scaling: str, block: tuple[int, int], rounding: str, chain: str,

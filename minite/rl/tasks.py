@@ -1,8 +1,7 @@
-"""Tasks: where prompts, gold answers and rewards come from.
+"""Tasks: where prompts, gold answers and rewards come from; `make_task(name, **kwargs)` builds one.
 
-A task serves examples by (split, index): `task.example("train", i)` is a pure function of the task's
-arguments (seed included) and `i`, so the trainer's data position is one integer and a resumed run sees
-the same examples. Splits are "train" and "test" (held out) and never share a problem:
+The interface (`Example`, `Task`: examples by (split, index), deterministic, train and test disjoint)
+is `tasks_base.py`, re-exported here. The tasks:
 
 - generated tasks (`ArithmeticTask`, `CountdownTask` in `tasks_builtin.py`) assign every problem to a
   split by a hash of its canonical key (`split_of`), independent of the seed, then draw from each
@@ -10,100 +9,22 @@ the same examples. Splits are "train" and "test" (held out) and never share a pr
 - file and Hugging Face tasks (`QATask` in `tasks_files.py`) use the given test file/split, or hash
   the questions into a held-out fraction; train questions that also appear in test are dropped.
 
-`make_task(name, **kwargs)` builds a task by name: "arithmetic", "countdown", "file" (local JSONL,
-JSON or parquet) or "hf" (Hugging Face `datasets`).
+Names: "arithmetic", "countdown", "file" (local JSONL, JSON or parquet) or "hf" (Hugging Face
+`datasets`).
 """
 
-import hashlib
-import random
-from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-SPLITS = ("train", "test")
+from minite.rl.tasks_base import SPLITS, Example, Task, check_split, example_rng, split_of
+from minite.rl.tasks_builtin import ArithmeticTask, CountdownTask
+from minite.rl.tasks_files import QATask
 
-
-@dataclass(frozen=True)
-class Example:
-    """One problem: the prompt, the gold answer, an optional worked solution (supervised warm start:
-    the target completion, without the eos token) and task-specific data (e.g. Countdown numbers)."""
-
-    prompt: str
-    answer: str
-    solution: str | None = None
-    meta: Mapping[str, Any] = field(default_factory=dict)
-
-
-def check_split(split: str) -> None:
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-
-
-def split_of(key: str, heldout_fraction: float, salt: str = "") -> str:
-    """'test' for a stable `heldout_fraction` share of keys (by SHA-256), else 'train'."""
-    digest = hashlib.sha256(f"{salt}\x00{key}".encode()).digest()
-    u = int.from_bytes(digest[:8], "big") / 2.0**64
-    return "test" if u < heldout_fraction else "train"
-
-
-def example_rng(*parts: object) -> random.Random:
-    """A `random.Random` seeded from `parts`; string seeding is stable across processes."""
-    return random.Random(":".join(str(p) for p in parts))
-
-
-class Task(ABC):
-    """Common interface of all tasks (see the module docstring)."""
-
-    name: str = "task"
-
-    @abstractmethod
-    def example(self, split: str, index: int) -> Example:
-        """Example `index` of `split`; deterministic."""
-
-    @abstractmethod
-    def size(self, split: str) -> int | None:
-        """Number of distinct examples in `split`, or None for an unbounded generator."""
-
-    @abstractmethod
-    def reward(self, completion: str, example: Example) -> float:
-        """Reward of a completion (decoded text after the prompt) for `example`."""
-
-    def batch(self, split: str, start: int, n: int) -> list[Example]:
-        """Examples `start .. start + n - 1` of `split`."""
-        return [self.example(split, i) for i in range(start, start + n)]
-
-    def examples(self, split: str, start: int = 0) -> Iterator[Example]:
-        """Endless stream of `split` from index `start` (finite splits wrap around; train reshuffled)."""
-        i = start
-        while True:
-            yield self.example(split, i)
-            i += 1
-
-    def heldout(self, n: int) -> list[Example]:
-        """Up to `n` distinct held-out examples, in a fixed order (for evaluation)."""
-        size = self.size("test")
-        if size is not None:
-            return [self.example("test", i) for i in range(min(n, size))]
-        # A generator may have fewer than n distinct held-out problems: stop after a long run of repeats.
-        seen: dict[str, Example] = {}
-        misses = i = 0
-        while len(seen) < n and misses < 100 + 10 * len(seen):
-            ex = self.example("test", i)
-            i += 1
-            if ex.prompt in seen:
-                misses += 1
-            else:
-                seen[ex.prompt] = ex
-                misses = 0
-        return list(seen.values())
+__all__ = ["SPLITS", "ArithmeticTask", "CountdownTask", "Example", "QATask", "Task", "check_split",
+           "example_rng", "make_task", "split_of"]
 
 
 def make_task(name: str, **kwargs: Any) -> Task:
     """Build a task by name; keyword arguments go to its constructor (see each class)."""
-    from minite.rl.tasks_builtin import ArithmeticTask, CountdownTask
-    from minite.rl.tasks_files import QATask
-
     builders = {
         "arithmetic": ArithmeticTask,
         "countdown": CountdownTask,

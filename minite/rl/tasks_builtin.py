@@ -17,7 +17,7 @@ Rewards: `exact_match_reward` and `countdown_reward` of `rewards.py`.
 """
 
 from minite.rl.rewards import answers_match, countdown_reward, exact_match_reward, to_number
-from minite.rl.tasks import Example, Task, check_split, example_rng, split_of
+from minite.rl.tasks_base import Example, Task, check_split, example_rng, split_of
 
 _MAX_TRIES = 10_000
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from minite.rl.rewards import exact_match_reward, last_boxed, math_verify_available, math_verify_reward
-from minite.rl.tasks import Example, Task, check_split, example_rng, split_of
+from minite.rl.tasks_base import Example, Task, check_split, example_rng, split_of
 
 ANSWER_FORMATS = ("auto", "gsm8k", "boxed", "plain")
 REWARDS = ("exact", "math_verify")

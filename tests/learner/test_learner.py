@@ -337,3 +337,15 @@ def test_a_skipped_step_leaves_moments_and_step_count_alone():
         assert torch.equal(v, state[k]), k
     p.grad = torch.randn_like(p)
     assert opt.step()["skipped"] == 0 and not torch.equal(opt.masters[0], before)
+
+
+def test_learner_weights_micro_batches_by_the_losses_aggregations():
+    """The learner knows the aggregations from `minite.loss_batch` (it does not import rl): the same
+    names the losses average with; an unknown one is refused before any work."""
+    from minite import loss_batch
+    from minite.rl import losses
+
+    assert loss_batch.AGGREGATIONS == losses.AGGREGATIONS
+    model = tiny_model()
+    with pytest.raises(ValueError, match="aggregation='sum' is not supported"):
+        Learner(model).step(_batch(model), partial(policy_loss, cfg=LossConfig()), aggregation="sum")

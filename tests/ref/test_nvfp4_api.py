@@ -21,6 +21,18 @@ def unit_scale_block(values) -> torch.Tensor:
     return x
 
 
+def test_public_api_is_the_format_modules_container_and_decode():
+    """`minite.nvfp4` re-exports the format (`minite.nvfp4_format`, which ref and kernels build on)."""
+    from minite import nvfp4, nvfp4_format
+    from minite.nvfp4 import NVFP4Tensor
+
+    assert NVFP4Tensor is nvfp4_format.NVFP4Tensor and dequantize is nvfp4_format.dequantize
+    assert pack is nvfp4_format.pack and unpack is nvfp4_format.unpack
+    assert nvfp4.E2M1_VALUES == (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+    q = quantize(torch.randn(4, 32))
+    assert isinstance(q, NVFP4Tensor) and torch.equal(q.dequantize(), dequantize(q))
+
+
 def test_pack_puts_even_element_in_low_nibble():
     codes = torch.tensor([[1, 2, 15, 8]], dtype=torch.uint8)
     assert pack(codes).tolist() == [[0x21, 0x8F]]
