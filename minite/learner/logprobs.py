@@ -3,7 +3,8 @@
 For sequence s (prompt length P, total length L) the response token at position p (P <= p < L) is
 predicted by the hidden state at position p - 1, so the model runs on `tokens[:L - 1]`. The S inputs
 are packed back to back into one row `[1, N]` with `cu_seqlens` (no padding; attention stays within
-each sequence); sequences without response tokens are left out of the forward.
+each sequence); sequences without response tokens are left out of the forward, which is the model's
+own (`Qwen3.hidden_states`, optionally with activation checkpointing).
 
 Only the R rows that predict response tokens go through the LM head, `chunk_rows` rows at a time:
 `logits = model.logits(h)` (the model's own head, as the sampler calls it), then
@@ -23,8 +24,6 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from minite.learner.batch import SequenceBatch, to_device
-from minite.nn.attention import packed_layout, share_packed_layout
-from minite.nn.forward_scope import forward_scope, in_scope
 from minite.sampling import token_logprobs
 
 DEFAULT_CHUNK_ROWS = 1024
@@ -80,41 +79,16 @@ def chunked_token_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, t
     return torch.cat(outs)  # [R]
 
 
-def packed_hidden_states(model, packed: Packed, activation_checkpointing: bool = False) -> torch.Tensor:
-    """Final-norm hidden states of the packed input, [N, H]; optionally checkpointing every decoder
-    layer (only its input is kept; the backward recomputes the layer)."""
-    if not activation_checkpointing or not torch.is_grad_enabled():
-        # `pack` made cu_seqlens valid: the model need not check it (a host sync on the GPU)
-        return model.hidden_states(packed.input_ids, cu_seqlens=packed.cu_seqlens, check=False)[0]
-    positions = model.default_positions(packed.input_ids, packed.cu_seqlens)  # [1, N]
-    x = model.embed_tokens(packed.input_ids)  # [1, N, H]
-    # one attention layout for the forward and every layer's recompute (positions made by the model)
-    layout = packed_layout(positions, packed.cu_seqlens, *packed.input_ids.shape, kernel_ok=True)
-    with forward_scope():
-        for layer in model.layers:
-            x = checkpoint(_layer_sharing_layout, layer, x, positions, packed.cu_seqlens, layout,
-                           use_reentrant=False)
-    return model.norm(x)[0]
-
-
-def _layer_sharing_layout(layer, x, positions, cu_seqlens, layout):
-    """A decoder layer whose attention takes `layout` (the backward's recompute runs outside the
-    forward's scope: it opens its own)."""
-    if in_scope():
-        share_packed_layout(layout, positions, cu_seqlens, *x.shape[:2])
-        return layer(x, positions, cu_seqlens)
-    with forward_scope():
-        share_packed_layout(layout, positions, cu_seqlens, *x.shape[:2])
-        return layer(x, positions, cu_seqlens)
-
-
 def sequence_logprobs(model, batch: SequenceBatch, chunk_rows: int = DEFAULT_CHUNK_ROWS,
                       activation_checkpointing: bool = False) -> torch.Tensor:
     """log pi of every response token under `batch.params`' temperature / top-k / top-p:
-    fp32 [S, T] (T = batch.width), 0 off the response. Differentiable when grad is enabled."""
+    fp32 [S, T] (T = batch.width), 0 off the response. Differentiable when grad is enabled;
+    `activation_checkpointing` keeps only each decoder layer's input for the backward."""
     device = model.embed_tokens.weight.device
     packed = pack(batch, device)
-    hidden = packed_hidden_states(model, packed, activation_checkpointing)  # [N, H]
+    # `pack` made cu_seqlens valid: the model need not check it (a host sync on the GPU)
+    hidden = model.hidden_states(packed.input_ids, cu_seqlens=packed.cu_seqlens, check=False,
+                                 activation_checkpointing=activation_checkpointing)[0]  # [N, H]
     sp = batch.params
     lp = chunked_token_logprobs(model, hidden[packed.rows], packed.targets, sp.temperature, sp.top_k,
                                 sp.top_p, chunk_rows)  # [R]

@@ -5,6 +5,13 @@ then `out = h + mlp(post_attention_layernorm(h))`, where `mlp` is a SwiGLU MLP
 `down(silu(gate(x)) * up(x))` or, in MoE layers, top-k routed SwiGLU experts. After the last layer a
 final RMSNorm and the LM head (tied to the embedding or not) give the logits.
 
+One forward for every engine: `forward(input_ids, context=...)` runs the layers under a per-step
+`minite.nn.context.ForwardContext` (positions, the attention backend, the KV cache and its slots,
+the rows to output). Without one it makes the full-sequence context of `input_ids` (with
+`position_ids` / `cu_seqlens`): the learner's and the diagnostics' forward; the sampler's runner
+passes its cached step's. `activation_checkpointing=True` keeps only each layer's input under
+autograd and recomputes the layer in the backward.
+
 Numerics: every projection of attention, MLP and experts is a recipe-driven `minite.nn.Linear` (or
 the experts' grouped equivalent); embedding, LM head, router and norms are never quantized. The
 recipe's `bf16_first_layers` / `bf16_last_layers` keep those decoder layers unquantized.
@@ -17,10 +24,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from minite.models.config import ModelConfig
-from minite.nn.attention import Attention, packed_layout
-from minite.nn.forward_scope import forward_scope
+from minite.nn.attention import Attention
+from minite.nn.context import ForwardContext, sequence_context
+from minite.nn.forward_scope import forward_scope, in_scope
 from minite.nn.fused_projections import project
 from minite.nn.linear import Linear
 from minite.nn.moe import MoEExperts
@@ -55,7 +64,8 @@ class DecoderLayer(nn.Module):
         self.is_moe = config.is_moe_layer(layer)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-                                   config.head_dim, config.rope_theta, config.rms_norm_eps, recipe)
+                                   config.head_dim, config.rope_theta, config.rms_norm_eps, recipe,
+                                   layer_index=layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if self.is_moe:
             self.mlp = MoEExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size,
@@ -78,9 +88,9 @@ class DecoderLayer(nn.Module):
     def mlp_input(self, h: torch.Tensor) -> torch.Tensor:
         return self.post_attention_layernorm(h, None if self.is_moe else self.mlp.gate_proj.recipe)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor | None = None):
-        """x `[B, T, H]`, positions `[B, T]` -> `[B, T, H]`."""
-        h = x + self.self_attn(self.attn_input(x), positions, cu_seqlens)
+    def forward(self, x: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+        """x `[B, T, H]` (or `[N, H]`, a cached step's new tokens) -> the same shape."""
+        h = x + self.self_attn(self.attn_input(x), context)
         y = self.mlp_input(h)
         y = self.mlp(y.reshape(-1, y.shape[-1])).view_as(y) if self.is_moe else self.mlp(y)
         return h + y
@@ -116,40 +126,27 @@ class Qwen3(nn.Module):
             for module in layer.quantizable_modules():
                 module.set_recipe(self.layer_recipe(i))
 
-    def default_positions(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-        """0, 1, 2, ... per row, or per packed sequence when `cu_seqlens` is given; `[B, T]` int64."""
-        B, T = input_ids.shape
-        if cu_seqlens is None:
-            return torch.arange(T, device=input_ids.device).expand(B, T)
-        cu = cu_seqlens.to(input_ids.device)
-        # output_size: no host sync to learn it (the packed length is T)
-        starts = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1], output_size=T)
-        return (torch.arange(T, device=input_ids.device) - starts)[None]
-
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                      cu_seqlens: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
-        """Final-norm hidden states `[B, T, H]` (the LM head's input). With `cu_seqlens` `[S + 1]`,
-        `input_ids` is `[1, N]`: S sequences packed back to back, attending only within themselves.
-        `check=False` skips the check that cu_seqlens runs from 0 to N (a host sync on the GPU) for
-        callers that built it (the learner's packing)."""
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
-        if cu_seqlens is not None and input_ids.shape[0] != 1:
-            raise ValueError(
-                f"packed input (cu_seqlens) needs input_ids of shape [1, N], got {tuple(input_ids.shape)}")
-        if check and cu_seqlens is not None and (cu_seqlens[0] != 0 or cu_seqlens[-1] != input_ids.shape[1]):
-            raise ValueError(f"cu_seqlens must run from 0 to the packed length {input_ids.shape[1]}, "
-                             f"got {cu_seqlens.tolist()}")
-        default = position_ids is None
-        if default:
-            position_ids = self.default_positions(input_ids, cu_seqlens)
-        position_ids = position_ids.expand(input_ids.shape)
-        x = self.embed_tokens(input_ids)  # [B, T, H]
-        with forward_scope():
-            if default and cu_seqlens is not None:  # the attention kernel's layout, known without a check
-                packed_layout(position_ids, cu_seqlens, *input_ids.shape, kernel_ok=True)
+                      cu_seqlens: torch.Tensor | None = None, check: bool = True, *,
+                      context: ForwardContext | None = None,
+                      activation_checkpointing: bool = False) -> torch.Tensor:
+        """Final-norm hidden states `[B, T, H]` (the LM head's input), or of `context.output_rows`.
+        Without `context`: the forward over whole sequences of `minite.nn.context.sequence_context`
+        (`[B, T]`, or `[1, N]` packed with `cu_seqlens`; `check` as there)."""
+        if context is None:
+            context = sequence_context(input_ids, position_ids, cu_seqlens, check)
+        elif position_ids is not None or cu_seqlens is not None:
+            raise ValueError("position_ids / cu_seqlens make a full-sequence context: give them or `context`")
+        checkpointed = activation_checkpointing and torch.is_grad_enabled()
+        x = self.embed_tokens(input_ids)  # [B, T, H] ([N, H] for a cached step)
+        with forward_scope():  # one cos/sin table, one quantization of q/k/v's input, ...
             for layer in self.layers:
-                x = layer(x, position_ids, cu_seqlens)
+                if checkpointed:
+                    x = checkpoint(_layer_in_scope, layer, x, context, use_reentrant=False)
+                else:
+                    x = layer(x, context)
+        if context.output_rows is not None:
+            x = x[context.output_rows]
         return self.norm(x)
 
     def lm_head_weight(self) -> torch.Tensor:
@@ -161,9 +158,12 @@ class Qwen3(nn.Module):
         return F.linear(hidden, self.lm_head_weight())
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids `[B, T]` -> logits `[B, T, V]` in the model's dtype."""
-        return self.logits(self.hidden_states(input_ids, position_ids, cu_seqlens))
+                cu_seqlens: torch.Tensor | None = None, *, context: ForwardContext | None = None,
+                activation_checkpointing: bool = False) -> torch.Tensor:
+        """input_ids `[B, T]` -> logits `[B, T, V]` in the model's dtype (of the context's output rows
+        when it names them); the arguments as in `hidden_states`."""
+        return self.logits(self.hidden_states(input_ids, position_ids, cu_seqlens, context=context,
+                                              activation_checkpointing=activation_checkpointing))
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
@@ -181,3 +181,12 @@ class Qwen3(nn.Module):
                     local[param.device] = torch.Generator(param.device).manual_seed(g.initial_seed())
                 g = local[param.device]
             param.copy_(torch.randn(param.shape, generator=g, device=param.device) * std)
+
+
+def _layer_in_scope(layer: DecoderLayer, x: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+    """A checkpointed layer: its recompute in the backward runs outside the forward's scope, so it
+    opens its own (the context, and with it the attention layout, is the forward's)."""
+    if in_scope():
+        return layer(x, context)
+    with forward_scope():
+        return layer(x, context)

@@ -6,33 +6,40 @@ softmax), `out_i = sum_j p_ij v_j`, cast back to the query dtype. Each group of
 `num_heads // num_kv_heads` query heads shares one key/value head. Visibility is decided by
 positions alone, so keys read from a cache and keys computed in this call are treated alike; a
 negative key position marks an empty (padding) slot. A query that sees no key gets a zero output.
+Packed variable-length input (`cu_seqlens`) runs `attention` per group of sequences
+(`varlen_attention`).
 
 `Attention` is the layer: q/k/v projections (recipe-driven `Linear`), RMSNorm of each q and k head,
-RoPE, `attention`, output projection. `project_qkv` and `o_proj` are separate steps so a KV cache can
-sit between them. Packed variable-length input (`cu_seqlens`) runs `attention` per sequence.
+RoPE, then, per the forward's context (`minite.nn.context`), the KV cache write (a cached step's new
+keys join the cache before any query reads it) and the context's attention backend
+(`minite.nn.attention_backends`), then the output projection.
 
-On CUDA (with Triton, and `use_kernel(True)`, the default) the layer runs the paged attention kernel
-(`minite.kernels.attention`, math in `minite.ref.attention`) instead, over its packed k/v: the same
-kernel and launch configuration the sampler runs on its KV cache, so a token's attention output is
-the same bits in the learner's full-sequence forward as in the sampler's decode step. The kernel
-reads key slot j of a sequence as position j, so it is taken only when the positions are 0, 1, ...
-within each sequence (the models' default); its backward is the Triton backward
-(`minite.kernels.attention_backward`), or the reference math recomputed under autograd.
-The CPU always runs the reference functions above.
+On CUDA (with Triton, and `use_kernel(True)`, the default: `kernel_enabled`) the backends run the
+paged attention kernel (`minite.kernels.attention`, math in `minite.ref.attention`): the same kernel
+and launch configuration over the learner's packed k/v (`KernelAttention`, `PackedLayout`) as over
+the sampler's KV cache, so a token's attention output is the same bits in the learner's
+full-sequence forward as in the sampler's decode step. The kernel reads key slot j of a sequence as
+position j, so it is taken only when the positions are 0, 1, ... within each sequence (the models'
+default); its backward is the Triton backward (`minite.kernels.attention_backward`), or the reference
+math recomputed under autograd. The CPU always runs the reference functions above.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from minite import kernels
 from minite.kernels import lazy
-from minite.nn.forward_scope import scope_memo
 from minite.nn.fused_projections import project
 from minite.nn.linear import Linear
 from minite.nn.norm import RMSNorm
 from minite.nn.rope import apply_rope, rope_cos_sin
+
+if TYPE_CHECKING:
+    from minite.nn.context import ForwardContext
 
 _USE_KERNEL = True
 _USE_KERNEL_BACKWARD = True
@@ -58,6 +65,14 @@ def kernel_enabled(device: torch.device) -> bool:
     if not _USE_KERNEL or device.type != "cuda":
         return False
     return kernels.available()
+
+
+def kernel_applies(q: torch.Tensor) -> bool:
+    """Whether the kernel runs attention for queries `q [..., D]`: enabled on q's device, a 16- or
+    32-bit dtype and a power-of-two head dimension of at least 16."""
+    D = q.shape[-1]
+    return (kernel_enabled(q.device) and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and D >= 16 and D & (D - 1) == 0)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
@@ -142,7 +157,7 @@ class PackedLayout:
         self.cu = cu.to(dev, torch.int64)
         self.lengths = lengths = self.cu[1:] - self.cu[:-1]  # [S], made once for every layer's kernels
         self.seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=dev), lengths, output_size=n)
-        if kernel_ok is None:  # unless the caller made the positions that way (`Qwen3.hidden_states`)
+        if kernel_ok is None:  # unless the caller made the positions that way (`sequence_context`)
             kernel_ok = torch.equal(self.positions, torch.arange(n, device=dev) - self.cu[:-1][self.seq])
         self.kernel_ok = kernel_ok
         self._tiles: dict[tuple, torch.Tensor] = {}
@@ -169,36 +184,14 @@ class PackedLayout:
         return self._plans[num_heads]
 
 
-def packed_layout(positions: torch.Tensor, cu_seqlens: torch.Tensor | None, B: int, T: int,
-                  kernel_ok: bool | None = None) -> PackedLayout:
-    """The PackedLayout of positions [B, T] (cu_seqlens None: B sequences of T) or of one packed row
-    (B = 1 with cu_seqlens); built once per forward scope for the same tensors (`forward_scope`)."""
-    memo = scope_memo("packed_layout")
-    key = (id(positions), id(cu_seqlens), B, T)
-    hit = memo.get(key) if memo is not None else None
-    if hit is not None and hit[0] is positions and hit[1] is cu_seqlens:
-        return hit[2]
-    cu = cu_seqlens if cu_seqlens is not None else torch.arange(0, B * T + 1, T, device=positions.device)
-    layout = PackedLayout(positions, cu, kernel_ok)
-    share_packed_layout(layout, positions, cu_seqlens, B, T)
-    return layout
-
-
-def share_packed_layout(layout: PackedLayout, positions: torch.Tensor, cu_seqlens: torch.Tensor | None,
-                        B: int, T: int) -> None:
-    """Make `layout` the one `packed_layout` hands out for these tensors in the current forward scope
-    (a checkpointed layer's recompute reuses its forward's layout: no rebuild, no host sync)."""
-    memo = scope_memo("packed_layout")
-    if memo is not None:
-        memo[(id(positions), id(cu_seqlens), B, T)] = (positions, cu_seqlens, layout)
-
-
 class Attention(nn.Module):
-    """Qwen3 self-attention: projections under `recipe`, q/k RMSNorm per head, RoPE, causal GQA."""
+    """Qwen3 self-attention: projections under `recipe`, q/k RMSNorm per head, RoPE, causal GQA over
+the keys the forward's context gives (`minite.nn.context`)."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 rope_theta: float, eps: float, recipe):
+                 rope_theta: float, eps: float, recipe, layer_index: int = 0):
         super().__init__()
+        self.layer_index = layer_index  # which layer of the KV cache this layer reads and writes
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.rope_theta = rope_theta
         self.q_proj = Linear(hidden_size, num_heads * head_dim, recipe=recipe)
@@ -223,26 +216,13 @@ class Attention(nn.Module):
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor | None = None):
-        """x `[B, T, H]`, positions `[B, T]` -> `[B, T, H]`; with `cu_seqlens`, B must be 1 (packed)."""
-        q, k, v = self.project_qkv(x, positions)
-        B, T = x.shape[:2]
-        if kernel_enabled(x.device) and _kernel_shapes_ok(q):
-            layout = packed_layout(positions, cu_seqlens, B, T)
-            if layout.kernel_ok:
-                flat = [t.reshape(B * T, *t.shape[2:]) for t in (q, k, v)]
-                out = _KernelAttention.apply(*flat, layout)
-                return self.o_proj(out.view(B, T, -1))
-        if cu_seqlens is None:
-            out = attention(q, k, v, positions, positions)  # [B, T, Hq, D]
-        else:
-            out = varlen_attention(q[0], k[0], v[0], positions[0], cu_seqlens)[None]
-        return self.o_proj(out.flatten(-2))
-
-
-def _kernel_shapes_ok(q: torch.Tensor) -> bool:
-    D = q.shape[-1]
-    return q.dtype in (torch.bfloat16, torch.float16, torch.float32) and D >= 16 and D & (D - 1) == 0
+    def forward(self, x: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+        """x `[..., T, H]` (positions `context.positions` `[..., T]`) -> `[..., T, H]`."""
+        q, k, v = self.project_qkv(x, context.positions)
+        if context.kv_cache is not None:
+            # the new tokens' keys join the cache before any query reads it: fresh and cached keys alike
+            context.kv_cache.write(self.layer_index, context.slots, k, v)
+        return self.o_proj(context.attention(self.layer_index, q, k, v))
 
 
 def packed_kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -251,10 +231,10 @@ def packed_kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
     cu_seqlens `[S + 1]` -> `[N, Hq, D]`; None when the positions are not 0, 1, ... per sequence
     (the kernel's layout), so the caller runs the reference instead."""
     layout = PackedLayout(positions, cu_seqlens)
-    return _KernelAttention.apply(q, k, v, layout) if layout.kernel_ok else None
+    return KernelAttention.apply(q, k, v, layout) if layout.kernel_ok else None
 
 
-class _KernelAttention(torch.autograd.Function):
+class KernelAttention(torch.autograd.Function):
     """Forward: the kernel over contiguous packed k/v (with each row's log-sum-exp when a gradient is
     needed). Backward: the Triton backward (`minite.kernels.attention_backward`), or with
     `use_kernel_backward(False)` the reference math (`varlen_attention`, fp32, padded groups of

@@ -1,19 +1,20 @@
-"""The model's forward over a batch of sequences whose keys and values live in the paged KV cache.
+"""A sampler step as a model forward: the new tokens of every sequence, their keys and values in the
+paged KV cache.
 
-It runs the model's own submodules (embedding, each layer's norms, `self_attn.project_qkv`, the
-shared `attention` function, `self_attn.o_proj`, the MLP or MoE block, final norm, LM head), so the
-sampler executes the very modules and quantized weights the learner's full-sequence forward does.
-Per layer, the new tokens' k and v are written into the cache first and every query then attends
-over its sequence's cached keys gathered in position order; fresh and cached keys are treated
-alike, the only difference from a full forward being trailing masked (empty) key slots.
+`cached_forward` runs the model's own `forward` (the very modules and quantized weights the learner's
+full-sequence forward runs) under the step's context (`cached_context`): the new tokens flattened to
+`[N]` without padding for the token-wise ops (projections, norms, MLP), each layer storing its new k
+and v in the cache before attending, every query then attending over its sequence's cached keys in
+position order (fresh and cached keys are treated alike; the only difference from a full forward is
+trailing empty key slots), and only each sequence's last token going through the final norm and the
+LM head.
 
-Token-wise ops (projections, norms, MLP) run on the `N` new tokens flattened, without padding.
-On the CPU, attention takes them padded to `[B, Tq]` (pad queries have position -1, see
-`CachedBatch`) over keys gathered from the cache. On CUDA (`minite.nn.attention.kernel_enabled`)
-the paged attention kernel reads the keys in place from the cache blocks, for prefill and decode
-alike: the same kernel and launch configuration as the learner's forward, so a token's attention
-output does not depend on the batch it was computed in. Both paths are free of host syncs (the
-decode step is captured in CUDA graphs).
+The attention backend (`minite.nn.attention_backends`): on CUDA (`minite.nn.attention.kernel_enabled`)
+the paged kernel reads the keys in place from the cache blocks, for prefill and decode alike (the
+same kernel and launch configuration as the learner's forward, so a token's attention output does
+not depend on the batch it was computed in); on the CPU the reference over queries padded to
+`[B, Tq]` (pad queries have position -1, see `CachedBatch`) and keys gathered from the cache. Both
+are free of host syncs (the decode step is captured in CUDA graphs).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minite.nn.attention import attention, kernel_enabled
-from minite.nn.forward_scope import forward_scope
+from minite.nn.attention import kernel_enabled
+from minite.nn.attention_backends import PagedKernelAttention, PagedReferenceAttention
+from minite.nn.context import ForwardContext
 from minite.sampler.kv_cache import KVCache
 
 
@@ -112,35 +114,23 @@ def build_decode_batch(token_lists: list[list[int]], block_tables: list[list[int
                        as_t(qpos), as_t(ar), as_t(ar))
 
 
+def cached_context(model, cache: KVCache, batch: CachedBatch) -> ForwardContext:
+    """The step's context: positions, the cache and the slots the layers write, the attention backend
+    over the cache, each sequence's last token as the output rows."""
+    B, Tq = batch.query_pos.shape
+    if kernel_enabled(cache.k.device):
+        query_seq = batch.unpad // Tq  # [N] sequence of each new token
+        group = model.config.num_attention_heads // model.config.num_key_value_heads
+        attention = PagedKernelAttention(cache, query_seq, batch.positions, batch.block_tables,
+                                         batch.context_lens, group)
+    else:
+        attention = PagedReferenceAttention(cache, batch.block_tables, batch.context_lens, batch.query_rows,
+                                            batch.query_pos, batch.unpad)
+    return ForwardContext(batch.positions, attention, kv_cache=cache, slots=batch.slots,
+                          output_rows=batch.last)
+
+
 def cached_forward(model, cache: KVCache, batch: CachedBatch) -> torch.Tensor:
     """Run the new tokens through `model`, writing their k/v into `cache`; -> logits `[B, V]` of
     each sequence's last new token, in the model's dtype."""
-    B, Tq = batch.query_pos.shape
-    use_kernel = kernel_enabled(cache.k.device)
-    if use_kernel:
-        from minite.kernels.attention import paged_attention, plan_tiles
-
-        query_seq = batch.unpad // Tq  # [N] sequence of each new token
-        cfg = model.config
-        tiles = plan_tiles(query_seq, B, cfg.num_attention_heads // cfg.num_key_value_heads)
-    else:
-        Tk = batch.block_tables.shape[1] * cache.block_size
-        key_pos = torch.arange(Tk, device=batch.positions.device).expand(B, Tk)
-        key_pos = torch.where(key_pos < batch.context_lens[:, None], key_pos, -1)  # [B, Tk]
-    x = model.embed_tokens(batch.input_ids)  # [N, H]
-    with forward_scope():  # one cos/sin table, one quantization of q/k/v's input, ...
-        for i, layer in enumerate(model.layers):
-            attn = layer.self_attn
-            q, k, v = attn.project_qkv(layer.attn_input(x), batch.positions)  # [N, Hq | Hkv, D]
-            cache.write(i, batch.slots, k, v)
-            if use_kernel:
-                out = paged_attention(q, cache.k[i], cache.v[i], query_seq, batch.positions,
-                                      batch.block_tables, batch.context_lens, tiles=tiles).flatten(1)
-            else:
-                keys, values = cache.gather(i, batch.block_tables)  # [B, Tk, Hkv, D]
-                out = attention(q[batch.query_rows], keys, values, batch.query_pos, key_pos)  # [B, Tq, Hq, D]
-                out = out.reshape(B * Tq, -1)[batch.unpad]
-            # out: [N, Hq * D]
-            h = x + attn.o_proj(out)
-            x = h + layer.mlp(layer.mlp_input(h))
-    return model.logits(model.norm(x[batch.last]))  # [B, V]
+    return model(batch.input_ids, context=cached_context(model, cache, batch))
