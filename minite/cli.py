@@ -4,13 +4,14 @@ import argparse
 import sys
 
 from minite import __version__
-from minite.commands import agreement_cmd, diagnose_cmd, quantize_cmd, train_cmd
+from minite.commands import agreement_cmd, diagnose_cmd, experiment_cmd, quantize_cmd, train_cmd
 
 COMMANDS = {
     "quantize": quantize_cmd,
     "agreement": agreement_cmd,
     "diagnose": diagnose_cmd,
     "train": train_cmd,
+    "experiment": experiment_cmd,
 }
 
 

@@ -57,6 +57,7 @@ from minite.rl.losses import policy_loss
 from minite.rl.run_logging import MetricsLog, Progress, write_report
 from minite.rl.tasks import make_task
 from minite.rl.tokenizer import load_tokenizer
+from minite.rl.triage import TriageConfig, triage
 from minite.sampling import SamplingParams
 
 MISMATCH_KEYS = ("kl", "k3_kl", "chi2_token", "ess", "logprob_abs_diff_mean", "logprob_abs_diff_max",
@@ -328,7 +329,10 @@ class Trainer:
             with torch.no_grad():
                 batch = replace(batch, ref_logprobs=sequence_logprobs(self.ref_model, batch))
         mask = batch.mask(old.device)
-        correction = apply_correction(batch.to_rl_batch(old), rl.correction)
+        rl_batch = batch.to_rl_batch(old)
+        correction = apply_correction(rl_batch, rl.correction)
+        direction = correction.metrics if rl.correction.name == "triage" else diagnose_direction(
+            rl_batch, rl.correction.triage)
         mismatch = mismatch_metrics(old, batch.sampler_logprobs.to(old.device), mask)
         t_update = time.perf_counter()
         order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed))
@@ -345,6 +349,7 @@ class Trainer:
                   **{k: float(v) for k, v in advantage_metrics(rewards, rl.n).items()},
                   **{f"mismatch/{k}": mismatch[k] for k in MISMATCH_KEYS},
                   **{k: float(v) for k, v in correction.metrics.items()},
+                  **{k: float(v) for k, v in direction.items() if k.startswith("triage/")},
                   "mismatch/gap_mean": float(masked_mean(old - batch.sampler_logprobs.to(old.device), mask)),
                   "mismatch/outside_learner_support": outside,
                   **_mean_dicts(updates),
@@ -354,6 +359,12 @@ class Trainer:
                   "time/step_s": time.perf_counter() - t0}
         self.log.log(record)
         return record
+
+
+def diagnose_direction(batch: RLBatch, cfg: TriageConfig) -> dict:
+    """TRIAGE's diagnosis of the gap (region masses, imbalance, tails) without its weights: logged
+    whatever the correction, so runs under any correction can be compared on it."""
+    return triage(batch, replace(cfg, rebalance=False, repair=False)).metrics
 
 
 def drop_unsupported(batch: SequenceBatch) -> tuple[SequenceBatch, float]:

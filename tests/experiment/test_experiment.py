@@ -1,0 +1,76 @@
+"""`minite experiment` end to end on the CPU: two arms x two seeds of a tiny model as separate
+processes, one report; a rerun keeps finished runs; bad experiment files fail before anything runs."""
+
+import json
+
+import pytest
+
+from minite.cli import main
+from minite.config import ConfigError
+from minite.experiment import load_experiment
+from tests.rl.test_trainer import TINY
+
+TINY_OVERRIDES = [o.removeprefix("--") for o in TINY if "progress" not in o] + ["rl.steps=2", "eval.every=1",
+                                                                                 "checkpoint.every=1"]
+
+
+def _write(path, arms: str, extra: str = "") -> None:
+    overrides = ", ".join(json.dumps(o) for o in TINY_OVERRIDES)
+    path.write_text(f'description = "tiny"\nseeds = [0, 1]\noverrides = [{overrides}]\n{extra}\n{arms}')
+
+
+ARMS = """
+[arms.aligned]
+label = "aligned / aligned"
+overrides = []
+[arms.naive]
+label = "te / vllm + TRIAGE"
+overrides = ["recipe.name=te", "sampler.recipe=vllm", "rl.correction.name=triage"]
+"""
+
+
+def test_experiment_runs_arms_side_by_side_and_reports(tmp_path, capsys):
+    spec = tmp_path / "tiny.toml"
+    _write(spec, ARMS)
+    out = tmp_path / "out"
+    assert main(["experiment", str(spec), "--out", str(out), "--parallel", "2"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert set(report["arms"]) == {"aligned", "naive"}
+    for name, arm in report["arms"].items():
+        assert arm["seeds"] == [0, 1] and arm["steps"] == [2, 2], name
+        assert arm["final_accuracy"]["n"] == 2
+        assert report["curves"][name]["reward"]["steps"] == [1, 2]
+    naive, aligned = report["arms"]["naive"], report["arms"]["aligned"]
+    assert naive["k3_kl"]["mean"] > 100 * aligned["k3_kl"]["mean"]  # two engines against one
+    assert naive["weight_sync_s"]["mean"] > 0 == aligned["weight_sync_s"]["mean"]
+    assert report["curves"]["naive"]["triage/mass_amp_neg"]["steps"]  # logged without TRIAGE too
+    assert report["curves"]["aligned"]["triage/mass_amp_neg"]["steps"]
+    assert (out / "curves.png").stat().st_size > 10_000
+    assert "te / vllm + TRIAGE" in (out / "report.md").read_text()
+    assert (out / "naive" / "seed1" / "train.log").is_file()
+    capsys.readouterr()
+    assert main(["experiment", str(spec), "--out", str(out)]) == 0  # finished runs are kept
+    assert capsys.readouterr().err.count("finished before, kept") == 4
+
+
+@pytest.mark.parametrize("arms,extra,match", [
+    ("[arms.a]\noverrides = [\"rl.bogus=1\"]", "", "arm 'a'.*rl.bogus"),
+    ("", "", "at least one"),
+    ("[arms.a]\nlr = 1", "", "label.*overrides"),
+    ("[arms.a]\noverrides = []", "steps = 3", "unknown keys"),
+])
+def test_bad_experiment_files_name_the_problem(tmp_path, arms, extra, match):
+    spec = tmp_path / "bad.toml"
+    _write(spec, arms, extra)
+    with pytest.raises(ConfigError, match=match):
+        load_experiment(spec)
+
+
+def test_the_shipped_experiment_resolves():
+    exp = load_experiment("configs/experiments/naive_vs_aligned.toml")
+    assert len(exp.arms) == 6 and len(exp.seeds) >= 3
+    for arm in exp.arms:
+        cfg = exp.configs[arm.name]
+        assert cfg.rl.steps >= 200 and cfg.model.device == "cuda"
+    assert exp.configs["naive_triage"].sampler.recipe == "vllm"
+    assert exp.configs["naive_triage"].recipe.name == "te"
