@@ -1,4 +1,4 @@
-"""Token-level learner-vs-sampler mismatch metrics (FACTS.md section 4, verl's `rollout_corr/*` names).
+"""Token-level learner-vs-sampler mismatch metrics (verl's `rollout_corr/*` names; docs/facts.md).
 
 Inputs are per-token log-probs of the same sampled tokens under the learner (pi) and the sampler (mu),
 shaped [..., T] (leading dims are sequences), and a mask of the tokens that count (response tokens).

@@ -18,8 +18,8 @@ bitwise-equal outputs for a query whatever batch it is computed in. Against the 
 not bitwise (MMA and reduction order).
 
 Operand dtypes: bf16/fp16/fp32 storage; tl.dot on the storage dtype on the GPU (fp32 with
-input_precision="ieee"). The CPU interpreter cannot do bf16 tl.dot (FACTS.md 2): there bf16
-operands are widened to fp32 (exact) before the dot.
+input_precision="ieee"). The CPU interpreter cannot do bf16 tl.dot (docs/facts.md, "Triton on the CPU"): there
+bf16 operands are widened to fp32 (exact) before the dot.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from minite.ref.attention import KV_BLOCK, LOG2E
 
 CONFIGS = {
     # The one configuration of every GPU call (decode, prefill, learner): never switch per batch.
-    # H200 sweep (benchmarks/results/attention_h200.json, 512 seqs decode / 8 x 1024 prefill, context
+    # H200 sweep (benchmarks/results/h200/attention.json, 512 seqs decode / 8 x 1024 prefill, context
     # 512): BLOCK_M=64 424 / 290 us; BLOCK_M=16 293 / 513 us (0.86-0.92 of HBM in decode). Rollouts
     # are decode-bound, so BLOCK_M=16; the bitwise GPU tests run on this configuration.
     "gpu": dict(BLOCK_M=16, BLOCK_N=KV_BLOCK, num_warps=4, num_stages=2),

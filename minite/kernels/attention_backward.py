@@ -29,9 +29,10 @@ from minite.kernels.launch import launch as launch_kernel
 from minite.ref.attention import LOG2E
 
 CONFIGS = {
-    # bf16 / fp16 on the GPU. H200, 16 x 1024 tokens, D 128 (benchmarks/bench_attention_backward.py,
-    # s13 run1): 1.12 / 2.31 ms at 16 / 32 query heads, against 1.22 / 2.53 with 64 x 64 tiles in both
-    # kernels and 1.27-1.81 / 2.68-3.58 for the other candidates (SDPA's flash backward: 0.59 / 1.12)
+    # bf16 / fp16 on the GPU. H200, 16 x 1024 tokens, D 128 (benchmarks/ops/bench_attention_backward.py,
+    # benchmarks/results/h200/attention_backward_with_reference.json): 1.12 / 2.31 ms at 16 / 32 query heads,
+    # against 1.22 / 2.53 with 64 x 64 tiles in both kernels and 1.27-1.81 / 2.68-3.58 for the other
+    # candidates (SDPA's flash backward: 0.59 / 1.12)
     "gpu": dict(dq=dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
                 dkdv=dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2)),
     "gpu_fp32": dict(dq=dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1),

@@ -26,14 +26,14 @@ order (`kernels.gemm`): with SPLIT_K = 1 (`aligned_decode_config`) rows get the 
 BK is. Split-K where N alone does not fill the GPU: the last program of an N tile to arrive sums the
 fp32 partials in split order (deterministic); the split depends on (M padded, N, K), never on the
 data, so rows keep their bits for every M of one padded size, and equal the aligned path's wherever
-the fp32 accumulation is exact (nearly all outputs, FACTS.md 1.1).
+the fp32 accumulation is exact (nearly all outputs, docs/facts.md).
 
-Tiles in memory: the words and scales of each TILE_N-row block and TILE_K-column step lie together
-(8 KB of words and 2 KB of scales), the blocks' steps in K order, so a program's K step reads one
-contiguous piece instead of 64 rows 2 KB apart. H200, Qwen3-8B shapes, against row-major rows (s9
-runs 1 and 3): 1.06x at M <= 8 and 1.04x at M = 32 on gate+up, 1.08x at M = 64 (its K step, 128,
-reads half of each row's piece: 4 % slower than on 128-wide tiles, but those, read as two pieces
-per 256-column step, ran 3-12 % slower than row-major rows); q|o and k|v within 4 %.
+Tiles in memory: the words and scales of each TILE_N-row block and TILE_K-column step lie together (8 KB of
+words and 2 KB of scales), the blocks' steps in K order, so a program's K step reads one contiguous piece
+instead of 64 rows 2 KB apart. H200, Qwen3-8B shapes, against row-major rows (probes at 31acfab and aff58e0):
+1.06x at M <= 8 and 1.04x at M = 32 on gate+up, 1.08x at M = 64 (its K step, 128, reads half of each row's
+piece: 4 % slower than on 128-wide tiles, but those, read as two pieces per 256-column step, ran 3-12 % slower
+than row-major rows); q|o and k|v within 4 %.
 Rows are zero-padded to TILE_N; `DecodeWeight.rows()` gives the row-major view back.
 """
 
@@ -50,7 +50,8 @@ from minite.kernels.launch import launch as launch_kernel
 
 # by M padded to 16 / 32 / 64; SPLIT_K doubles (`decode_config`) until the grid has MIN_PROGRAMS (at
 # most MAX_SPLIT_K); from SPLIT["FROM"] splits on, the tile takes SPLIT's K step and stages. H200,
-# Qwen3-8B shapes, CUDA graphs over rotating weights (s8 runs 2-3): more CTAs per SM (few stages)
+# Qwen3-8B shapes, CUDA graphs over rotating weights (benchmarks/tools/sweep_decode_tiles.py at 736de97
+# and 03323ac): more CTAs per SM (few stages)
 # beat deeper pipelines; at M = 32, tiles split 8 ways ran faster on BK 128 (q|o 9.8 vs 12.8 us,
 # down 18.3 vs 22.1), unsplit ones on BK 256 (gate+up 27.5 vs 32.5); at M = 64 the partials cost
 # (SPLIT * BM * N * 8 bytes) capped the split at 4 (down 26.8 us vs 30.3 at 8), whose tiles ran

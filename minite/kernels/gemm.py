@@ -13,7 +13,7 @@ Configurations (CONFIGS, fixed; no autotuning):
   of k16 tensor-core steps, no split-K), so an output row never depends on M, on the other rows, or
   on whether the weight was packed: the batch-invariant path. The tile's M x N shape only partitions
   the outputs, so it is picked by M (`aligned` below ALIGNED_LARGE_M rows, `aligned_large` from
-  there); the GPU tests and the tile sweep (benchmarks/sweep_aligned_gemm.py: 44 tiles, one set of
+  there); the GPU tests and the tile sweep (benchmarks/tools/sweep_gemm_tiles.py: 44 tiles, one set of
   bits) check that rows keep their bits across it. `aligned_large` brings the operands in by TMA in a
   persistent kernel (`_w4a4_tma_kernel`), the same K order (the TMA sweep checks the bits).
 - `prefill`: the fastest tile for large M (dequantized weight copy); today the same as `aligned_large`.
@@ -22,7 +22,7 @@ Configurations (CONFIGS, fixed; no autotuning):
   dequantized by inline PTX into the MMA's register operand (C^T = W A^T, M padded to 8..64), with a
   deterministic split-K where N alone does not fill the GPU. Its K order depends on (N, K) and the
   tile, never on M within one padded size, but it is not the aligned order: its bits equal the
-  aligned path's wherever the fp32 accumulation is exact (nearly all outputs, FACTS.md 1.1).
+  aligned path's wherever the fp32 accumulation is exact (nearly all outputs, docs/facts.md).
 """
 
 import functools
@@ -39,11 +39,11 @@ from minite.kernels.launch import launch as launch_kernel
 CONFIGS = {
     # M < ALIGNED_LARGE_M (the rollout's decode steps): operands by TMA, one program per tile; at
     # M = 512 on the rollout shapes 5-35 % less time than on pointer loads (8 warps), the same bits
-    # (benchmarks/sweep_tma_gemm.py, CUDA graphs, H200 s7 run1)
+    # (benchmarks/tools/sweep_gemm_tma.py, CUDA graphs; benchmarks/results/h200/sweep_gemm_tma.json)
     "aligned": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4, TMA=True, PERSIST=0),
     # M >= ALIGNED_LARGE_M: operands by TMA, one persistent program per SM (`_w4a4_tma_kernel`):
     # 0.92-1.02x cuBLAS at Qwen3-8B shapes, M 4096-16384, where the same tile on pointer loads ran
-    # 0.78-0.89x (benchmarks/sweep_tma_gemm.py, H200 s7 run1; the same bits at every shape)
+    # 0.78-0.89x (benchmarks/results/h200/sweep_gemm_tma.json; the same bits at every shape)
     "aligned_large": dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=True, PERSIST=1,
                           FLATTEN=True),
     "prefill": dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=True, PERSIST=1,
@@ -157,7 +157,7 @@ def _w4a4_tma_kernel(a_ptr, w_ptr, sa_ptr, sw_ptr, out_ptr, M, N, stride_am, str
     """`_w4a4_kernel` on the bf16 weight copy with the operands brought in by TMA: one output tile per
     program, or (PERSISTENT) tiles `programs` apart. The same K order: BK chunks in sequence, each a
     chain of k16 MMAs. The tensor descriptors are made here on the device (host-made ones cost 30-50 us
-    more host time a launch than pointer loads, s7 run2). SEGMENTED: w is several weights concatenated
+    more host time a launch than pointer loads, H200 at 4cf215c). SEGMENTED: w is several weights concatenated
     along N (`gemm_segments`), with their own scales and outputs (`epilogue.store_segments`)."""
     a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BM, BK])
     w_desc = tl.make_tensor_descriptor(w_ptr, [N, K], [stride_wn, 1], [BN, BK])
@@ -358,7 +358,7 @@ def _set_tma_allocator() -> None:
 
 
 def operand_dtype(device) -> torch.dtype:
-    """bf16 on the GPU; fp16 in the CPU interpreter (bf16 tl.dot is broken there, FACTS.md 2)."""
+    """bf16 on the GPU; fp16 in the CPU interpreter (bf16 tl.dot is broken there, docs/facts.md)."""
     return torch.float16 if torch.device(device).type == "cpu" else torch.bfloat16
 
 

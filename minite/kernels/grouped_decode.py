@@ -28,10 +28,10 @@ from minite.kernels.grouped_gemm import expert_tile
 from minite.kernels.launch import cdiv, next_power_of_2
 from minite.kernels.launch import launch as launch_kernel
 
-# (most average rows per expert, tile): bench_grouped_decode.py's sweep on the H200 at Qwen3-30B-A3B
-# expert shapes, 4 / 16 / 32 / 64 rows per expert (s8 run4, this layout): from 16 rows on, BN 128,
-# BK 128 and 3 stages won at every count, by 16-40 % over BN 64 / BK 256 / 2 stages (gate|up at 32
-# rows: 124.1 vs 170.3 us); HALVES (a tile of BM rows whose rows fit in BM / 2 runs half-height MMAs:
+# (most average rows per expert, tile): benchmarks/ops/bench_grouped_decode.py's sweep on the H200 at
+# Qwen3-30B-A3B expert shapes, 4 / 16 / 32 / 64 rows per expert (this layout, at c3a8c24): from 16 rows on, BN
+# 128, BK 128 and 3 stages won at every count, by 16-40 % over BN 64 / BK 256 / 2 stages (gate|up at 32 rows:
+# 124.1 vs 170.3 us); HALVES (a tile of BM rows whose rows fit in BM / 2 runs half-height MMAs:
 # the weight dequantized once per BM rows, no BM-row MMAs for short experts). BK halves until it
 # divides K.
 GROUPED_DECODE_TILES = (

@@ -29,7 +29,8 @@ CONFIGS = {
     "aligned": dict(BM=64, BN=128, BK=64, num_warps=8, num_stages=4),
     # the dense large tile, operands by TMA (`_grouped_tma_kernel`: the same K order), one persistent
     # program per SM, loop nest flattened: at 4096 / 16384 tokens 1.05-1.30x `torch._grouped_mm`,
-    # against 0.79-1.08x with one program per tile (bench_grouped_gemm.py sweep, H200 s10 run1)
+    # against 0.79-1.08x with one program per tile (benchmarks/ops/bench_grouped_gemm.py --sweep, H200
+    # at c239f20)
     "aligned_large": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, TMA=True, PERSIST=1,
                           FLATTEN=True),
     "prefill": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=4, TMA=True, PERSIST=1, FLATTEN=True),

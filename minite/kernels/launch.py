@@ -2,9 +2,9 @@
 
 The learner step is host-bound: on the H200 machines' hosts a launch through `kernel[grid](...)`
 costs 9-16 us for an empty kernel, and our GEMM or quantizer call with its 15-20 arguments 80-100
-us, wrapper included (`benchmarks/probe_linear_host.py`, session 12), a good part of it Triton's
-per-call binding: argument specialization, cache key, launch metadata. The direct path below saves
-~20 us a launch there (s12 run4: a dense learner step 1.10 s instead of 1.18).
+us, wrapper included (`benchmarks/tools/probe_linear_host.py`), a good part of it Triton's per-call
+binding: argument specialization, cache key, launch metadata. The direct path below saves ~20 us a
+launch there (H200 at 0b8a53e: a dense learner step 1.10 s instead of 1.18).
 
 `launch(kernel, grid, args, **meta)`: `args` are the kernel's leading runtime arguments in signature
 order (tensors, ints, floats), `meta` its remaining (constexpr) parameters and launch options by

@@ -1,10 +1,10 @@
 """The MoE combine in one launch (`minite.ref.moe_combine.combine`, same arguments and bits): gathers
 each token's k expert rows by `inverse`, weights them and sums them in fp32 in top-k order.
 
-torch runs it as a gather, a broadcast multiply and a sum over k: three [T, k, H] passes and a
-non-vectorized broadcast kernel (H200, MoE decode step, 512 tokens x 8 x 2048: ~37 us a layer, s12
-run2's profile). Here a program reads its token's k rows once and writes one row. One program per
-(token, column block): a token's result never depends on the batch.
+torch runs it as a gather, a broadcast multiply and a sum over k: three [T, k, H] passes and a non-vectorized
+broadcast kernel (H200, MoE decode step, 512 tokens x 8 x 2048: ~37 us a layer;
+benchmarks/tools/profile_rollout.py at 1117cc3). Here a program reads its token's k rows once and writes one
+row. One program per (token, column block): a token's result never depends on the batch.
 """
 
 import torch

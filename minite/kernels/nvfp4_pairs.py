@@ -4,10 +4,9 @@ blocks (no shuffles, no layout conversions), holds both nibbles of every code by
 widens bf16 to fp32 with a shift and a mask. Whole rows stay in registers (row scaling reads x once).
 Same helpers as `nvfp4._quantize_kernel`, so the same bits as `minite.ref.nvfp4`.
 
-Why (SASS counted with benchmarks/sass_kernels.py): the general kernel runs ~25 instructions per
-element, 0.40-0.49 of the H200's copy bandwidth; this one 15.5 for packed codes (0.82; 0.86 timed as
-CUDA graphs, session 7) and 23 for the fused values (0.87, where the traffic is the copy's; 0.91 at
-16 words a thread, session 7).
+Why (SASS counted with benchmarks/tools/sass_kernels.py): the general kernel runs ~25 instructions per
+element, 0.40-0.49 of the H200's copy bandwidth; this one 15.5 for packed codes (0.86 of it timed as
+CUDA graphs) and 23 for the fused values (0.91 at 16 words a thread); benchmarks/results/h200/quantize.json.
 """
 
 import torch
@@ -28,11 +27,11 @@ from minite.kernels.nvfp4 import (
 # WORDS: int32 words (2 elements) per program (at least one row); whole rows when K / 2 <= MAX_WORDS
 # (longer rows: row scaling goes to the general kernel, tensor/static scaling loops over CHUNK_WORDS);
 # warps so that each thread holds WORDS_PER_THREAD words (packed codes) or VALUES_WORDS_PER_THREAD
-# (fused values). H200 sweeps, CUDA-graph timed (benchmarks/results/h200_2026-11-30_s7, run3):
+# (fused values). H200 sweep, CUDA-graph timed (benchmarks/results/h200/sweep_quantize.json):
 # 16384 x 4096, codes 0.856 of the copy at 32 words a thread (16: 0.835, 8: 0.735), fused values 0.908
 # at 16 (32: 0.862, 8: 0.830).
 CONFIG = dict(WORDS=2048, MAX_WORDS=8192, CHUNK_WORDS=1024, WORDS_PER_THREAD=32, VALUES_WORDS_PER_THREAD=16)
-ENABLED = True  # False: every input takes the general kernel (the benchmarks time both)
+ENABLED = True  # False: every input takes the general kernel
 
 
 @triton.jit

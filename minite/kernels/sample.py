@@ -14,7 +14,8 @@ over [B, V] fp32 three times. A parallel scan is not monotone to the last bit in
 nonzero-probability test: a dropped token is never picked. The token equals the reference's except
 where the target lies within fp32 rounding of a cdf step (`tl.exp` is within 2 ulp on the GPU, the
 sums run in another order; H200, 512 x 151936 random rows: 512 and 510 of 512 tokens the reference's,
-63 of 64 at 64 rows: s16 runs 4 and 7). One program per row: a row's token never depends on the
+63 of 64 at 64 rows: benchmarks/ops/bench_sample.py at d748e01 and 0950f46,
+benchmarks/results/h200/sample.json). One program per row: a row's token never depends on the
 other rows. `draw_from_logits` draws from logits and their row log-sum-exp (`kernels.logprobs`)
 without writing log-probs.
 """

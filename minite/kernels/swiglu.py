@@ -25,9 +25,10 @@ from minite.kernels.nvfp4 import CHAIN_IDS, _max_nan, _row_scales, check_fused_o
 from minite.kernels.nvfp4_pairs import _bits16, _emit_blocks, _halves, _load_blocks
 from minite.kernels.rounding import round_to
 
-# a program covers WORDS int32 words of h: BLOCK_R rows x one chunk of up to CHUNK_WORDS (8 words a
-# thread). H200, s11 run8: whole rows in registers (16 words a thread, 12288-wide rows padded to 16384)
-# ran at 0.58 of the copy bandwidth, slower than torch's two kernels, and 0.45 with the quantizer
+# a program covers WORDS int32 words of h: BLOCK_R rows x one chunk of up to CHUNK_WORDS (8 words a thread).
+# H200 at eb67cb1 (benchmarks/ops/bench_norm.py): whole rows in registers (16 words a thread, 12288-wide rows
+# padded to 16384) ran at 0.58 of the copy bandwidth, slower than torch's two kernels, and 0.45 with the
+# quantizer
 WORDS = 1024
 CHUNK_WORDS = 1024
 WORDS_PER_THREAD = 8

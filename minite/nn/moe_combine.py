@@ -5,7 +5,7 @@ Where the fused kernels run (`minite.nn.fused.fused_applies`: CUDA by default) t
 launch (`minite.kernels.moe_combine`), for learner and sampler alike, so both get its bits; elsewhere
 torch's gather, multiply and sum over k. The backward is torch's, the gradients autograd gives the
 torch form: d ys[inverse[t * k + j]] = g[t] * w[t, j] (bf16 products), d w[t, j] = sum_h g[t, h] *
-ys[inverse[t * k + j], h]. `USE_KERNEL = False` keeps torch's forward everywhere (A/B benchmarks).
+ys[inverse[t * k + j], h]. `USE_KERNEL = False` keeps torch's forward everywhere.
 """
 
 from __future__ import annotations

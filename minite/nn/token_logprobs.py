@@ -7,9 +7,10 @@ has no top-k / top-p cut, a token's log-prob is
     lse = kernels.logprobs.row_lse(logits, T)           one read of the 16-bit logits per row
     log p(token) = fp32(logits[token]) / T - lse         `token_logprob`, torch, the same ops in both
 
-instead of torch's fp32 copy of the logits and log-softmax over [R, V] (H200: ~0.5 ms of a 512-row
-decode step, s16 run7). Both engines run these ops on bitwise-equal logits rows, so they agree
-bitwise; against torch's log-softmax they are close (within a few fp32 ulps of lse), not bitwise.
+instead of torch's fp32 copy of the logits and log-softmax over [R, V] (H200: ~0.5 ms of a 512-row decode
+step; benchmarks/ops/bench_sample.py, benchmarks/results/h200/sample.json). Both engines run these ops on
+bitwise-equal logits rows, so they agree bitwise; against torch's log-softmax they are close (within a few
+fp32 ulps of lse), not bitwise.
 The learner's gradient is `kernels.logprobs.token_logprob_grad`. `USE_KERNEL = False` keeps torch's
 path.
 """
