@@ -38,7 +38,10 @@ def add_parser(sub, name):
     p.add_argument("--backend", choices=["auto", "ref", "triton"], default="auto",
                    help="NVFP4 execution backend of both recipes (auto: the kernels on CUDA, the "
                         "reference elsewhere)")
-    p.add_argument("--kv-cache-tokens", type=int, default=None, help="sampler KV slots (default: auto)")
+    p.add_argument("--kv-cache-tokens", type=int, default=None, help="sampler KV slots (default: auto; "
+                   "fewer than the rollout needs: preemption)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="sequences decoded together (default: "
+                   "the sampler's; fewer than prompts x n: continuous batching)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -55,7 +58,8 @@ def run(args) -> int:
         dtype = dtype or (torch.bfloat16 if str(args.device).startswith("cuda") else torch.float32)
     vocab = source.config.vocab_size if args.model else source.vocab_size
     prompts = random_prompts(args.num_prompts, args.prompt_len, vocab, args.seed)
-    kw = {} if args.kv_cache_tokens is None else {"kv_cache_tokens": args.kv_cache_tokens}
+    kw = {k: v for k, v in (("kv_cache_tokens", args.kv_cache_tokens), ("max_num_seqs", args.max_num_seqs))
+          if v is not None}
     learner = get_recipe(args.learner_recipe, backend=args.backend)
     sampler = get_recipe(args.sampler_recipe or args.learner_recipe, backend=args.backend)
     report = measure_agreement(source, prompts, params, learner, sampler,

@@ -63,10 +63,16 @@ def calibrate_if_static(model: Qwen3, prompts: list[list[int]]) -> bool:
     return True
 
 
-def default_generate(model: Qwen3, prompts: list[list[int]], params: SamplingParams, **sampler_kwargs):
+def default_generate(model: Qwen3, prompts: list[list[int]], params: SamplingParams, stats: dict | None = None,
+                     **sampler_kwargs):
+    """The sampler's outputs in prompt order; `stats` receives its scheduling counts (preemptions,
+    sequences decoded together)."""
     from minite.sampler import Sampler
 
-    outs = Sampler(model, **sampler_kwargs).generate(prompts, params)
+    sampler = Sampler(model, **sampler_kwargs)
+    outs = sampler.generate(prompts, params)
+    if stats is not None:
+        stats.update(preemptions=sampler.num_preemptions, max_num_seqs=sampler.scheduler.max_num_seqs)
     return sorted(outs, key=lambda o: o.index)
 
 
@@ -94,8 +100,9 @@ def measure_agreement(model_or_config: Qwen3 | ModelConfig, prompts: list[list[i
     sampler = recipe_view(learner, learner_recipe if sampler_recipe is None else sampler_recipe)
     calibrated = [name for name, m in (("learner", learner), ("sampler", sampler))
                   if calibrate_if_static(m, prompts)]
+    stats: dict = {}
     if generate_fn is None:
-        generate_fn = lambda m, p, sp: default_generate(m, p, sp, **(sampler_kwargs or {}))
+        generate_fn = lambda m, p, sp: default_generate(m, p, sp, stats, **(sampler_kwargs or {}))
     t0 = time.perf_counter()
     outs = generate_fn(sampler, prompts, params)
     t_generate = time.perf_counter() - t0
@@ -122,4 +129,4 @@ def measure_agreement(model_or_config: Qwen3 | ModelConfig, prompts: list[list[i
             "device": str(param.device), "params": {"n": params.n, "temperature": params.temperature,
                                                     "top_k": params.top_k, "top_p": params.top_p,
                                                     "max_tokens": params.max_tokens, "seed": params.seed},
-            "generate_s": t_generate, "learner_s": t_learner, "metrics": metrics}
+            "generate_s": t_generate, "learner_s": t_learner, "sampler_stats": stats, "metrics": metrics}
