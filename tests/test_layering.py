@@ -1,10 +1,11 @@
 """The import graph of `minite/`: no cycles, and every import stays in its layer or goes down.
 
 Every `.py` file under minite/ is parsed with `ast` (nothing is imported); each import counts, at
-module level or inside a function (a lazy import is still a dependency). `from a import b` imports
-module `a.b` where that is a module and `a` otherwise; relative imports are resolved against the
-importing module's package. Running a package's `__init__` before its submodule is not counted as an
-edge: a package that re-exports its submodules would otherwise form a cycle with each of them.
+module level, inside a function (a lazy import is still a dependency) or under `TYPE_CHECKING` (a
+type is one too). `from a import b` imports module `a.b` where that is a module and `a` otherwise;
+relative imports are resolved against the importing module's package. Running a package's
+`__init__` before its submodule is not counted as an edge: a package that re-exports its
+submodules would otherwise form a cycle with each of them.
 
 The layers, lowest first (`LAYERS`); a module may import its own layer and the ones below:
 
@@ -21,8 +22,8 @@ The layers, lowest first (`LAYERS`); a module may import its own layer and the o
 - engines:     sampler and learner, which never import each other (`INDEPENDENT`);
 - rl, diagnostics: the RL algorithm and the measurements, which use each other;
 - config:      the run config, made of the model, recipe and rl configs;
-- trainer:     `rl/trainer.py`, the loop a resolved config drives (hence above config, unlike the
-               rest of rl);
+- runs:        `rl/trainer.py`, the loop a resolved config drives (hence above config, unlike the
+               rest of rl), and `experiment` (several training runs side by side);
 - commands, cli.
 """
 
@@ -47,7 +48,7 @@ LAYERS = (
     ("engines", ("minite.sampler", "minite.learner")),
     ("rl, diagnostics", ("minite.rl", "minite.diagnostics")),
     ("config", ("minite.config",)),
-    ("trainer", ("minite.rl.trainer",)),
+    ("runs", ("minite.rl.trainer", "minite.experiment")),
     ("commands", ("minite.commands",)),
     ("cli", ("minite.cli",)),
 )
@@ -62,6 +63,9 @@ KNOWN_CYCLES = {
     frozenset({"minite.kernels.nvfp4", "minite.kernels.nvfp4_pairs"}):
         "the pair kernel reuses the general kernel's jit helpers, whose launcher dispatches to it; "
         "goes when the helpers get a module of their own (kernels/nvfp4/ as a package)",
+    frozenset({"minite.nn.attention", "minite.nn.attention_backends", "minite.nn.context"}):
+        "attention annotates its forward with ForwardContext, whose backends call attention's "
+        "functions; goes when those functions leave nn/attention.py",
 }
 
 
