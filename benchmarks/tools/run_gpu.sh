@@ -7,6 +7,7 @@
 #   rollout_moe      MoE rollout (24 of 48 Qwen3-30B-A3B layers) bf16 vs aligned, 3 paired rounds; then
 #                    aligned with the experts on the aligned tile over the bf16 copy
 #   learner          learner train step, dense and MoE, with a profile of each (--kernels)
+#   rl_step          one RL step of configs/gpu_arith.toml: aligned, naive te/vllm, bf16
 #   profile_rollout  a rollout decode step's kernels: dense aligned, MoE bf16 and aligned
 #   learner_gaps learner_host linear_host decode_floor   the profiles and probes in benchmarks/tools/
 #   ncu_decode       Nsight Compute counters of the decode GEMM (NCU_SPECS: one ncu_decode.py line each)
@@ -49,6 +50,7 @@ for part in "$@"; do
       py 60 benchmarks.e2e.bench_rollout $moe --recipes aligned --moe-decode-rows 0 \
         --out "$x/rollout_moe24_bf16_copy.json" ;;
     learner) py 160 benchmarks.e2e.bench_learner --kernels --out "$x/learner.json" ;;
+    rl_step) py 400 benchmarks.e2e.bench_rl_step --out "$x/rl_step.json" ;;
     profile_rollout)
       py 70 benchmarks.tools.profile_rollout --kernels 6 --recipe aligned --out "$x/profile_rollout_aligned.json"
       for recipe in bf16 aligned; do
