@@ -7,10 +7,11 @@ between recipes with `Qwen3.set_recipe`. Here the sampler's path for a given tok
 model's full forward under the sampler recipe; `minite diagnose` compares it with the sampler
 engine's own decode log-probs (`minite.sampler`).
 
-`localize` feeds the same sequences through both sides with forward hooks and records, for every op
-in execution order (per layer: input_layernorm, q_proj, k_proj, v_proj, attn (the attention output,
-o_proj's input), o_proj, post_attention_layernorm, mlp (the MLP or MoE block), output (the residual
-stream after the layer); then final norm and lm_head (logits)), the relative difference
+`localize` feeds the same sequences through both sides, each running the model's own forward, and
+records with forward hooks on its modules, for every op in execution order (per layer, `LAYER_POINTS`:
+input_layernorm, q_proj, k_proj, v_proj, attn (the attention output, o_proj's input), o_proj,
+post_attention_layernorm, router (MoE), mlp (the MLP or MoE block), output (the residual stream after
+the layer); then final norm and lm_head (logits)), the relative difference
 
     rel_diff = ||a - b|| / ||b||      (Frobenius norm over all tokens, a = side A, b = side B, fp64)
 
@@ -32,8 +33,17 @@ from minite.recipe import Recipe, get_recipe
 from minite.sampling import token_logprobs
 
 BATCHINGS = ("packed", "alone")
-LAYER_OPS = ("input_layernorm", "q_proj", "k_proj", "v_proj", "attn", "o_proj",
-             "post_attention_layernorm", "mlp", "output")
+# Each decoder layer's ops in execution order: (op kind, the module under the layer whose forward hook
+# records it ("": the layer itself), whether the op is that module's input rather than its output).
+# A layer without the module (a dense layer has no router) has no such op.
+LAYER_POINTS = (
+    ("input_layernorm", "input_layernorm", False),
+    ("q_proj", "self_attn.q_proj", False), ("k_proj", "self_attn.k_proj", False),
+    ("v_proj", "self_attn.v_proj", False),
+    ("attn", "self_attn.o_proj", True), ("o_proj", "self_attn.o_proj", False),
+    ("post_attention_layernorm", "post_attention_layernorm", False),
+    ("router", "mlp.gate", False), ("mlp", "mlp", False), ("output", "", False),
+)
 
 
 @dataclass(frozen=True)
@@ -125,19 +135,22 @@ def side_logprobs(model, side: Side, seqs: Sequences, temperature: float = 1.0) 
 
 
 def _hook_points(model) -> list[tuple[str, nn.Module, bool]]:
-    """(op name, module, capture input instead of output) in execution order."""
+    """(op name, module, capture its input instead of its output) for every op of `LAYER_POINTS` the
+    model's layers have, then the final norm and the logits (the model's own output)."""
     points = []
     for i, layer in enumerate(model.layers):
-        a = layer.self_attn
-        points += [(f"layers.{i}.input_layernorm", layer.input_layernorm, False),
-                   (f"layers.{i}.q_proj", a.q_proj, False), (f"layers.{i}.k_proj", a.k_proj, False),
-                   (f"layers.{i}.v_proj", a.v_proj, False), (f"layers.{i}.attn", a.o_proj, True),
-                   (f"layers.{i}.o_proj", a.o_proj, False),
-                   (f"layers.{i}.post_attention_layernorm", layer.post_attention_layernorm, False)]
-        if layer.is_moe:
-            points.append((f"layers.{i}.router", layer.mlp.gate, False))
-        points += [(f"layers.{i}.mlp", layer.mlp, False), (f"layers.{i}.output", layer, False)]
+        for kind, path, use_input in LAYER_POINTS:
+            module = _submodule(layer, path)
+            if module is not None:
+                points.append((f"layers.{i}.{kind}", module, use_input))
     return points + [("norm", model.norm, False), ("lm_head", model, False)]
+
+
+def _submodule(module: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 @contextmanager

@@ -1,5 +1,9 @@
 """CUDA graphs of the decode step (one new token per sequence), captured lazily per padded shape.
 
+A graph captures `runner.cached_forward` on static buffers: the step's context (positions, slots,
+the paged attention backend and its query tiles) is made inside the capture from those buffers, so a
+replay recomputes it for the batch copied in, and the model's own forward runs under it.
+
 A graph is keyed on (rows, width): the batch padded up to a bucket of `ROW_BUCKETS` (then multiples
 of 16) and the block tables padded to a power-of-two number of blocks. Inputs live in static buffers
 sized for the largest shape; a replay copies the step's batch into them. Padding rows write only

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from minite.diagnostics.localize import Sequences, Side, localize, rel_diff, side_logprobs
+from minite.diagnostics.localize import LAYER_POINTS, Sequences, Side, localize, rel_diff, side_logprobs
 from minite.models import Qwen3, tiny_qwen3, tiny_qwen3_moe
 from minite.recipe import get_recipe
 
@@ -76,3 +76,11 @@ def test_moe_router_agreement_and_te_vs_vllm():
     assert by_op["layers.0.router"]["rel_diff"] > 0 and by_op["lm_head"]["rel_diff"] > 0
     router = by_op["layers.1.router"]
     assert 0 <= router["router_topk_same"] <= router["router_topk_overlap"] <= 1
+
+
+def test_each_layer_reports_the_ops_its_modules_have():
+    model = _model(tiny_qwen3())
+    loc = localize(model, Side("aligned"), Side("aligned"), _seqs(1))
+    for layer in range(model.config.num_hidden_layers):
+        kinds = [o["kind"] for o in loc.ops if o["layer"] == layer]
+        assert kinds == [kind for kind, _, _ in LAYER_POINTS if kind != "router"]  # dense: no router
