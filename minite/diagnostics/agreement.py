@@ -63,8 +63,8 @@ def calibrate_if_static(model: Qwen3, prompts: list[list[int]]) -> bool:
     return True
 
 
-def default_generate(model: Qwen3, prompts: list[list[int]], params: SamplingParams, stats: dict | None = None,
-                     **sampler_kwargs):
+def default_generate(model: Qwen3, prompts: list[list[int]], params: SamplingParams,
+                     stats: dict | None = None, **sampler_kwargs):
     """The sampler's outputs in prompt order; `stats` receives its scheduling counts (preemptions,
     sequences decoded together)."""
     from minite.sampler import Sampler
