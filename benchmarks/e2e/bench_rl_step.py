@@ -26,7 +26,7 @@ SETTINGS = {
     "naive": ["--recipe.name=te", "--sampler.recipe=vllm"],
     "bf16": ["--recipe.name=bf16"],
 }
-SHORT = ["--warmup.steps=20", "--eval.every=0", "--eval.size=64", "--eval.samples=0", "--checkpoint.every=0",
+SHORT = ["--warmup.steps=10", "--eval.every=0", "--eval.size=16", "--eval.samples=0", "--checkpoint.every=0",
          "--logging.progress=false", "--logging.tensorboard=false"]
 SKIP = 2  # first steps: compiles and graph captures
 
@@ -44,7 +44,7 @@ def run_setting(config: str, overrides: list[str], steps: int, folder: Path) -> 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--config", default="configs/gpu_arith.toml")
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=8)
     p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated subset of SETTINGS")
     p.add_argument("--out", help="JSON file to write")
     args = p.parse_args(argv)
@@ -57,6 +57,7 @@ def main(argv=None) -> None:
             rows.append({"setting": name, "step_s": med["time/step_s"], "rollout_s": med["time/rollout_s"],
                          "update_s": med["time/update_s"], "weight_sync_s": med["time/weight_sync_s"],
                          "k3_kl": statistics.fmean(r["mismatch/k3_kl"] for r in rl), "steps": len(rl)})
+            print(json.dumps(rows[-1]), flush=True)
     base = next((r["step_s"] for r in rows if r["setting"] == "aligned"), None)
     for r in rows:
         r["vs_aligned"] = r["step_s"] / base if base else None
