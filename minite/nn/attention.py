@@ -186,7 +186,7 @@ class PackedLayout:
 
 class Attention(nn.Module):
     """Qwen3 self-attention: projections under `recipe`, q/k RMSNorm per head, RoPE, causal GQA over
-the keys the forward's context gives (`minite.nn.context`)."""
+    the keys the forward's context gives (`minite.nn.context`)."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  rope_theta: float, eps: float, recipe, layer_index: int = 0):

@@ -117,7 +117,7 @@ def build_decode_batch(token_lists: list[list[int]], block_tables: list[list[int
 def cached_context(model, cache: KVCache, batch: CachedBatch) -> ForwardContext:
     """The step's context: positions, the cache and the slots the layers write, the attention backend
     over the cache, each sequence's last token as the output rows."""
-    B, Tq = batch.query_pos.shape
+    Tq = batch.query_pos.shape[1]
     if kernel_enabled(cache.k.device):
         query_seq = batch.unpad // Tq  # [N] sequence of each new token
         group = model.config.num_attention_heads // model.config.num_key_value_heads
