@@ -26,8 +26,6 @@ math recomputed under autograd. The CPU always runs the reference functions abov
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
@@ -37,9 +35,6 @@ from minite.nn.fused_projections import project
 from minite.nn.linear import Linear
 from minite.nn.norm import RMSNorm
 from minite.nn.rope import apply_rope, rope_cos_sin
-
-if TYPE_CHECKING:
-    from minite.nn.context import ForwardContext
 
 _USE_KERNEL = True
 _USE_KERNEL_BACKWARD = True
@@ -216,8 +211,9 @@ class Attention(nn.Module):
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, context: ForwardContext) -> torch.Tensor:
-        """x `[..., T, H]` (positions `context.positions` `[..., T]`) -> `[..., T, H]`."""
+    def forward(self, x: torch.Tensor, context) -> torch.Tensor:
+        """x `[..., T, H]` -> `[..., T, H]` under the forward's `minite.nn.context.ForwardContext`
+        (positions `[..., T]`; not imported here: the context's backends import this module)."""
         q, k, v = self.project_qkv(x, context.positions)
         if context.kv_cache is not None:
             # the new tokens' keys join the cache before any query reads it: fresh and cached keys alike
