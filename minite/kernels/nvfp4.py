@@ -213,21 +213,31 @@ def _row_scales(amax, rows, row_ok, sdec_out_ptr, amax_out_ptr, CHAIN: tl.conste
 
 
 @triton.jit
-def _given_scales(gs_ptr, rows, row_ok, sdec_out_ptr, rows_per_gs, GS: tl.constexpr, CHAIN: tl.constexpr,
-                  BLOCK_R: tl.constexpr):
+def _given_scales(gs_ptr, rows, row_ok, sdec_out_ptr, amax_out_ptr, rows_per_gs, GS: tl.constexpr,
+                  CHAIN: tl.constexpr, BLOCK_R: tl.constexpr):
     """(S_enc, S_dec) [R, 1] for GS 1 (tensor scaling: the amax of the tensor of `rows_per_gs`
     consecutive rows at gs_ptr; stores its S_dec from the tensor's first row) or 2 (static: S_enc, S_dec
-    at gs_ptr)."""
-    if GS == 1:
+    at gs_ptr). GS 3 and 4 are 1 and 2 with every row's S_dec and amax stored (the GEMM epilogue's row
+    factors): with 3 an amax of inf or NaN stores NaN; 4 reads the amax at gs_ptr + 2."""
+    if GS == 1 or GS == 3:
         g = rows // rows_per_gs
         amax = tl.load(gs_ptr + g, mask=row_ok, other=0.0)
         s_enc, s_dec = _global_scales(amax, CHAIN)
-        tl.store(sdec_out_ptr + g, s_dec, mask=row_ok & (rows % rows_per_gs == 0))
+        if GS == 3:
+            finite = amax < float("inf")
+            tl.store(sdec_out_ptr + rows, tl.where(finite, s_dec, float("nan")), mask=row_ok)
+            tl.store(amax_out_ptr + rows, tl.where(finite, amax, float("nan")), mask=row_ok)
+        else:
+            tl.store(sdec_out_ptr + g, s_dec, mask=row_ok & (rows % rows_per_gs == 0))
         s_enc = s_enc[:, None]
         s_dec = s_dec[:, None]
     else:
         s_enc = tl.load(gs_ptr + tl.zeros([BLOCK_R, 1], dtype=tl.int32))
         s_dec = tl.load(gs_ptr + 1 + tl.zeros([BLOCK_R, 1], dtype=tl.int32))
+        if GS == 4:
+            zeros = tl.zeros([BLOCK_R], dtype=tl.int32)
+            tl.store(sdec_out_ptr + rows, tl.load(gs_ptr + 1 + zeros), mask=row_ok)
+            tl.store(amax_out_ptr + rows, tl.load(gs_ptr + 2 + zeros), mask=row_ok)
     return s_enc, s_dec
 
 
@@ -238,7 +248,8 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, vals_ptr, sdec_out_ptr, amax_
                      STOCHASTIC: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_VALUES: tl.constexpr,
                      HW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """GS: 0 = row scaling (row amax here), 1 = tensor scaling (amax at gs_ptr), 2 = given
-    (S_enc, S_dec) at gs_ptr (static). One pass over x when K <= BLOCK_K, else two for row scaling."""
+    (S_enc, S_dec) at gs_ptr (static); 3, 4: 1, 2 with per-row scale outputs (`_given_scales`). One
+    pass over x when K <= BLOCK_K, else two for row scaling."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
@@ -258,7 +269,8 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, vals_ptr, sdec_out_ptr, amax_
                 amax = _max_nan(amax, tl.reduce(tl.abs(x), 1, _max_nan))
         s_enc, s_dec = _row_scales(amax, rows, row_ok, sdec_out_ptr, amax_out_ptr, CHAIN)
     else:
-        s_enc, s_dec = _given_scales(gs_ptr, rows, row_ok, sdec_out_ptr, rows_per_gs, GS, CHAIN, BLOCK_R)
+        s_enc, s_dec = _given_scales(gs_ptr, rows, row_ok, sdec_out_ptr, amax_out_ptr, rows_per_gs, GS, CHAIN,
+                                     BLOCK_R)
     if GS == 0 and K <= BLOCK_K:
         _emit_chunk(x_all, s_enc, s_dec, rows, row_ok, 0, seed, codes_ptr, scales_ptr, vals_ptr, K, CHAIN,
                     TILE16, STOCHASTIC, WRITE_CODES, WRITE_VALUES, HW, BLOCK_R, BLOCK_K)
@@ -384,14 +396,15 @@ def quantize_unscaled(x: torch.Tensor, out_dtype=torch.bfloat16, chain: str = "t
 
 
 def quantize_unscaled_global(x: torch.Tensor, out_dtype=torch.bfloat16, chain: str = "te",
-                             static: tuple[torch.Tensor, torch.Tensor] | None = None):
+                             static: torch.Tensor | None = None):
     """The fused activation form with one global scale for all of x (1x16 blocks, RNE): the amax of
     x ('tensor' scaling, TE's dynamic per-tensor recipe), or a calibrated scale ('static'), given as
-    `static` = (fp32 [2] (S_enc, S_dec), fp32 [] amax) from `static_global_scales` -> (values
-    e2m1 * s_b in out_dtype [..., K], S_dec fp32 [], amax fp32 []). Bitwise `quantize(x, scaling=...)`'s
-    `unscaled()`, global scale and amax. No host synchronization and no host-to-device copy, so a
-    CUDA graph can capture it. x holding inf or NaN gets S_dec = amax = NaN (with a static scale this
-    costs one amax pass over x)."""
+    `static` = fp32 [3] (S_enc, S_dec, amax) from `static_global_scales` -> (values e2m1 * s_b in
+    out_dtype [..., K], S_dec fp32 [..., 1], amax fp32 [..., 1]: the one global value on every row,
+    the GEMM epilogue's row factors). Bitwise `quantize(x, scaling=...)`'s `unscaled()`, global scale
+    and amax. One quantizer launch after the amax reduction (tensor) or the finiteness check
+    (static); no host synchronization and no host-to-device copy, so a CUDA graph can capture it. x
+    holding inf or NaN gets S_dec = amax = NaN on every row."""
     if out_dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"quantize_unscaled_global writes bf16 or fp16 values, not {out_dtype}")
     _check_device(x)
@@ -403,30 +416,25 @@ def quantize_unscaled_global(x: torch.Tensor, out_dtype=torch.bfloat16, chain: s
     r, dev = x2.shape[0], x.device
     vals = torch.empty(r, k, dtype=out_dtype, device=dev)
     scales = torch.empty(r, k // 16, dtype=torch.uint8, device=dev)
+    sdec = torch.empty(r, dtype=torch.float32, device=dev)
+    amx = torch.empty_like(sdec)
     if static is None:
-        amx = amax(x2)
-        sdec = torch.empty(1, dtype=torch.float32, device=dev)
-        _launch(x2, scales, scales, vals, sdec, amx, amx, 0, 1, chain, (1, 16), False,
-                write_codes=False, vals=vals)
-        sdec, finite = sdec.reshape(()), torch.isfinite(amx)
+        gs, mode = amax(x2), 3
     else:
-        gs, amx = static
-        sdec = gs[1]
-        _launch(x2, scales, scales, vals, sdec, amx, gs, 0, 2, chain, (1, 16), False,
-                write_codes=False, vals=vals)
-        finite = torch.isfinite(amax(x2))
-    return (vals.reshape(*lead, k), sdec.masked_fill(~finite, float("nan")),
-            amx.masked_fill(~finite, float("nan")))
+        gs, mode = static.masked_fill(~torch.isfinite(x2).all(), float("nan")), 4
+    _launch(x2, scales, scales, vals, sdec, amx, gs, 0, mode, chain, (1, 16), False,
+            write_codes=False, vals=vals)
+    return vals.reshape(*lead, k), sdec.reshape(*lead, 1), amx.reshape(*lead, 1)
 
 
-def static_global_scales(static_scale: torch.Tensor, chain: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A calibrated decode scale (fp32, one element) -> ((S_enc, S_dec) fp32 [2], amax fp32 []), the
-    reference's `global_scales(static=True)`: what `quantize_unscaled_global(static=)` takes. Made once
+def static_global_scales(static_scale: torch.Tensor, chain: str) -> torch.Tensor:
+    """A calibrated decode scale (fp32, one element) -> fp32 [3] (S_enc, S_dec, amax), the reference's
+    `global_scales(static=True)` and amax: what `quantize_unscaled_global(static=)` takes. Made once
     per calibration, outside any CUDA graph (it copies constants to the device)."""
     s = static_scale.to(torch.float32).reshape(())
     s_enc, sdec = ref.global_scales(s, chain, static=True)
-    return torch.stack([s_enc, sdec]), s * torch.tensor(ref.TE_AMAX_TO_SCALE, dtype=torch.float32,
-                                                         device=s.device)
+    return torch.stack([s_enc, sdec, s * torch.tensor(ref.TE_AMAX_TO_SCALE, dtype=torch.float32,
+                                                      device=s.device)])
 
 
 def quantize_tensors(x: torch.Tensor, block=(1, 16), chain: str = "te", out_dtype=torch.bfloat16):

@@ -136,7 +136,8 @@ def _pairs_kernel(w_ptr, codes_ptr, scales_ptr, vals_ptr, sdec_out_ptr, amax_out
         _emit_blocks(lo, hi, signs, cols, bamax, s_enc, s_dec, rows, row_ok, 0, codes_ptr, scales_ptr,
                      vals_ptr, KW, CHAIN, WRITE_CODES, WRITE_VALUES, OUT_BF16, HW, EVEN, BLOCK_R, NB)
     else:
-        s_enc, s_dec = _given_scales(gs_ptr, rows, row_ok, sdec_out_ptr, rows_per_gs, GS, CHAIN, BLOCK_R)
+        s_enc, s_dec = _given_scales(gs_ptr, rows, row_ok, sdec_out_ptr, amax_out_ptr, rows_per_gs, GS, CHAIN,
+                                     BLOCK_R)
         for w0 in range(0, KW, BLOCK_W):
             lo, hi, signs, cols, bamax = _load_blocks(w_rows, row_ok, w0, KW, IN_BF16, EVEN, BLOCK_R, NB)
             _emit_blocks(lo, hi, signs, cols, bamax, s_enc, s_dec, rows, row_ok, w0, codes_ptr, scales_ptr,

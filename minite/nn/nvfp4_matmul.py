@@ -185,8 +185,7 @@ class StaticScale(NamedTuple):
     per calibration (`static_scale`), so the forward neither syncs nor copies constants to the device."""
 
     scale: torch.Tensor  # [1] fp32, S_dec (the reference path's input)
-    encode_decode: torch.Tensor | None  # [2] fp32 (S_enc, S_dec); None on the reference backend
-    amax: torch.Tensor | None  # [] fp32, S_dec * 2688
+    kernel: torch.Tensor | None  # [3] fp32 (S_enc, S_dec, amax = S_dec * 2688); None on the reference
     key: tuple  # identifies the scale it was made from (the quantized-input memo's key)
 
 
@@ -195,9 +194,8 @@ def static_scale(scale: torch.Tensor, recipe: Recipe) -> StaticScale:
     s = scale.reshape(1)
     key = (scale.data_ptr(), scale._version, recipe.activation.chain)
     if not use_kernels(recipe, scale.device):
-        return StaticScale(s, None, None, key)
-    gs, amax = lazy.nvfp4.static_global_scales(s, recipe.activation.chain)
-    return StaticScale(s, gs, amax, key)
+        return StaticScale(s, None, key)
+    return StaticScale(s, lazy.nvfp4.static_global_scales(s, recipe.activation.chain), key)
 
 
 class _Scales(NamedTuple):
@@ -271,12 +269,8 @@ def _quantize_rows(x2: torch.Tensor, recipe: Recipe, static: StaticScale | None 
     if scaling != "row":
         if scaling == "static" and static is None:
             raise RuntimeError("static activation scaling needs a calibrated input scale")
-        a, sdec, amax = kq.quantize_unscaled_global(x2, dt, chain, None if static is None else
-                                                    (static.encode_decode, static.amax))
-        rows = x2.shape[0]
-        sdec = sdec.reshape(1, 1).expand(rows, 1).contiguous()
-        amax = amax.reshape(1, 1).expand(rows, 1).contiguous() if recipe.epilogue == "alpha" else sdec
-        return a, sdec, amax
+        a, sdec, amax = kq.quantize_unscaled_global(x2, dt, chain, None if static is None else static.kernel)
+        return a, sdec, amax if recipe.epilogue == "alpha" else sdec
     if recipe.epilogue == "alpha":
         a, sdec, _, _, amax = kq.quantize_unscaled(x2, dt, chain, return_codes=True)
     else:

@@ -497,3 +497,24 @@ def test_gpu_engine_emulation_models_on_the_kernels_match_their_references(name)
         a, b = tri(ids), ref(ids)
         assert torch.equal(a, b), (a == b).float().mean().item()
         assert torch.equal(tri(ids[:1]), a[:1]) == (name == "vllm")  # te's scale depends on the batch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["te", "vllm"])
+def test_gpu_non_finite_input_under_one_global_scale_makes_every_row_nan(name):
+    """One scale for the whole input: an inf anywhere makes every output row NaN (as the reference
+    marks the whole tensor), without a host sync."""
+    torch.manual_seed(0)
+    lin = Linear(64, 32, recipe=get_recipe(name, backend="triton")).cuda()
+    x = torch.randn(5, 64, device="cuda")
+    if name == "vllm":
+        _calibrated(lin, x)
+    clean = lin(x)
+    assert torch.isfinite(clean).all()
+    x[2, 3] = float("inf")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = lin(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isnan(out).all()
