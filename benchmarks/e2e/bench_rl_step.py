@@ -50,8 +50,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.settings.split(","):
-            rl = run_setting(args.config, SETTINGS[name], args.steps, Path(tmp) / name)[SKIP:]
+        for i, name in enumerate(args.settings.split(",")):  # a setting named twice: a second reading
+            rl = run_setting(args.config, SETTINGS[name], args.steps, Path(tmp) / f"{i}_{name}")[SKIP:]
             med = {k: statistics.median(r[k] for r in rl) for k in
                    ("time/step_s", "time/rollout_s", "time/update_s", "time/weight_sync_s")}
             rows.append({"setting": name, "step_s": med["time/step_s"], "rollout_s": med["time/rollout_s"],
