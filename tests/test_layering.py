@@ -63,9 +63,6 @@ KNOWN_CYCLES = {
     frozenset({"minite.kernels.nvfp4", "minite.kernels.nvfp4_pairs"}):
         "the pair kernel reuses the general kernel's jit helpers, whose launcher dispatches to it; "
         "goes when the helpers get a module of their own (kernels/nvfp4/ as a package)",
-    frozenset({"minite.nn.attention", "minite.nn.attention_backends", "minite.nn.context"}):
-        "attention annotates its forward with ForwardContext, whose backends call attention's "
-        "functions; goes when those functions leave nn/attention.py",
 }
 
 

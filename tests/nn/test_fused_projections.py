@@ -13,7 +13,7 @@ from minite.nn import fused_projections as fp
 from minite.nn.forward_scope import forward_scope
 from minite.nn.nvfp4_matmul import _scale_bf16
 from minite.nn.quantized_weight import quantize_weight
-from minite.recipe import get_recipe
+from minite.recipe import QuantSpec, get_recipe
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="Triton is not installed")
 
@@ -96,7 +96,8 @@ def test_steps_aside_where_it_does_not_apply(monkeypatch):
     calls = _launches(monkeypatch)
     x = torch.randn(80, 64, device=DEVICE)
     few = torch.randn(64, 64, device=DEVICE)  # decode-sized: the linears' packed-weight path
-    te = _Owner((32, 32), 64, recipe=get_recipe("te", backend="triton"))
+    rht = QuantSpec(scaling="tensor", hadamard=True)  # not on the kernels
+    te = _Owner((32, 32), 64, recipe=get_recipe("te", backend="triton", activation=rht))
     biased = _Owner((32, 32), 64, bias=True)
     hooked = _Owner((32, 32), 64)
     seen = []
@@ -114,6 +115,17 @@ def test_steps_aside_where_it_does_not_apply(monkeypatch):
     assert calls == []
     _Owner((32, 32), 64)(x)
     assert calls == [1]
+
+
+def test_a_per_tensor_activation_scale_fuses_with_each_linears_bits(monkeypatch):
+    """`te`: one amax for the shared input, so the fused GEMM gives each linear's own outputs."""
+    calls = _launches(monkeypatch)
+    owner = _Owner((32, 16, 16), 64, recipe=get_recipe("te", backend="triton"))
+    x = torch.randn(80, 64, device=DEVICE)
+    fused, _, _ = _run(owner, x, fused=True, grads=False)
+    assert calls == [1]
+    plain, _, _ = _run(owner, x, fused=False, grads=False)
+    assert all(torch.equal(a, b) for a, b in zip(fused, plain))
 
 
 def test_copy_is_remade_after_a_weight_update():
