@@ -105,18 +105,20 @@ class SamplerSection:
     weights after every update (weight sync; the sampler quantizes with its own chain), with static
     activation scales calibrated after the warm start (`calibration = "once"`) or after every sync
     (`"every_sync"`), as a separate inference engine is deployed (`te` learner + `vllm` sampler: the
-    naive setting). Sizing: sequences decoded together, the share of free GPU memory its KV cache
-    takes (the learner needs the rest)."""
+    naive setting). Sizing: sequences decoded together, and the KV cache: `kv_cache_tokens` slots, or
+    (0) the share `kv_memory_fraction` of free GPU memory (the learner needs the rest; runs sharing a
+    GPU need a fixed size)."""
 
     recipe: str = ""
     recipe_overrides: dict[str, Any] = field(default_factory=dict)
     calibration: str = "once"
     max_num_seqs: int = 256
+    kv_cache_tokens: int = 0
     kv_memory_fraction: float = 0.3
 
     def __post_init__(self):
-        if self.max_num_seqs < 1 or not 0 < self.kv_memory_fraction < 1:
-            raise ValueError("need max_num_seqs >= 1 and 0 < kv_memory_fraction < 1")
+        if self.max_num_seqs < 1 or not 0 < self.kv_memory_fraction < 1 or self.kv_cache_tokens < 0:
+            raise ValueError("need max_num_seqs >= 1, kv_cache_tokens >= 0 and 0 < kv_memory_fraction < 1")
         if self.calibration not in CALIBRATIONS:
             raise ValueError(f"calibration={self.calibration!r}; choose one of {list(CALIBRATIONS)}")
         if self.recipe_overrides and not self.recipe:

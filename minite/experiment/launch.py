@@ -49,6 +49,13 @@ def launch(exp: Experiment, out: str | Path, parallel: int, stream=None) -> dict
     """Run every (arm, seed) not finished yet; returns {"ARM/seedS": exit code}. Progress (steps done
     per run) goes to `stream` (stderr) every minute; Ctrl-C stops the children and says how to go on."""
     out, stream = Path(out), stream or sys.stderr
+    if parallel > 1:
+        shared = [a.name for a in exp.arms if exp.configs[a.name].model.device.startswith("cuda")
+                  and not exp.configs[a.name].sampler.kv_cache_tokens]
+        if shared:
+            raise ValueError(f"arms {shared} size their KV cache by the free GPU memory, which runs started "
+                             f"side by side take from each other (out of memory); set "
+                             f"sampler.kv_cache_tokens in the experiment's overrides, or --parallel 1")
     todo = []
     for arm in exp.arms:
         steps = exp.configs[arm.name].rl.steps

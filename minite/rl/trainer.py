@@ -67,8 +67,9 @@ MISMATCH_KEYS = ("kl", "k3_kl", "chi2_token", "ess", "logprob_abs_diff_mean", "l
 def default_sampler(model, cfg: TrainConfig):
     from minite.sampler import Sampler
 
-    return Sampler(model, max_num_seqs=cfg.sampler.max_num_seqs,
-                   kv_memory_fraction=cfg.sampler.kv_memory_fraction)
+    s = cfg.sampler
+    return Sampler(model, max_num_seqs=s.max_num_seqs, kv_cache_tokens=s.kv_cache_tokens or None,
+                   kv_memory_fraction=s.kv_memory_fraction)
 
 
 def sft_loss(batch: RLBatch) -> tuple[torch.Tensor, dict]:

@@ -74,3 +74,16 @@ def test_the_shipped_experiment_resolves():
         assert cfg.rl.steps >= 200 and cfg.model.device == "cuda"
     assert exp.configs["naive_triage"].sampler.recipe == "vllm"
     assert exp.configs["naive_triage"].recipe.name == "te"
+
+
+def test_gpu_runs_side_by_side_need_a_fixed_kv_cache(tmp_path):
+    """Sized by free GPU memory, runs started first take the memory of the later ones."""
+    from minite.experiment import launch
+
+    spec = tmp_path / "gpu.toml"
+    _write(spec, "[arms.a]\noverrides = [\"model.device=cuda\"]")
+    exp = load_experiment(spec)
+    with pytest.raises(ValueError, match="kv_cache_tokens"):
+        launch(exp, tmp_path / "out", parallel=2)
+    shipped = load_experiment("configs/experiments/naive_vs_aligned.toml")
+    assert all(cfg.sampler.kv_cache_tokens for cfg in shipped.configs.values())
