@@ -11,7 +11,8 @@ The sampler draws token y_t from, and reports log mu(y_t) under, the *processed*
 
 temperature == 0 means greedy: the distribution is one-hot on the argmax (lowest id among ties), so
 the sampled token's log-prob is 0. The learner recomputes its log-probs with this same function on
-its own logits (FACTS.md 4 lists "truncation not mirrored on the learner" as a classic bug).
+its own logits (docs/facts.md, "Learner-sampler mismatch in RL", lists an unmirrored truncation
+among the usual log-prob definition bugs).
 
 Where the fused kernels run (CUDA by default) the plain distribution (no top-k / top-p) takes a
 kernel path in both engines (`minite.nn.token_logprobs`): log-probs within a few fp32 ulps of this

@@ -13,7 +13,7 @@ a payload of plain tensors, the NVFP4 container of each quantized weight (codes,
 scales, amax) plus every other tensor as is (embeddings, norms, router, LM head, unquantized layers,
 calibrated static input scales). `load_quantized_weights(model, payload)` installs it into a model
 built with the same config and recipe WITHOUT quantizing anything: the exact unscaled operand
-`e2m1 * s_b` is rebuilt from codes and scales (a decode, FACTS.md 1), the module's full-precision
+`e2m1 * s_b` is rebuilt from codes and scales (a decode, exact: docs/facts.md), the module's full-precision
 weight is set to the dequantized values, and the `QuantizedWeight` is pinned to that weight's
 version. Forward outputs of the two models are then bitwise equal.
 

@@ -63,7 +63,8 @@ WGRAD_X_SPEC = QuantSpec(scaling="tensor", block=(1, 16), rounding="rne", hadama
 FAST_DECODE_MAX_M = 64  # the kernels' 'decode' config serves M <= 64
 # at most this many rows, the aligned path reads the packed weight (decode layout, aligned K order:
 # `kernels.decode_gemm.aligned_decode_config`) instead of the bf16 copy: the same bits; 0 turns it off.
-# H200 (s8 run6, Qwen3-8B shapes): 1.8-3.0x the aligned tile on the copy at M <= 32, 1.2-1.6x at 64
+# H200, Qwen3-8B shapes (benchmarks/results/h200/decode_gemm.json): 1.9-3.3x the aligned tile on the copy
+# at M <= 32, 1.3-1.7x at 64
 ALIGNED_DECODE_MAX_M = 64
 # MoE: at most this many rows per expert on average (a decode step), the experts run on the grouped
 # decode kernel (`kernels.grouped_decode`: the packed weights in the decode layout, 0.625 bytes per

@@ -3,7 +3,8 @@
 `QuantizedWeight` holds the NVFP4 container of a weight ([N, K] for a Linear, or [E, N, K] for MoE
 experts, each expert quantized as its own tensor: per-expert global scale [E, 1, 1]) together with
 the exact unscaled dequantized copy `e2m1 * s_b` in bf16 that the compute-bound GEMM multiplies
-(exact by FACTS.md 1). The learner's forward and the sampler use the very same object. The Triton
+(exact: docs/facts.md, "The GPU: NVIDIA H200"). The learner's forward and the sampler use the
+very same object. The Triton
 GEMMs read that copy through `operand(dtype, k_multiple)`: the bf16 copy itself on the GPU, or a
 cached fp16 / K-padded version of it (the CPU interpreter; K not a multiple of the kernel's K tile),
 made once per quantized weight, i.e. once per update. The decode GEMM (few rows, packed weights)

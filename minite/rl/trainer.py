@@ -1,4 +1,4 @@
-"""The RL training loop of `minite train` (DESIGN.md, "Data flow of one RL step").
+"""The RL training loop of `minite train` (docs/ARCHITECTURE.md, "Data flow of one RL step").
 
 One RL step on `rl.prompts` training prompts:
 

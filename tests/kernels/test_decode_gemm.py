@@ -52,7 +52,7 @@ def test_dequant_is_exact_for_every_code_and_scale(dtype):
     positions and all 127 finite unsigned E4M3 bytes (0x7f, NaN, never comes out of a quantizer).
     In bf16 the codes +-0.5 are subnormal: this also checks that the multiply keeps them."""
     if dtype == torch.bfloat16 and interpreted():
-        pytest.skip("bf16 is the GPU's operand dtype; the interpreter's bf16 is not faithful (FACTS.md 2)")
+        pytest.skip("bf16 is the GPU's operand dtype; the interpreter's bf16 is not faithful (docs/facts.md)")
     dev = device()
     codes = _codes(1, 512, 0)  # 128 words
     scales = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn)
@@ -140,7 +140,7 @@ CASES = [  # (M, N, K, tile): ragged N (masked loads), N % BN == 0, split-K, pad
 
 @pytest.mark.parametrize("m, n, k, tile", CASES)
 def test_decode_matches_aligned_on_gaussian_data(m, n, k, tile):
-    """Gaussian data: every fp32 sum is exact (FACTS.md 1.1), so the decode kernel's other K order
+    """Gaussian data: every fp32 sum is exact (docs/facts.md), so the decode kernel's other K order
     gives the aligned path's bits, also on a second launch that reuses the split-K counters."""
     x, w = torch.randn(m, k), torch.randn(n, k)
     xq, wq = nvfp4.quantize(x, "row"), nvfp4.quantize(w, "tensor")

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not available(), reason="Triton kernels unavaila
 
 # fp32 accumulation across 16-blocks in another order: relative to the output scale
 REL_TOL = 1e-5
-# Gaussian data: almost every fp32 sum is exact (FACTS.md 1.1), so almost every output is bitwise equal
+# Gaussian data: almost every fp32 sum is exact (docs/facts.md), so almost every output is bitwise equal
 MIN_EXACT_FRACTION_GAUSSIAN = 0.99
 
 

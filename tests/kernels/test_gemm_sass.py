@@ -1,6 +1,6 @@
 """The W4A4 GEMM kernels compiled for the H200 (sm_90) on a machine without a GPU: every aligned config,
 alone and segmented (`gemm.gemm_segments`), compiles (the CPU interpreter accepts code that the GPU
-compiler rejects: a helper returning a tuple from one branch did, session 14), runs wgmma in its main
+compiler rejects: a helper returning a tuple from one branch did), runs wgmma in its main
 loop, and the TMA kernels (the ones the GPU runs on aligned operands) do not spill registers (the
 first segmented epilogue, with 64-bit offsets per element, spilled 2.8 KB a thread at 128 x 256)."""
 

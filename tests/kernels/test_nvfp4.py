@@ -41,7 +41,8 @@ def test_static_scale_saturates_like_reference(chain):
     assert_same(want, kq.quantize(x.to(device()), "static", chain=chain, static_scale=s))
 
 
-# bf16 is broken in the interpreter (FACTS.md 2): bf16 inputs are checked on the GPU only
+# bf16 is broken in the interpreter (docs/facts.md, "Triton on the CPU"): bf16 inputs are checked on
+# the GPU only
 @pytest.mark.parametrize("dtype", [torch.float16] + [torch.bfloat16] * torch.cuda.is_available())
 def test_low_precision_input_and_leading_dims(dtype):
     x = adversarial(16, 64, seed=2).clamp(-6e4, 6e4).to(dtype).reshape(2, 8, 64)

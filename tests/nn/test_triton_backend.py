@@ -26,7 +26,7 @@ ALIGNED_REF = get_recipe("aligned", backend="ref")
 # may round once per 16-block (at most 2^-24 of sum_k |x_dq| |w_dq| each), so they differ by at most
 # GEMM_ROUNDINGS_RTOL * (K / 16) of that sum (observed: bitwise equal on these shapes).
 GEMM_ROUNDINGS_RTOL = 2 * 2.0**-24
-# Gaussian inputs at these K: every fp32 accumulation is exact (FACTS.md 1.1), so outputs are bitwise.
+# Gaussian inputs at these K: every fp32 accumulation is exact (docs/facts.md), so outputs are bitwise.
 GAUSSIAN_EQUAL_FRAC = 1.0
 # bf16 outputs: one bf16 rounding (at most 2^-7 relative) of values that may differ in the fp32 ulp.
 BF16_RTOL = 2.0**-7
@@ -190,7 +190,8 @@ def test_linear_triton_k_not_a_multiple_of_the_tile_and_fast_mode():
 VARIANTS = {"alpha": dict(epilogue="alpha"),
             "w16x16": dict(weight=QuantSpec(scaling="tensor", block=(16, 16))),
             "vllm_chain": dict(activation=QuantSpec(scaling="row", chain="vllm"))}
-if torch.cuda.is_available():  # the interpreter's fp32 -> bf16 cast truncates (FACTS.md 2: bf16 is broken)
+# the interpreter's fp32 -> bf16 cast truncates (docs/facts.md: bf16 is broken there)
+if torch.cuda.is_available():
     VARIANTS["bf16_scalar"] = dict(epilogue="bf16_scalar")
 
 

@@ -1,6 +1,7 @@
 """An independent, scalar (numpy float32) implementation of Transformer Engine's NVFP4 chain.
 
-Written from FACTS.md 3.1 without sharing code with minite.ref: E4M3 and E2M1 rounding are done by
+Written from the chain in docs/facts.md without sharing code with minite.ref: E4M3 and E2M1
+rounding are done by
 enumerating the representable values and picking the nearest (ties to the even mantissa), not by
 casts or thresholds. Slow; for tests on small inputs.
 """

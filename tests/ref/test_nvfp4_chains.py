@@ -1,4 +1,5 @@
-"""The `vllm` and `torchao` chains differ from `te` where FACTS.md 3.3 says they do, and only there."""
+"""The `vllm` and `torchao` chains differ from `te` where docs/numerics.md's engine table says they
+do, and only there."""
 
 import torch
 

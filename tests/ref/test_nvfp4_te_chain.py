@@ -1,4 +1,5 @@
-"""Codes, block scales and global scales equal Transformer Engine's chain (FACTS.md 3.1) bit for bit.
+"""Codes, block scales and global scales equal Transformer Engine's chain (docs/facts.md, "NVFP4 and
+Transformer Engine's chain") bit for bit.
 
 The expected values come from tests/ref/scalar_te.py, an independent scalar implementation. Codes are
 compared with the sign bit included, so +0 and -0 are not conflated.
