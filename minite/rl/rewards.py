@@ -17,7 +17,8 @@ return a Python float.
   `use_all`); no division by zero; with `integer_steps`, no non-integer intermediate result.
   Evaluation is exact (fractions), never `eval`.
 - `math_verify_reward(completion, gold)`: `math_verify.verify(parse(gold), parse(completion))`,
-  gold first. Needs `pip install math-verify`. Its timeouts use SIGALRM, which works only in the
+  gold first, the gold parsed inside `\\boxed{}` (as verl and TRL do: a bare LaTeX gold parses to
+  nothing). Needs `pip install math-verify`. Its timeouts use SIGALRM, which works only in the
   main thread; elsewhere this function turns the timeouts off rather than crash.
 """
 
@@ -176,6 +177,12 @@ def math_verify_available() -> bool:
     return True
 
 
+def _boxed(gold: str) -> str:
+    """The gold answer as math-verify reads LaTeX: inside `\\boxed{}` (bare, `\\dfrac{1}{2}`, `\\sqrt{2}`,
+    `\\pi`, `(1,2)` parse to nothing, `2\\sqrt{3}` to 2), unless it is boxed or delimited already."""
+    return gold if "\\boxed" in gold or "$" in gold else f"\\boxed{{{gold}}}"
+
+
 def math_verify_reward(completion: str, gold: str) -> float:
     """1.0 when `math-verify` judges the completion's answer equal to `gold`, else 0.0."""
     try:
@@ -192,7 +199,7 @@ def math_verify_reward(completion: str, gold: str) -> float:
     # math-verify's timeouts are SIGALRM based and raise outside the main thread.
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     try:
-        gold_parsed = parse(gold, parsing_timeout=timeout)
+        gold_parsed = parse(_boxed(gold), parsing_timeout=timeout)
         pred_parsed = parse(completion, parsing_timeout=timeout)
         return 1.0 if verify(gold_parsed, pred_parsed, timeout_seconds=timeout) else 0.0
     except (Exception, TimeoutException):

@@ -1,3 +1,4 @@
+import sys
 import threading
 from fractions import Fraction
 
@@ -113,10 +114,23 @@ def test_countdown_use_all_and_custom_scores():
     assert countdown_reward("<answer>3</answer>", [3], 3, correct_score=2.0) == 2.0
 
 
-@pytest.mark.skipif(math_verify_available(), reason="math-verify is installed")
-def test_math_verify_missing_names_the_package():
+def test_math_verify_missing_names_the_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)
+    assert not math_verify_available()
     with pytest.raises(ImportError, match="pip install math-verify"):
         math_verify_reward("\\boxed{2}", "2")
+
+
+# MATH-style golds as datasets store them (bare LaTeX); each scores 1 against its own boxed answer
+MATH_GOLDS = ["\\frac{1}{2}", "\\dfrac{1}{2}", "\\sqrt{2}", "2\\sqrt{3}", "\\pi", "(1,2)", "[0,1)",
+              "(-\\infty, 3]", "\\{1,2\\}", "\\infty", "-\\frac{3}{4}", "42", "-7", "B", "\\text{(C)}"]
+
+
+@pytest.mark.skipif(not math_verify_available(), reason="math-verify is not installed")
+@pytest.mark.parametrize("gold", MATH_GOLDS)
+def test_math_verify_scores_the_verbatim_boxed_answer(gold):
+    assert math_verify_reward(f"The answer is $\\boxed{{{gold}}}$.", gold) == 1.0
+    assert math_verify_reward("The answer is $\\boxed{1000}$.", gold) == 0.0
 
 
 @pytest.mark.skipif(not math_verify_available(), reason="math-verify is not installed")
