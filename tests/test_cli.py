@@ -42,3 +42,12 @@ def test_quantize_bad_input_is_a_clear_error(capsys, tmp_path):
     assert main(["quantize", "--random", "4,x"]) == 2
     assert "expects a shape" in capsys.readouterr().err
     assert main(["quantize", "--file", str(tmp_path / "missing.safetensors")]) == 2
+
+
+def test_quantize_json_lists_skipped_empty_tensors(tmp_path, capsys):
+    path = tmp_path / "w.safetensors"
+    save_file({"a.weight": torch.randn(16, 32), "b.weight": torch.zeros(4, 0)}, str(path))
+    assert main(["quantize", "--file", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [t["name"] for t in report["tensors"]] == ["a.weight"]
+    assert report["skipped"] == [{"name": "b.weight", "shape": [4, 0], "reason": "0 elements"}]

@@ -5,6 +5,8 @@ import sys
 
 import torch
 
+from minite.commands.args import nonnegative_int, positive_int
+from minite.devices import check_device
 from minite.diagnostics.agreement import measure_agreement, random_prompts
 from minite.models.presets import MODEL_PRESETS, model_preset
 from minite.recipe import RECIPES, get_recipe
@@ -19,17 +21,17 @@ def add_parser(sub, name):
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", choices=sorted(MODEL_PRESETS), help="random-weight model of this shape")
     src.add_argument("--model", metavar="DIR", help="a Hugging Face Qwen3 / Qwen3-MoE model directory")
-    p.add_argument("--layers", type=int, help="override the preset's number of decoder layers")
+    p.add_argument("--layers", type=positive_int, help="override the preset's number of decoder layers")
     p.add_argument("--learner-recipe", default="aligned", choices=sorted(RECIPES))
     p.add_argument("--sampler-recipe", default=None, choices=sorted(RECIPES),
                    help="default: the learner's recipe (one model object, shared quantized weights)")
-    p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, default=16, help="random prompt length in tokens")
-    p.add_argument("--n", type=int, default=4, help="samples per prompt")
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--num-prompts", type=positive_int, default=8)
+    p.add_argument("--prompt-len", type=positive_int, default=16, help="random prompt length in tokens")
+    p.add_argument("--n", type=positive_int, default=4, help="samples per prompt")
+    p.add_argument("--max-tokens", type=positive_int, default=32)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-k", type=nonnegative_int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init-std", type=float, default=0.02, help="random weights: N(0, std)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -38,14 +40,15 @@ def add_parser(sub, name):
     p.add_argument("--backend", choices=["auto", "ref", "triton"], default="auto",
                    help="NVFP4 execution backend of both recipes (auto: the kernels on CUDA, the "
                         "reference elsewhere)")
-    p.add_argument("--kv-cache-tokens", type=int, default=None, help="sampler KV slots (default: auto; "
-                   "fewer than the rollout needs: preemption)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="sequences decoded together (default: "
-                   "the sampler's; fewer than prompts x n: continuous batching)")
+    p.add_argument("--kv-cache-tokens", type=positive_int, default=None,
+                   help="sampler KV slots (default: auto; fewer than the rollout needs: preemption)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=None, help="sequences decoded together "
+                   "(default: the sampler's; fewer than prompts x n: continuous batching)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def run(args) -> int:
+    check_device(args.device)
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
     dtype = DTYPES[args.dtype] if args.dtype else None

@@ -18,11 +18,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from minite.commands.args import nonnegative_int, positive_int
+from minite.devices import check_device
 from minite.diagnostics.attribution import attribute, format_table
 from minite.diagnostics.direction import direction, heatmap_rows
 from minite.diagnostics.localize import Sequences, Side, localize, prepare, recipe_of, side_logprobs
 from minite.diagnostics.metrics import mismatch_metrics
 from minite.diagnostics.report import write_report
+from minite.files import check_output_dir
 from minite.models.presets import MODEL_PRESETS, model_preset
 from minite.recipe import RECIPES
 from minite.rl.advantages import group_advantages
@@ -52,22 +55,37 @@ def add_parser(sub, name):
     p.add_argument("--sampler-engine", default="engine", choices=["engine", "forward"],
                    help="log mu from minite.sampler's decode (engine) or the sampler side's full forward")
     p.add_argument("--out", default="diagnose_report", help="output directory")
-    p.add_argument("--n-prompts", type=int, default=8)
-    p.add_argument("--samples", type=int, default=4, help="responses per prompt (the advantage group)")
-    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--n-prompts", type=positive_int, default=8)
+    p.add_argument("--samples", type=positive_int, default=4,
+                   help="responses per prompt (the advantage group)")
+    p.add_argument("--max-tokens", type=positive_int, default=24)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--warmup-steps", type=int, default=None,
+    p.add_argument("--warmup-steps", type=nonnegative_int, default=None,
                    help="supervised steps on the task's solutions before diagnosing (default: 60 for a "
                         "preset with a task, else 0)")
-    p.add_argument("--segment-len", type=int, default=8, help="TRIAGE response segment length")
+    p.add_argument("--segment-len", type=positive_int, default=8, help="TRIAGE response segment length")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
-    p.add_argument("--layers", type=int, help="override the preset's number of decoder layers")
+    p.add_argument("--layers", type=positive_int, help="override the preset's number of decoder layers")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print report.json instead of the summary")
 
 
+def check_args(args) -> None:
+    """What can be refused before any compute: the device, the output folder, the temperature."""
+    check_device(args.device)
+    check_output_dir(args.out)
+    if args.temperature == 0:
+        raise ValueError("--temperature 0: greedy (temperature 0) has one-hot distributions: the gap is "
+                         "not defined; use temperature > 0")
+    if not args.temperature > 0:  # negative or NaN
+        raise ValueError(f"--temperature {args.temperature:g}: use temperature > 0")
+    if args.prompts and not Path(args.prompts).is_file():
+        raise FileNotFoundError(f"--prompts {args.prompts} does not exist")
+
+
 def run(args) -> int:
+    check_args(args)
     t0 = time.time()
     phases: dict[str, float] = {}
 
@@ -162,13 +180,23 @@ def _examples(args, tok):
         path = Path(args.prompts)
         lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
         if path.suffix == ".jsonl":
-            rows = [json.loads(ln) for ln in lines]
-            exs = [Example(r["prompt"], r.get("answer")) for r in rows]
+            exs = [_jsonl_example(path, i, ln) for i, ln in enumerate(lines, 1)]
         else:
             exs = [Example(ln, None) for ln in lines]
         return exs[: args.n_prompts], None
     task = make_task(args.task, seed=args.seed, **({"worked": True} if args.task == "arithmetic" else {}))
     return task.batch("train", 0, args.n_prompts), task
+
+
+def _jsonl_example(path: Path, number: int, line: str) -> Example:
+    """One `{"prompt": ..., "answer": ...}` line; a bad one is named by file and (non-blank) line."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} prompt {number} is not valid JSON ({e.msg})") from None
+    if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+        raise ValueError(f"{path} prompt {number} needs a string field \"prompt\"")
+    return Example(row["prompt"], row.get("answer"))
 
 
 def _warm_start(model, tok, task, steps: int, seed: int, batch: int = 32) -> None:

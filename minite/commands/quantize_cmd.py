@@ -32,19 +32,30 @@ def add_parser(sub, name):
 
 def run(args) -> int:
     spec = _spec(args)
-    rows = []
+    rows, skipped = [], []
     for name, x in _tensors(args):
+        if x.numel() == 0:  # nothing to quantize or to measure: a row saying so, not a crash
+            skipped.append({"name": name, "shape": list(x.shape), "reason": "0 elements"})
+            continue
         q = quantize_with_spec(x, spec)
         rows.append({"name": name, **quant_stats(x, q)})
     if not rows:
-        raise ValueError(f"no floating-point tensor matches --name {args.name!r}")
-    report = {"recipe": args.recipe, "operand": args.operand, "spec": spec.kwargs(), "tensors": rows}
+        raise ValueError(_nothing_to_quantize(args, skipped))
+    report = {"recipe": args.recipe, "operand": args.operand, "spec": spec.kwargs(), "tensors": rows,
+              "skipped": skipped}
     if args.json:
         json.dump(report, sys.stdout, indent=1)
         print()
     else:
         _print_table(report)
     return 0
+
+
+def _nothing_to_quantize(args, skipped: list[dict]) -> str:
+    if not skipped:
+        return f"no floating-point tensor matches --name {args.name!r}"
+    empty = ", ".join(f"{r['name']} (shape {_shape(r['shape'])})" for r in skipped)
+    return f"every floating-point tensor matching --name {args.name!r} is empty: {empty}"
 
 
 def _spec(args) -> QuantSpec:
@@ -61,7 +72,10 @@ def _tensors(args):
         try:
             shape = tuple(int(s) for s in args.random.split(","))
         except ValueError:
-            raise ValueError(f"--random expects a shape like 4096,4096, got {args.random!r}") from None
+            shape = ()
+        if not shape or min(shape) < 1:
+            raise ValueError(f"--random expects a shape of positive sizes like 4096,4096, got "
+                             f"{args.random!r}")
         g = torch.Generator().manual_seed(args.seed)
         x = torch.randn(shape, generator=g)
         if args.dist == "heavy":
@@ -69,13 +83,21 @@ def _tensors(args):
             x = x**3 * torch.where(outliers, 50.0, 1.0)
         yield f"random_{args.dist}", x
         return
-    from safetensors.torch import load_file
+    from minite.models.checkpoint import open_safetensors
 
-    for name, x in load_file(args.file).items():
-        if x.is_floating_point() and x.ndim >= 1 and fnmatch.fnmatch(name, args.name):
-            if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-                x = x.float()
-            yield name, x
+    with open_safetensors(args.file) as f:  # a truncated or corrupt file is refused before any work
+        for name in f.keys():  # noqa: SIM118 (a safetensors handle is not a mapping)
+            if not fnmatch.fnmatch(name, args.name):
+                continue
+            x = f.get_tensor(name)
+            if x.is_floating_point() and x.ndim >= 1:
+                if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                    x = x.float()
+                yield name, x
+
+
+def _shape(shape) -> str:
+    return "x".join(map(str, shape))
 
 
 def _print_table(report):
@@ -85,9 +107,10 @@ def _print_table(report):
     head = f"{'tensor':40s} {'shape':>14s} {'SQNR dB':>8s} {'rel err':>8s} {'scale=0':>8s} {'=448':>7s}"
     print(head)
     for r in report["tensors"]:
-        shape = "x".join(map(str, r["shape"]))
-        print(f"{r['name'][:40]:40s} {shape:>14s} {r['sqnr_db']:8.2f} {r['rel_error']:8.4f} "
+        print(f"{r['name'][:40]:40s} {_shape(r['shape']):>14s} {r['sqnr_db']:8.2f} {r['rel_error']:8.4f} "
               f"{100 * r['blocks_at_scale_0']:7.2f}% {100 * r['blocks_at_scale_448']:6.2f}%")
+    for r in report["skipped"]:
+        print(f"{r['name'][:40]:40s} {_shape(r['shape']):>14s} skipped: {r['reason']}")
     hist = {}
     for r in report["tensors"]:
         for v, f in r["code_histogram"].items():

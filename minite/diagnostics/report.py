@@ -9,16 +9,22 @@ the plot of each one present (docs/diagnostics.md says how to read them):
     attribution   Attribution.to_dict()                             -> attribution_waterfall.png
     direction     direction(...) output                             -> regions.png
     heatmap       heatmap_rows(...) output                          -> heatmap.png
+    training      training_section(...): reward, held-out accuracy,
+                  mismatch and throughput over RL steps              -> training.png
     curves        {"step": [...], name: [...]} metric curves        -> curves.png
+    summary       a run's summary numbers (a table in the HTML)
 
 `write_training_report(out_dir, history)` is what a training run calls at its end with its logged
-metrics (a list of per-step dicts): it writes the same report with the metric curves over steps.
+records (one dict per RL step, "kind" "rl", and per evaluation, "kind" "eval"): the summary table,
+the training curves and every mismatch metric over steps on a readable scale (`CURVE_SCALES`).
+Every file is written whole or not at all (`minite.files.write_atomic`).
 """
 
 from __future__ import annotations
 
 import base64
 import html
+import io
 import json
 import math
 from pathlib import Path
@@ -29,9 +35,27 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from minite.files import make_dir, write_atomic  # noqa: E402
+
 REGION_COLORS = {"amp_pos": "#d62728", "amp_neg": "#9467bd", "contracting": "#2ca02c", "neutral": "#7f7f7f"}
-CURVE_METRICS = ("kl", "k3_kl", "logprob_abs_diff_mean", "chi2_token", "ess", "triage/imbalance")
+CURVE_METRICS = ("kl", "k3_kl", "logprob_abs_diff_mean", "logprob_abs_diff_max", "chi2_token", "ess",
+                 "triage/imbalance")
+# How each curve is drawn: "log" (zeros at a floor named in the title), "abs_log" (|x| on a log axis,
+# negative steps marked: an estimate whose sign is noise when the engines nearly agree), "unit"
+# (a share on a fixed 0..1 axis), "linear".
+CURVE_SCALES = {"kl": "abs_log", "k3_kl": "log", "logprob_abs_diff_mean": "log",
+                "logprob_abs_diff_max": "log", "chi2_token": "abs_log", "ess": "unit",
+                "triage/imbalance": "log"}
 FLOOR = 1e-9  # where exact zeros are drawn on log axes when nothing differs
+TRAINING_PNG = "training.png"
+# training-section key -> (the logged record's key, label)
+TRAINING_KEYS = {"reward": ("reward", "rollout reward"),
+                 "k3_kl": ("mismatch/k3_kl", "k3_kl"),
+                 "logprob_abs_diff_max": ("mismatch/logprob_abs_diff_max", "max |delta log-prob|"),
+                 "rollout_tokens_per_s": ("rollout/tokens_per_s", "rollout (sampler)"),
+                 "learner_tokens_per_s": ("learner/tokens_per_s", "learner update")}
+EVAL_KEYS = {"eval_accuracy": ("eval/accuracy", "greedy accuracy"),
+             "eval_sampled_reward": ("eval/sampled_reward", "sampled reward")}
 
 
 def plot_delta_hist(deltas, path: Path) -> None:
@@ -150,6 +174,48 @@ def plot_heatmap(rows: list[dict], path: Path, max_tokens: int = 48) -> None:
     _save(fig, path)
 
 
+def _finite(steps, values) -> tuple[np.ndarray, np.ndarray]:
+    x, y = np.asarray(steps, dtype=np.float64), np.asarray(values, dtype=np.float64)
+    keep = np.isfinite(y)
+    return x[keep], y[keep]
+
+
+def _log_curve(ax, steps, values, label: str | None = None, **style) -> str:
+    """`values` (>= 0) on a log axis, exact zeros drawn at a floor a decade under the smallest
+    nonzero value; returns a note for the title ("" when nothing was zero)."""
+    x, y = _finite(steps, values)
+    nonzero = y[y > 0]
+    floor = nonzero.min() / 10 if nonzero.size else FLOOR
+    ax.plot(x, np.maximum(y, floor), label=label, **style)
+    ax.set_yscale("log")
+    if y.size and not nonzero.size and not ax.texts:  # once per panel, above the floor line
+        ax.text(0.5, 0.75, "exactly 0 at every step (bitwise equal)", ha="center", transform=ax.transAxes,
+                fontsize=8)
+    return f"0 drawn at {floor:.1g}" if (y == 0).any() else ""
+
+
+def _draw_curve(ax, name: str, steps, values) -> str:
+    """One mismatch metric on its scale (`CURVE_SCALES`); returns the panel's title."""
+    scale = CURVE_SCALES.get(name, "linear")
+    if scale == "log":
+        note = _log_curve(ax, steps, values, lw=1.2)
+        return f"{name} (log{'; ' + note if note else ''})"
+    if scale == "abs_log":
+        x, y = _finite(steps, values)
+        note = _log_curve(ax, x, np.abs(y), lw=1.2, label=f"|{name}|")
+        if (y < 0).any():
+            ax.plot(x[y < 0], -y[y < 0], "v", color="#d62728", ms=4, label="step where it is < 0")
+            ax.legend(fontsize=7)
+        return f"|{name}| (log{'; ' + note if note else ''})"
+    x, y = _finite(steps, values)
+    ax.plot(x, y, lw=1.2)
+    if scale == "unit":
+        ax.set_ylim(0, 1.02)
+        ax.ticklabel_format(axis="y", useOffset=False)
+        return f"{name} (0..1; min {y.min():.4g})" if y.size else name
+    return name
+
+
 def plot_curves(curves: dict, path: Path) -> None:
     names = [k for k in curves if k != "step"]
     steps = curves.get("step") or list(range(len(curves[names[0]])))
@@ -157,22 +223,79 @@ def plot_curves(curves: dict, path: Path) -> None:
     rows = math.ceil(len(names) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.3 * cols, 3 * rows), squeeze=False)
     for ax, name in zip(axes.flat, names):
-        ax.plot(steps, curves[name], lw=1.2)
-        ax.set_title(name, fontsize=9)
-        ax.set_xlabel("step", fontsize=8)
+        ax.set_title(_draw_curve(ax, name, steps, curves[name]), fontsize=9)
+        ax.set_xlabel("RL step", fontsize=8)
+        ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(names):]:
         ax.axis("off")
-    fig.suptitle("Mismatch metrics over training steps")
+    fig.suptitle("Learner vs sampler mismatch over training steps")
+    _save(fig, path)
+
+
+def training_section(history: list[dict]) -> dict | None:
+    """The training curves of a run's records: RL steps ("kind" "rl", or no kind) and evaluations
+    ("kind" "eval"); None when no RL step logged a reward."""
+    rl = [h for h in history if h.get("kind", "rl") == "rl" and "reward" in h]
+    ev = [h for h in history if h.get("kind") == "eval"]
+    if not rl:
+        return None
+    out = {"step": [h["step"] for h in rl]}
+    for key, (logged, _) in TRAINING_KEYS.items():
+        if all(logged in h for h in rl):
+            out[key] = [float(h[logged]) for h in rl]
+    out["eval_step"] = [h["step"] for h in ev]
+    for key, (logged, _) in EVAL_KEYS.items():
+        if ev and all(logged in h for h in ev):
+            out[key] = [float(h[logged]) for h in ev]
+    return out
+
+
+def plot_training(t: dict, path: Path) -> None:
+    """Reward, held-out accuracy, the mismatch summary and throughput over RL steps (2 x 2)."""
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5))
+    (reward, held_out), (mismatch, speed) = axes
+    steps, rewards = t["step"], t["reward"]
+    w = len(rewards) // 10
+    reward.plot(steps, rewards, alpha=0.4 if w > 1 else 1.0, label="rollout reward (batch mean)")
+    if w > 1:
+        smooth = [float(np.mean(rewards[max(0, i - w + 1):i + 1])) for i in range(len(rewards))]
+        reward.plot(steps, smooth, label=f"mean of the last {w}")
+    reward.set(title="reward", xlabel="RL step")
+    for key, (_, label) in EVAL_KEYS.items():
+        if t.get(key):
+            held_out.plot(t["eval_step"], t[key], "o-" if key == "eval_accuracy" else "s--", label=label)
+    if not t.get("eval_accuracy"):
+        held_out.text(0.5, 0.5, "no evaluation logged", ha="center", transform=held_out.transAxes)
+    held_out.set(title="held-out accuracy", xlabel="RL step", ylim=(0, 1.02))
+    notes = [note for key in ("k3_kl", "logprob_abs_diff_max") if t.get(key)
+             for note in [_log_curve(mismatch, steps, t[key], TRAINING_KEYS[key][1])] if note]
+    mismatch.set(title="learner vs sampler mismatch (log" + (f"; {notes[0]}" if notes else "") + ")",
+                 xlabel="RL step")
+    for key in ("rollout_tokens_per_s", "learner_tokens_per_s"):
+        if t.get(key):
+            speed.plot(steps, t[key], label=TRAINING_KEYS[key][1])
+    speed.set(title="throughput (tokens/s)", xlabel="RL step", ylim=(0, None))
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     _save(fig, path)
 
 
 def _save(fig, path: Path) -> None:
+    """Render to memory, then write the file whole (a full disk leaves any previous file intact)."""
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
     plt.close(fig)
+    write_atomic(path, buf.getvalue())
 
 
 PLOTS = (  # section, file, drawer, caption
+    ("training", TRAINING_PNG, plot_training,
+     "Rollout reward (batch mean and its running mean), greedy accuracy on the held-out split, the "
+     "learner-sampler mismatch (k3_kl and max |delta log-prob|, log axis) and tokens per second of "
+     "the rollout and of the learner update, per RL step."),
     ("deltas", "delta_hist.png", plot_delta_hist,
      "How far apart the two engines' log-probs are, token by token."),
     ("localization", "layer_divergence.png", plot_layer_divergence,
@@ -182,39 +305,48 @@ PLOTS = (  # section, file, drawer, caption
     ("direction", "regions.png", plot_regions,
      "Whether the gap sits where the update would amplify it (amp_pos/amp_neg) and where in responses."),
     ("heatmap", "heatmap.png", plot_heatmap, "Where in individual responses the gap sits."),
-    ("curves", "curves.png", plot_curves, "Mismatch metrics logged during training."),
+    ("curves", "curves.png", plot_curves,
+     "Mismatch metrics logged during training. Log axes draw exact zeros at the floor named in the "
+     "panel's title. kl is the k1 estimate mean(log mu - log pi) over the sampled tokens: unbiased, but "
+     "its terms take both signs, so when the engines nearly agree it is mostly noise and can be "
+     "negative; it is drawn as |kl| with those steps marked (k3_kl is the estimate that is never "
+     "negative), chi2_token likewise. ESS is a share on a 0..1 axis: 1 means the importance weights "
+     "pi/mu are all equal."),
 )
 
 
 def write_report(out_dir, report: dict, deltas=None, title: str = "miniTE diagnostics") -> dict[str, Path]:
     """Write report.json, the PNGs of the sections present and report.html; returns their paths."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_dir(out_dir)
     data = {**report, "deltas": None if deltas is None else [float(x) for x in np.asarray(deltas).ravel()]}
     paths = {}
     for section, file, draw, _ in PLOTS:
         if data.get(section):
             draw(data[section], out / file)
             paths[section] = out / file
-    (out / "report.json").write_text(json.dumps(_jsonable(report), indent=1))
+    write_atomic(out / "report.json", json.dumps(_jsonable(report), indent=1))
     paths["json"] = out / "report.json"
-    (out / "report.html").write_text(_html(title, report, paths))
+    write_atomic(out / "report.html", _html(title, report, paths))
     paths["html"] = out / "report.html"
     return paths
 
 
 def write_training_report(out_dir, history: list[dict], report: dict | None = None,
                           metrics=CURVE_METRICS) -> dict[str, Path]:
-    """Report of a training run: `history` holds one dict of logged metrics per step (an optional
-    "step" key); the curves of `metrics` that were logged are drawn, plus any sections of `report`."""
-    steps = [h.get("step", i) for i, h in enumerate(history)]
+    """Report of a training run: `history` holds its logged records, one dict per RL step (an optional
+    "step" key; "kind" "rl" or none) and per evaluation ("kind" "eval"); draws the training curves, the
+    curves of the `metrics` that were logged, plus any sections of `report` (a "summary" dict is
+    shown as a table)."""
+    rl = [h for h in history if h.get("kind", "rl") == "rl"]
+    steps = [h.get("step", i) for i, h in enumerate(rl)]
     curves = {"step": steps}
     for name in metrics:
-        values = [h.get(name, h.get(f"mismatch/{name}")) for h in history]
-        if history and all(v is not None for v in values):
+        values = [h.get(name, h.get(f"mismatch/{name}")) for h in rl]
+        if rl and all(v is not None for v in values):
             curves[name] = [float(v) for v in values]
-    return write_report(out_dir, {**(report or {}), "curves": curves if len(curves) > 1 else None},
-                        title="miniTE training report")
+    sections = {**(report or {}), "training": training_section(history),
+                "curves": curves if len(curves) > 1 else None}
+    return write_report(out_dir, sections, title="miniTE training report")
 
 
 def _jsonable(x):
@@ -242,6 +374,8 @@ def _html(title: str, report: dict, paths: dict) -> str:
              "body{font-family:sans-serif;max-width:1100px;margin:auto} td{padding:2px 10px}"
              "table{border-collapse:collapse} tr:nth-child(even){background:#f3f3f3}</style></head><body>",
              f"<h1>{html.escape(title)}</h1>"]
+    if report.get("summary"):
+        parts.append("<h2>summary</h2>" + _table(report["summary"]))
     if report.get("config"):
         parts.append("<h2>setup</h2>" + _table(report["config"]))
     if report.get("metrics"):

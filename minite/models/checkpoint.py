@@ -21,10 +21,10 @@ import uuid
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from minite.models.config import ModelConfig
+from minite.models.config import ModelConfig, UnsupportedConfigError
 from minite.models.qwen3 import Qwen3
 from minite.recipe import Recipe
 
@@ -75,20 +75,63 @@ def to_hf_tensors(model: Qwen3, dtype: torch.dtype | None = None) -> dict[str, t
     return out
 
 
-def read_config(path: str | Path) -> ModelConfig:
-    """Parse `path/config.json`."""
-    file = Path(path) / "config.json"
+def read_json(file: Path) -> dict:
+    """A JSON object from `file`; a parse error names the file, the line and the column."""
+    try:
+        data = json.loads(file.read_text())
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{file} is not a text file; restore or re-download it") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
+                              "fix it or re-download the model") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file} holds a JSON {type(data).__name__}, expected an object")
+    return data
+
+
+def open_safetensors(file: str | Path):
+    """`safe_open(file)`, a truncated or corrupt file named as such (safetensors checks the header and
+    that the data covers every tensor when opening, so nothing has been read yet)."""
+    file = Path(file)
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} does not exist" if not file.exists() else f"{file} is not a file")
+    try:
+        return safe_open(file, "pt")
+    except SafetensorError as e:
+        detail = str(e).removeprefix("Error while deserializing header: ")
+        raise CheckpointError(f"{file} is not a valid safetensors file ({detail}); it may be truncated "
+                              "or corrupt: re-download or re-save it") from None
+
+
+def _hf_config(path: Path) -> dict:
+    file = path / "config.json"
     if not file.is_file():
         raise CheckpointError(f"{file} does not exist")
-    return ModelConfig.from_hf(json.loads(file.read_text()))
+    return read_json(file)
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """Parse `path/config.json`; a bad field is named with the file."""
+    file = Path(path) / "config.json"
+    return _model_config(_hf_config(Path(path)), file)
+
+
+def _model_config(hf_config: dict, file: Path) -> ModelConfig:
+    try:
+        return ModelConfig.from_hf(hf_config)
+    except UnsupportedConfigError as e:
+        raise UnsupportedConfigError(f"{file}: {e}") from None
 
 
 def load_pretrained(path: str | Path, recipe: str | Recipe = "aligned", dtype: torch.dtype | None = None,
                     device: str | torch.device = "cpu") -> Qwen3:
     """Build a `Qwen3` from a Hugging Face model directory; `dtype` defaults to config.json's (else bf16)."""
     path = Path(path)
-    hf_config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else None
-    config = read_config(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a model folder (config.json and safetensors)"
+                              if path.exists() else f"{path} does not exist")
+    hf_config = _hf_config(path)
+    config = _model_config(hf_config, path / "config.json")
     dtype = dtype or _config_dtype(hf_config)
     files = _tensor_files(path)
     with torch.device("meta"):
@@ -132,7 +175,7 @@ def save_pretrained(model: Qwen3, path: str | Path, max_shard_size: int | str = 
 def _tensor_files(path: Path) -> dict[str, Path]:
     """Hugging Face tensor name -> the safetensors file holding it."""
     if (path / INDEX).is_file():
-        weight_map = json.loads((path / INDEX).read_text()).get("weight_map")
+        weight_map = read_json(path / INDEX).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{path / INDEX} has no weight_map")
         files = {name: path / file for name, file in weight_map.items()}
@@ -141,7 +184,7 @@ def _tensor_files(path: Path) -> dict[str, Path]:
                 raise CheckpointError(f"shard {file.name} named in {INDEX} does not exist")
         return files
     if (path / SINGLE).is_file():
-        with safe_open(path / SINGLE, "pt") as f:
+        with open_safetensors(path / SINGLE) as f:
             return {name: path / SINGLE for name in f.keys()}  # noqa: SIM118
     raise CheckpointError(f"{path} has neither {SINGLE} nor {INDEX}")
 
@@ -194,13 +237,14 @@ class _Reader:
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         file = self.files[name]
         if file not in self.open:
-            self.open[file] = safe_open(file, "pt")
+            self.open[file] = open_safetensors(file)
         handle = self.open[file]
         if name not in handle.keys():  # noqa: SIM118
             raise CheckpointError(f"tensor {name} is listed in {INDEX} but missing from {file.name}")
         tensor = handle.get_tensor(name)
         if tuple(tensor.shape) != tuple(shape):
-            raise CheckpointError(f"tensor {name} has shape {list(tensor.shape)}, expected {list(shape)}")
+            raise CheckpointError(f"tensor {name} has shape {list(tensor.shape)} in {file}, expected "
+                                  f"{list(shape)}")
         return tensor
 
     def close(self) -> None:
@@ -211,8 +255,8 @@ def _more(names: list[str]) -> str:
     return f" (and {len(names) - 1} more: {names[1:4]}...)" if len(names) > 1 else ""
 
 
-def _config_dtype(hf_config: dict | None) -> torch.dtype:
-    name = (hf_config or {}).get("dtype") or (hf_config or {}).get("torch_dtype") or "bfloat16"
+def _config_dtype(hf_config: dict) -> torch.dtype:
+    name = hf_config.get("dtype") or hf_config.get("torch_dtype") or "bfloat16"
     dtype = getattr(torch, str(name), None)
     if not isinstance(dtype, torch.dtype):
         raise CheckpointError(f"config.json dtype={name!r} is not a torch dtype")

@@ -100,9 +100,9 @@ class ModelConfig:
             num_hidden_layers=_required(hf, "num_hidden_layers"),
             num_attention_heads=heads,
             num_key_value_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or _required(hf, "hidden_size") // heads,
-            rope_theta=float(_rope_theta(hf)),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            head_dim=hf.get("head_dim") or _default_head_dim(hf, heads),
+            rope_theta=_number("rope_theta", _rope_theta(hf)),
+            rms_norm_eps=_number("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=hf.get("max_position_embeddings", 40960),
             bos_token_id=hf.get("bos_token_id"),
@@ -214,6 +214,18 @@ def _rope_theta(hf: dict) -> float:
     if theta is None:
         raise UnsupportedConfigError("config.json lacks rope_theta (or rope_parameters.rope_theta)")
     return theta
+
+
+def _number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise UnsupportedConfigError(f"{name}={value!r} must be a number")
+    return float(value)
+
+
+def _default_head_dim(hf: dict, heads):
+    """hidden_size // num_attention_heads, left to the field checks when either is not an integer."""
+    hidden = _required(hf, "hidden_size")
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else None
 
 
 def _required(hf: dict, name: str):

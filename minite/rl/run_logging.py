@@ -4,10 +4,13 @@
   tokens/s and the mismatch summary (k3_kl, max |d logp|). Redrawn in place on a terminal.
 - `MetricsLog`: every record appended to `metrics.jsonl` (one JSON object per line, always) and, when
   the `tensorboard` package is installed, written as scalars under `tensorboard/`. A record has a
-  "kind" ("warmup", "rl" or "eval") and a "step".
-- `write_report`: `report.png` (reward, held-out accuracy and mismatch curves over RL steps;
-  matplotlib, Agg backend), `summary.json` (first/last/best numbers, timings) and the diagnostics
-  report of the run (`report.html`, `report.json`, `curves.png`: mismatch metrics over steps).
+  "kind" ("warmup", "rl" or "eval") and a "step". `read_metrics` drops a half-written last line (a
+  crash mid-append) with a warning; any other bad line is an error naming the file and line.
+- `write_report`: `summary.json` (first/last/best numbers, timings) and the diagnostics report of the
+  run (`report.html`, `report.json`; `training.png`: reward, held-out accuracy, mismatch and
+  throughput over RL steps, also saved as `report.png`; `curves.png`: every mismatch metric on a
+  readable scale). Every file is written whole or not at all (`minite.files.write_atomic`): a full
+  disk names the path and leaves the previous file as it was.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ from __future__ import annotations
 import json
 import math
 import sys
+import warnings
 from pathlib import Path
 
 from minite.diagnostics.report import write_training_report
+from minite.files import append_line, write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 REPORT_PNG = "report.png"
@@ -66,8 +71,7 @@ class MetricsLog:
                 self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
     def log(self, record: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record, default=float) + "\n")
+        append_line(self.path, json.dumps(record, default=float))
         if self.writer is not None:
             step, kind = record.get("step", 0), record.get("kind", "rl")
             for key, value in record.items():
@@ -78,20 +82,43 @@ class MetricsLog:
     def truncate_after(self, step: int) -> None:
         """Drop RL and eval records of steps after `step` (a resumed run logs them again)."""
         keep = [r for r in read_metrics(self.path) if r.get("kind") == "warmup" or r.get("step", 0) <= step]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
-        tmp.replace(self.path)
+        write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in keep))
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
 
 
+class MetricsWarning(UserWarning):
+    """A metrics log was read with a half-written last line left out."""
+
+
 def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a metrics.jsonl. A last line without its newline that does not parse is what a
+    crash in the middle of an append leaves: dropped, with a warning. Any other line that is not a JSON
+    object is an error naming the file and the line."""
     path = Path(path)
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text(errors="replace")
+    lines = text.split("\n")  # the piece after the last newline is "" unless a write was cut short
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if number == len(lines):
+                warnings.warn(f"{path} line {number} is half-written (a crash while logging); it is "
+                              "left out", MetricsWarning, stacklevel=2)
+                break
+            raise ValueError(f"{path} line {number} is not valid JSON ({e.msg} at column {e.colno}); "
+                             "restore the file or remove that line") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path} line {number} holds a JSON {type(record).__name__}, expected an object")
+        records.append(record)
+    return records
 
 
 def summarize(records: list[dict], extra: dict | None = None) -> dict:
@@ -106,7 +133,8 @@ def summarize(records: list[dict], extra: dict | None = None) -> dict:
                    reward_first_fifth_mean=sum(rewards[:k]) / k, reward_last_fifth_mean=sum(rewards[-k:]) / k,
                    k3_kl_max=max(r.get("mismatch/k3_kl", 0.0) for r in rl),
                    logprob_abs_diff_max=max(r.get("mismatch/logprob_abs_diff_max", 0.0) for r in rl),
-                   rollout_tokens_per_s_mean=sum(r.get("rollout/tokens_per_s", 0.0) for r in rl) / len(rl))
+                   rollout_tokens_per_s_mean=sum(r.get("rollout/tokens_per_s", 0.0) for r in rl) / len(rl),
+                   learner_tokens_per_s_mean=sum(r.get("learner/tokens_per_s", 0.0) for r in rl) / len(rl))
     if ev:
         out.update(eval_accuracy_first=ev[0]["eval/accuracy"], eval_accuracy_last=ev[-1]["eval/accuracy"],
                    eval_accuracy_best=max(r["eval/accuracy"] for r in ev),
@@ -116,46 +144,13 @@ def summarize(records: list[dict], extra: dict | None = None) -> dict:
 
 
 def write_report(run_dir: str | Path, extra: dict | None = None) -> dict:
-    """Write report.png, summary.json and the diagnostics report (report.html / report.json with the
-    mismatch curves over steps) from the run folder's metrics.jsonl; returns the summary."""
+    """Write summary.json and the run's report (report.html / report.json, training.png and its copy
+    report.png, curves.png) from the run folder's metrics.jsonl; returns the summary."""
     run_dir = Path(run_dir)
     records = read_metrics(run_dir / METRICS_FILE)
     summary = summarize(records, extra)
-    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
-    _plot(records, run_dir / REPORT_PNG)
-    rl = [r for r in records if r.get("kind") == "rl"]
-    write_training_report(run_dir, rl, report={"summary": summary})  # report.html: mismatch curves
+    write_atomic(run_dir / SUMMARY_FILE, json.dumps(summary, indent=1) + "\n")
+    paths = write_training_report(run_dir, records, report={"summary": summary})
+    if "training" in paths:  # report.png: the figure the progress line and the README point to
+        write_atomic(run_dir / REPORT_PNG, paths["training"].read_bytes())
     return summary
-
-
-def _plot(records: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rl = [r for r in records if r.get("kind") == "rl"]
-    ev = [r for r in records if r.get("kind") == "eval"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    steps, rewards = [r["step"] for r in rl], [r["reward"] for r in rl]
-    axes[0].plot(steps, rewards, alpha=0.4, label="rollout reward")
-    w = max(1, len(rl) // 10)
-    windows = [rewards[max(0, i - w + 1):i + 1] for i in range(len(rl))]
-    smooth = [sum(x) / len(x) for x in windows]
-    axes[0].plot(steps, smooth, label=f"mean of last {w}")
-    axes[0].set(title="reward", xlabel="RL step")
-    axes[1].plot([r["step"] for r in ev], [r["eval/accuracy"] for r in ev], "o-", label="greedy accuracy")
-    if ev and "eval/sampled_reward" in ev[0]:
-        axes[1].plot([r["step"] for r in ev], [r["eval/sampled_reward"] for r in ev], "s-",
-                     label="sampled reward")
-    axes[1].set(title="held-out", xlabel="RL step", ylim=(0, 1))
-    for key, label in (("mismatch/k3_kl", "k3_kl"), ("mismatch/logprob_abs_diff_max", "max |dlogp|")):
-        values = [max(r.get(key, 0.0), 1e-18) for r in rl]
-        axes[2].plot([r["step"] for r in rl], values, label=label)
-    axes[2].set(title="learner vs sampler mismatch", xlabel="RL step", yscale="log")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)

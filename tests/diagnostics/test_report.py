@@ -53,6 +53,63 @@ def test_training_report_curves(tmp_path):
     assert curves["step"] == [0, 1, 2, 3, 4] and curves["k3_kl"][1] == 0.01 and "loss" not in curves
 
 
+def _run_records(steps: int = 6, aligned: bool = False) -> list[dict]:
+    """What a training run logs: warm-up, RL steps (an aligned pair logs exact zeros) and evaluations."""
+    records = [{"kind": "warmup", "step": 1, "nll": 3.0}, {"kind": "eval", "step": 0, "eval/accuracy": 0.1,
+                                                          "eval/sampled_reward": 0.05}]
+    for s in range(1, steps + 1):
+        gap = 0.0 if aligned else 1e-4 * s
+        records.append({"kind": "rl", "step": s, "reward": 0.1 * s, "mismatch/kl": gap * (-1) ** s,
+                        "mismatch/k3_kl": gap / 2, "mismatch/logprob_abs_diff_mean": gap,
+                        "mismatch/logprob_abs_diff_max": 10 * gap, "mismatch/chi2_token": gap,
+                        "mismatch/ess": 1 - gap, "triage/imbalance": 1.0,
+                        "rollout/tokens_per_s": 300.0 + s, "learner/tokens_per_s": 5000.0 - s})
+        if s % 3 == 0:
+            records.append({"kind": "eval", "step": s, "eval/accuracy": 0.1 + 0.1 * s,
+                            "eval/sampled_reward": 0.1 * s})
+    return records
+
+
+@pytest.mark.parametrize("aligned", [False, True], ids=["naive", "aligned"])
+def test_run_report_shows_reward_accuracy_mismatch_throughput_and_summary(tmp_path, aligned):
+    from minite.rl.run_logging import write_report as write_run_report
+
+    records = _run_records(aligned=aligned)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = write_run_report(tmp_path, {"wall_seconds": 12.5})
+    html = (tmp_path / "report.html").read_text()
+    assert "<h2>summary</h2>" in html and "<td>reward_last</td><td>0.6</td>" in html
+    assert "<td>eval_accuracy_last</td><td>0.7</td>" in html and "<td>wall_seconds</td><td>12.5</td>" in html
+    assert "<h3>training.png</h3>" in html and "held-out split" in html and "tokens per second" in html
+    assert "<h3>curves.png</h3>" in html and "drawn as |kl|" in html and "0..1 axis" in html
+    assert html.count("data:image/png;base64,") == 2
+    for name in ("report.png", "training.png", "curves.png"):
+        assert (tmp_path / name).read_bytes()[:8] == PNG and (tmp_path / name).stat().st_size > 20_000
+    training = json.loads((tmp_path / "report.json").read_text())["training"]
+    assert training["eval_step"] == [0, 3, 6] and training["eval_accuracy"][-1] == pytest.approx(0.7)
+    assert training["learner_tokens_per_s"][0] == 4999.0 and summary["learner_tokens_per_s_mean"] > 4990
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no temporary file left
+
+
+def test_curve_panels_use_readable_scales():
+    import matplotlib.pyplot as plt
+
+    from minite.diagnostics import report
+
+    fig, axes = plt.subplots(1, 4)
+    steps = [1, 2, 3]
+    titles = [report._draw_curve(axes[0], "k3_kl", steps, [0.0, 1e-6, 1e-5]),
+              report._draw_curve(axes[1], "kl", steps, [-1e-4, 2e-4, -3e-4]),
+              report._draw_curve(axes[2], "ess", steps, [0.99999998, 1.0, 0.99999999]),
+              report._draw_curve(axes[3], "logprob_abs_diff_max", steps, [0.0, 0.0, 0.0])]
+    assert titles[0] == "k3_kl (log; 0 drawn at 1e-07)" and axes[0].get_yscale() == "log"
+    assert titles[1] == "|kl| (log)" and axes[1].get_yscale() == "log"
+    assert [tuple(line.get_ydata()) for line in axes[1].get_lines()] == [(1e-4, 2e-4, 3e-4), (1e-4, 3e-4)]
+    assert titles[2].startswith("ess (0..1") and axes[2].get_ylim() == (0, 1.02)
+    assert axes[3].get_yscale() == "log" and "bitwise equal" in axes[3].texts[0].get_text()
+    plt.close(fig)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3-moe"])
 def test_diagnose_cli_writes_report(tmp_path, capsys, preset):

@@ -105,6 +105,45 @@ def test_missing_files_are_named(tmp_path):
         load_pretrained(tmp_path / "sharded")
 
 
+@pytest.mark.parametrize("damage", ["truncated", "random bytes", "empty"])
+def test_corrupt_safetensors_is_named(hf_dir, damage):
+    file = hf_dir / checkpoint.SINGLE
+    data = file.read_bytes()
+    file.write_bytes({"truncated": data[: len(data) // 2], "random bytes": bytes(range(256)) * 8,
+                      "empty": b""}[damage])
+    with pytest.raises(CheckpointError, match=f"{file} is not a valid safetensors file .*truncated or corrupt"):
+        load_pretrained(hf_dir)
+
+
+def test_corrupt_shard_is_named(tmp_path):
+    save_pretrained(load_pretrained_tiny(tmp_path), tmp_path / "sharded", max_shard_size=10_000)
+    index = json.loads((tmp_path / "sharded" / checkpoint.INDEX).read_text())
+    shard = tmp_path / "sharded" / sorted(set(index["weight_map"].values()))[-1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=f"{shard} is not a valid safetensors file"):
+        load_pretrained(tmp_path / "sharded")
+
+
+@pytest.mark.parametrize("text,problem", [
+    ('{"vocab_size": 128,', r"not valid JSON \(Expecting property name .* at line 1 column 20\)"),
+    ("[1, 2]", "holds a JSON list, expected an object"),
+    ('{"architectures": ["Qwen3ForCausalLM"], "rope_theta": "big"}', "lacks the required field"),
+], ids=["cut", "list", "field"])
+def test_corrupt_config_json_is_named(hf_dir, text, problem):
+    (hf_dir / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=f"{hf_dir / 'config.json'}.*{problem}"):
+        load_pretrained(hf_dir)
+    with pytest.raises(ValueError, match=problem):
+        checkpoint.read_config(hf_dir)
+
+
+def test_corrupt_index_is_named(tmp_path):
+    save_pretrained(load_pretrained_tiny(tmp_path), tmp_path / "sharded", max_shard_size=10_000)
+    (tmp_path / "sharded" / checkpoint.INDEX).write_text('{"weight_map": {')
+    with pytest.raises(CheckpointError, match=f"{checkpoint.INDEX} is not valid JSON"):
+        load_pretrained(tmp_path / "sharded")
+
+
 def test_tied_checkpoint_with_different_lm_head_is_rejected(tmp_path):
     random_hf_model(tiny_qwen3(tie_word_embeddings=True)).save_pretrained(tmp_path)
     _edit_tensors(tmp_path, lambda t: t.update({"lm_head.weight": torch.zeros(128, 64)}))

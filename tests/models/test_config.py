@@ -1,5 +1,7 @@
 """ModelConfig parsing of transformers config.json dicts and its errors."""
 
+import re
+
 import pytest
 import transformers
 
@@ -55,3 +57,15 @@ def test_moe_errors_name_the_field():
         ModelConfig.from_hf({k: v for k, v in hf.items() if k != "num_experts"})
     with pytest.raises(UnsupportedConfigError, match="mlp_only_layers"):
         ModelConfig.from_hf(hf | {"mlp_only_layers": [5]})
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("rope_theta", "big", "rope_theta='big' must be a number"),
+    ("rms_norm_eps", None, "rms_norm_eps=None must be a number"),
+    ("hidden_size", "64", "hidden_size='64' must be a positive integer"),
+    ("num_attention_heads", 0, "num_attention_heads=0 must be a positive integer"),
+])
+def test_bad_field_values_are_named(field, value, message):
+    hf = {k: v for k, v in tiny_qwen3().to_hf().items() if k != "head_dim"} | {field: value}
+    with pytest.raises(UnsupportedConfigError, match=re.escape(message)):
+        ModelConfig.from_hf(hf)
