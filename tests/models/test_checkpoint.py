@@ -111,7 +111,7 @@ def test_corrupt_safetensors_is_named(hf_dir, damage):
     data = file.read_bytes()
     file.write_bytes({"truncated": data[: len(data) // 2], "random bytes": bytes(range(256)) * 8,
                       "empty": b""}[damage])
-    with pytest.raises(CheckpointError, match=f"{file} is not a valid safetensors file .*truncated or corrupt"):
+    with pytest.raises(CheckpointError, match=f"{file} is not a valid safetensors file .*truncated"):
         load_pretrained(hf_dir)
 
 
