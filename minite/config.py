@@ -129,9 +129,15 @@ class SamplerSection:
         return bool(self.recipe)
 
 
+NONFINITE = ("stop", "skip", "warn")
+
+
 @dataclass(frozen=True)
 class RLSection:
-    """One RL step = `prompts` x `n` rollouts, then `minibatches` updates on them."""
+    """One RL step = `prompts` x `n` rollouts, then `minibatches` updates on them. `on_nonfinite`: what
+    an inf or NaN loss or gradient (warm start included) does: `"stop"` the run with an error naming the
+    step (its update not applied), `"skip"` the update with a warning, `"warn"` and train on (the
+    optimizer still skips a non-finite gradient). Non-finite weights always stop the run."""
 
     steps: int = 150
     lr: float = 1e-4
@@ -143,9 +149,12 @@ class RLSection:
     loss: LossConfig = field(default_factory=LossConfig)
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    on_nonfinite: str = "stop"
 
     def __post_init__(self):
         _positive(self, "steps", "prompts", "minibatches")
+        if self.on_nonfinite not in NONFINITE:
+            raise ValueError(f"on_nonfinite={self.on_nonfinite!r}; choose one of {list(NONFINITE)}")
         if self.n < 2:
             raise ValueError(f"n={self.n} must be >= 2 (advantages are normalized within a group)")
         if not self.lr > 0:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from minite.config import ConfigError, load_config, to_toml
 
+INTERRUPTED = 130  # the shell's exit status of a process stopped by SIGINT
 HELP = "train a model with RL (warm start, GRPO, corrections, TRIAGE); writes a run folder"
 
 
@@ -59,10 +60,19 @@ def run(args) -> int:
         return 0
     from minite.rl.trainer import Trainer
 
-    trainer = Trainer(cfg, run_dir=args.resume, resume=bool(args.resume))
-    print(f"minite train: run folder {trainer.run_dir}", flush=True)
-    summary = trainer.run()
+    try:
+        trainer = Trainer(cfg, run_dir=args.resume, resume=bool(args.resume))
+        print(f"minite train: run folder {trainer.run_dir}", flush=True)
+        summary = trainer.run()
+    except KeyboardInterrupt as e:
+        # Ctrl-C: one line saying what was saved and how to go on, no traceback; 130 = 128 + SIGINT
+        print(f"\nminite train: {e or 'interrupted before training started; nothing was saved'}",
+              file=sys.stderr, flush=True)
+        return INTERRUPTED
     keys = ("reward_first_fifth_mean", "reward_last_fifth_mean", "eval_accuracy_first", "eval_accuracy_last",
             "wall_seconds")
     print("summary: " + ", ".join(f"{k}={summary[k]:.3f}" for k in keys if k in summary))
+    if summary.get("warnings"):
+        count = len(summary["warnings"])
+        print(f"minite train: {count} warning(s), listed in {trainer.run_dir}/summary.json", file=sys.stderr)
     return 0

@@ -1,8 +1,9 @@
 """Run an experiment's arms x seeds as separate `minite train` processes, at most `parallel` at once.
 
 Each run writes its own folder `OUT/ARM/seedS` (its `train.log` holds the process's output). A run
-whose folder holds a finished summary is skipped; one with a checkpoint is resumed; so rerunning
-the same command after a crash or Ctrl-C continues where it stopped.
+whose folder holds a finished summary is skipped; one started before is resumed (from its checkpoint,
+or over again when it stopped before the first one); so rerunning the same command after a crash or
+Ctrl-C continues where it stopped.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def finished(folder: Path, steps: int) -> bool:
 def command(exp: Experiment, arm: Arm, seed: int, out: Path) -> list[str]:
     folder = run_dir(out, arm, seed)
     base = [sys.executable, "-m", "minite.cli", "train"]
-    if latest_checkpoint(folder / "checkpoints") is not None:
+    if latest_checkpoint(folder / "checkpoints") is not None or (folder / "config.toml").is_file():
+        # a run started before (without a checkpoint it starts over): only --resume may write into it
         return base + ["--resume", str(folder)]
     config = ["--config", str(exp.config)] if exp.config else []
     return base + config + exp.arm_overrides(arm, seed) + [f"--run_dir={folder}", "--logging.progress=false"]

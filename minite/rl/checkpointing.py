@@ -13,6 +13,12 @@ killed at any moment therefore leaves either the previous `latest` or the new on
 a half-written checkpoint; leftover temporaries are ignored and cleaned up by the next save. Only
 the last `keep` checkpoints are kept.
 
+Loading falls back: `load_latest_checkpoint` tries the checkpoint `latest` names, then the older ones
+kept, newest first, and resumes from the first that loads (a file truncated or overwritten after the
+save, a file deleted), warning about each one it passes over and why. The ones passed over are moved
+aside to `broken-step_N` (kept for inspection; never resumed from or pruned) and `latest` is pointed
+at the one loaded, so the next save of that step writes a fresh checkpoint.
+
 RNG states: torch (CPU and, when present, CUDA), Python `random` and NumPy. The sampler draws from
 counter-based random numbers keyed by the per-step seed (`minite.sampler.rng`), so its state is the
 step number itself.
@@ -84,29 +90,100 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, models: dict[str, torch.nn.
     return final
 
 
-def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
-    """The checkpoint `latest` points to, or None when there is none yet."""
-    pointer = Path(ckpt_dir) / LATEST
+def checkpoints(ckpt_dir: str | Path) -> list[Path]:
+    """The checkpoints to resume from, newest first: the one `latest` names (which may be missing or
+    broken), then the older complete ones kept. Empty when `latest` does not exist (no save finished)."""
+    ckpt_dir = Path(ckpt_dir)
+    pointer = ckpt_dir / LATEST
     if not pointer.is_file():
-        return None
-    name = pointer.read_text().strip()
-    path = Path(ckpt_dir) / name
-    if not STEP_DIR.match(name) or not (path / "state.pt").is_file():
-        raise FileNotFoundError(f"{pointer} names {name!r}, which is not a complete checkpoint")
-    return path
+        return []
+    kept = sorted((p for p in ckpt_dir.iterdir() if p.is_dir() and STEP_DIR.match(p.name)), key=_step,
+                  reverse=True)
+    name = pointer.read_text(errors="replace").strip()
+    if not STEP_DIR.match(name):  # an unreadable pointer: every checkpoint kept is a candidate
+        return kept
+    newest = ckpt_dir / name
+    return [newest] + [p for p in kept if _step(p) < _step(newest)]
 
 
-def load_checkpoint(path: str | Path, recipe, dtype: torch.dtype, device) -> tuple[dict, dict]:
-    """({name: model}, state) of a checkpoint; the caller restores learner state, then `set_rng_state`."""
+def _step(path: Path) -> int:
+    return int(STEP_DIR.match(path.name)[1])
+
+
+def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
+    """The newest checkpoint to resume from (`checkpoints`), or None when there is none yet."""
+    found = checkpoints(ckpt_dir)
+    return found[0] if found else None
+
+
+def load_checkpoint(path: str | Path, recipe, dtype: torch.dtype, device,
+                    required: tuple[str, ...] = ("model",)) -> tuple[dict, dict]:
+    """({name: model}, state) of a checkpoint; the caller restores learner state, then `set_rng_state`.
+    A missing `state.pt` or a missing model of `required` raises FileNotFoundError."""
     path = Path(path)
+    if not (path / "state.pt").is_file():
+        raise FileNotFoundError(f"{path / 'state.pt'} does not exist")
+    for name in required:
+        if not (path / name / "config.json").is_file():
+            raise FileNotFoundError(f"{path / name / 'config.json'} does not exist")
     models = {sub.name: load_pretrained(sub, recipe=recipe, dtype=dtype, device=device)
               for sub in sorted(path.iterdir()) if (sub / "config.json").is_file()}
-    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+    try:
+        state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+    except Exception as e:  # a truncated or overwritten file fails in the zip reader or the unpickler
+        raise ValueError(f"{path / 'state.pt'} cannot be read ({_reason(e)}); it is truncated or "
+                         f"corrupt") from e
+    if not isinstance(state, dict) or not {"step", "rng", "learner"} <= state.keys():
+        raise ValueError(f"{path / 'state.pt'} is not a training state (no step, rng, learner)")
     return models, state
 
 
+def load_latest_checkpoint(ckpt_dir: str | Path, recipe, dtype: torch.dtype, device, warn=print,
+                           required: tuple[str, ...] = ("model",)) -> tuple[Path, dict, dict] | None:
+    """(path, models, state) of the newest checkpoint that loads (module docstring), or None when
+    there is none; `warn(text)` is told of each one passed over. Raises ValueError when none loads."""
+    ckpt_dir = Path(ckpt_dir)
+    failures = []
+    for path in checkpoints(ckpt_dir):
+        try:
+            models, state = load_checkpoint(path, recipe, dtype, device, required)
+        except Exception as e:  # whatever a damaged file raises (safetensors, pickle, zip, OS errors)
+            failures.append((path, _reason(e)))
+            warn(f"checkpoint {path} cannot be loaded ({failures[-1][1]}); trying the previous one")
+            continue
+        if failures:
+            _set_aside([p for p, _ in failures])
+            _write_atomic(ckpt_dir / LATEST, path.name + "\n")
+            warn(f"resuming from {path}; {', '.join(p.name for p, _ in failures)} moved aside to "
+                 f"{ckpt_dir}/broken-*")
+        return path, models, state
+    if failures:
+        listed = "; ".join(f"{p.name}: {why}" for p, why in failures)
+        raise ValueError(f"no checkpoint in {ckpt_dir} can be loaded ({listed}); the run cannot be resumed: "
+                         f"start a new one (another run_dir)")
+    return None
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
+
+
+def _set_aside(paths: list[Path]) -> None:
+    """Rename broken checkpoints to `broken-<name>` (a suffix when that exists)."""
+    for path in paths:
+        if not path.exists():
+            continue
+        target = path.with_name(f"broken-{path.name}")
+        if target.exists():
+            target = path.with_name(f"broken-{path.name}-{uuid.uuid4().hex[:8]}")
+        os.rename(path, target)
+    if paths:
+        _fsync_dir(paths[0].parent)
+
+
 def _prune(ckpt_dir: Path, keep: int) -> None:
-    steps = sorted(p for p in ckpt_dir.iterdir() if p.is_dir() and STEP_DIR.match(p.name))
+    steps = sorted((p for p in ckpt_dir.iterdir() if p.is_dir() and STEP_DIR.match(p.name)), key=_step)
     for old in steps[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     for leftover in ckpt_dir.glob(".step_*.tmp-*"):

@@ -26,6 +26,20 @@ loss adds k3 KL to a frozen reference: the model as RL starts (after the warm st
 every checkpoint. Held-out greedy accuracy is measured after the warm start, every `eval.every`
 steps and at the end; checkpoints every `checkpoint.every` steps (`minite.rl.checkpointing`);
 metrics and report go to the run folder.
+
+Reliability (module `minite.rl.run_folder` owns the folder):
+- the run folder is locked by one process; a folder that already holds a run is refused unless
+  resumed; a run that fails before its first record leaves no folder it created behind;
+- resuming falls back to the previous checkpoint when the latest does not load
+  (`minite.rl.checkpointing.load_latest_checkpoint`);
+- Ctrl-C stops at the next step boundary, saves a checkpoint (when `checkpoint.every` > 0) and raises
+  `Interrupted`, whose text says how to resume; a second Ctrl-C stops at once;
+- a non-finite loss or gradient stops the run, skips the update or is warned about
+  (`rl.on_nonfinite`); non-finite weights always stop it (nothing trains on from them);
+- divergence is warned about: a warm start whose last nll is above ln(vocab_size) (worse than a
+  uniform guess), or a reward of 0 at `ZERO_REWARD_STEPS` consecutive RL steps (no learning signal);
+  warnings go to stderr and to summary.json's `warnings`, and travel with the checkpoints;
+- `wall_seconds` adds up the time of every process that trained the run (kept in the checkpoint).
 """
 
 from __future__ import annotations
@@ -33,9 +47,12 @@ from __future__ import annotations
 import copy
 import math
 import random
+import signal
+import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import replace
-from datetime import datetime
 from functools import partial
 from pathlib import Path
 
@@ -47,18 +64,22 @@ from minite.diagnostics.metrics import mismatch_metrics
 from minite.learner import Learner, SequenceBatch, sequence_logprobs
 from minite.learner.weight_sync import sync_sampler_model
 from minite.models import Qwen3, load_pretrained
+from minite.models.checkpoint import read_config
 from minite.nn.calibrate import calibrate, load_static_scales, static_scales, uses_static_scales
 from minite.recipe import get_recipe
 from minite.rl.advantages import advantage_metrics, group_advantages
 from minite.rl.batch import RLBatch, masked_mean
-from minite.rl.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
+from minite.rl.checkpointing import latest_checkpoint, load_latest_checkpoint, save_checkpoint, set_rng_state
 from minite.rl.corrections import apply_correction
 from minite.rl.losses import policy_loss
-from minite.rl.run_logging import MetricsLog, Progress, write_report
+from minite.rl.run_folder import RunFolder, existing_run_files
+from minite.rl.run_logging import SUMMARY_FILE, MetricsLog, Progress, write_report
 from minite.rl.tasks import make_task
 from minite.rl.tokenizer import load_tokenizer
 from minite.rl.triage import TriageConfig, triage
 from minite.sampling import SamplingParams
+
+ZERO_REWARD_STEPS = 10  # consecutive RL steps at reward 0 that are reported as "no learning signal"
 
 MISMATCH_KEYS = ("kl", "k3_kl", "chi2_token", "ess", "logprob_abs_diff_mean", "logprob_abs_diff_max",
                  "logprob_abs_diff_p99", "bitwise_equal_frac", "prob_abs_diff_mean")
@@ -78,21 +99,59 @@ def sft_loss(batch: RLBatch) -> tuple[torch.Tensor, dict]:
     return nll, {"sft/nll": nll.detach()}
 
 
-def new_run_dir() -> Path:
-    return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C stopped the run; the text says what was saved and how to go on."""
+
+
+class NonFiniteError(ValueError):
+    """A loss, gradient or weight is inf or NaN (and `rl.on_nonfinite` says stop, or weights are hit)."""
+
+
+def nonfinite_parameter(model: torch.nn.Module) -> str | None:
+    """The name of the first parameter holding inf or NaN, or None (one host sync when all are finite)."""
+    params = [(name, p.detach()) for name, p in model.named_parameters()]
+    if bool(torch.stack([n.float() for n in torch._foreach_norm([p for _, p in params])]).isfinite().all()):
+        return None
+    # a finite tensor's norm can still overflow: look at the values themselves
+    return next((name for name, p in params if not bool(torch.isfinite(p).all())), None)
+
+
+def skip_nonfinite(loss_fn):
+    """`loss_fn` whose non-finite loss turns the gradient into NaN, so the optimizer skips the update
+    (it skips non-finite gradients) without a host sync."""
+    def guarded(*args, **kwargs):
+        loss, metrics = loss_fn(*args, **kwargs)
+        scale = torch.ones_like(loss).masked_fill(~torch.isfinite(loss.detach()), math.nan)
+        return loss * scale, metrics  # times exactly 1 when finite: the same bits, value and gradient
+    return guarded
 
 
 class Trainer:
     """`Trainer(cfg, run_dir).run()`; with `resume=True` it continues from the run's latest checkpoint.
     `make_sampler(model, cfg)` builds the rollout engine on the model it samples with: the learner's
-    model object, or the sampler's own (`sampler.recipe`)."""
+    model object, or the sampler's own (`sampler.recipe`). The run folder stays locked from here until
+    `run()` returns or raises (or `close()`)."""
 
     def __init__(self, cfg: TrainConfig, run_dir: str | Path | None = None, resume: bool = False,
                  make_sampler=default_sampler, progress_stream=None):
         self.cfg = cfg
-        self.run_dir = Path(run_dir or cfg.run_dir or new_run_dir())
+        self.progress = Progress(cfg.rl.steps, cfg.logging.progress, progress_stream)
+        self.warnings: list[str] = []
+        self.folder = RunFolder.open(run_dir or cfg.run_dir or None)
+        self.run_dir = self.folder.path
         self.ckpt_dir = self.run_dir / "checkpoints"
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.folder.warning:
+            self.warn(self.folder.warning, keep=False)
+        try:
+            self._open(resume, make_sampler)
+        except BaseException:
+            self.folder.close(failed=True)
+            raise
+
+    def _open(self, resume: bool, make_sampler) -> None:
+        cfg = self.cfg
+        ckpt = latest_checkpoint(self.ckpt_dir)
+        self._check_folder(ckpt, resume)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         for seed_fn in (torch.manual_seed, random.seed, np.random.seed):
@@ -103,43 +162,84 @@ class Trainer:
         self.sampler_recipe = (get_recipe(cfg.sampler.recipe, **cfg.sampler.recipe_overrides)
                                if cfg.sampler.separate() else None)
         self.dtype = getattr(torch, cfg.model.dtype)
-        self.progress = Progress(cfg.rl.steps, cfg.logging.progress, progress_stream)
-        ckpt = latest_checkpoint(self.ckpt_dir)
-        if ckpt is not None and not resume:
-            raise ValueError(f"{self.run_dir} already holds a run (checkpoint {ckpt.name}); resume it with "
-                             "--resume or choose another run_dir")
-        state = None
+        loaded = None
         self.ref_model = None
         if ckpt is not None:
-            models, state = load_checkpoint(ckpt, self.recipe, self.dtype, cfg.model.device)
+            loaded = load_latest_checkpoint(self.ckpt_dir, self.recipe, self.dtype, cfg.model.device,
+                                            warn=self.warn)
+        if loaded is not None:
+            ckpt, models, state = loaded
             self.model, self.ref_model = models["model"], models.get("ref_model")
         else:
+            state = None
             self.model = self._fresh_model()
         self.sampler_model = self._sampler_model()
         self.sampler = make_sampler(self.sampler_model, cfg)
         self.step, self.data_pos = 0, cfg.warmup.steps * cfg.warmup.batch_size
+        self.wall_before = 0.0  # seconds the processes before this one trained the run
+        self.zero_reward_steps = 0
+        self._run_start = None
+        self._stop_requested = False
+        self._saved_step = None
         self.log = MetricsLog(self.run_dir, cfg.logging.tensorboard)
-        self.needs_warmup = ckpt is None
+        self.needs_warmup = state is None
         self.learner = None
         self._heldout = None
-        if ckpt is None:
+        if state is None:
+            if resume:
+                self.progress.message(f"{self.run_dir} holds no checkpoint yet: the run starts over")
             # a resumed run killed before its first checkpoint starts over
             self.log.path.unlink(missing_ok=True)
-        if state is not None:
-            self._make_learner()
-            self.learner.load_state_dict(state["learner"])
-            load_static_scales(self.model, state.get("static_scales", {}))
-            if self.sampler_model is not self.model:
-                load_static_scales(self.sampler_model, state.get("sampler_static_scales", {}))
-            set_rng_state(state["rng"])
-            self.step, self.data_pos = state["step"], state["data"]["position"]
-            self.log.truncate_after(self.step)
+        else:
+            self._restore(state)
             self.progress.message(f"resumed {ckpt} (step {self.step})")
         (self.run_dir / "config.toml").write_text(to_toml(cfg))
+
+    def _check_folder(self, ckpt: Path | None, resume: bool) -> None:
+        """Refuse to write a new run over an earlier one, and to resume one that cannot be."""
+        if resume:
+            if ckpt is None and (self.run_dir / SUMMARY_FILE).is_file():
+                raise ValueError(f"{self.run_dir} holds a finished run without checkpoints "
+                                 f"(checkpoint.every = 0): there is nothing to resume; start a new run in "
+                                 f"another run_dir")
+            return
+        if ckpt is not None:
+            raise ValueError(f"{self.run_dir} already holds a run (checkpoint {ckpt.name}); resume it with "
+                             "--resume or choose another run_dir")
+        files = existing_run_files(self.run_dir)
+        if files:
+            raise ValueError(f"{self.run_dir} already holds a run ({', '.join(files)}) and no checkpoint to "
+                             f"resume it from; choose another run_dir, or delete those files to start over")
+
+    def _restore(self, state: dict) -> None:
+        self._make_learner()
+        self.learner.load_state_dict(state["learner"])
+        load_static_scales(self.model, state.get("static_scales", {}))
+        if self.sampler_model is not self.model:
+            load_static_scales(self.sampler_model, state.get("sampler_static_scales", {}))
+        set_rng_state(state["rng"])
+        self.step, self.data_pos = state["step"], state["data"]["position"]
+        self.wall_before = state.get("wall_seconds", 0.0)
+        self.zero_reward_steps = state.get("zero_reward_steps", 0)
+        self._saved_step = self.step
+        self.warnings = state.get("warnings", []) + self.warnings
+        self.log.truncate_after(self.step)
+
+    def warn(self, text: str, keep: bool = True) -> None:
+        """A warning on stderr (also without progress output), kept for summary.json when `keep`."""
+        print(f"minite train: warning: {text}", file=sys.stderr, flush=True)
+        if keep:
+            self.warnings.append(text)
+
+    def close(self) -> None:
+        """Release the run folder (`run()` does it on its own)."""
+        self.folder.close()
 
     def _fresh_model(self) -> Qwen3:
         m = self.cfg.model
         if m.path:
+            # before the weights load (and long before the warm start): the tokenizer must fit the model
+            self._check_model_vocab(read_config(m.path).vocab_size)
             return load_pretrained(m.path, recipe=self.recipe, dtype=self.dtype, device=m.device)
         config = m.model_config()
         vocab = self.tokenizer.vocab_size
@@ -158,6 +258,19 @@ class Trainer:
         model = Qwen3(config, self.recipe)
         model.init_weights(m.init_std, torch.Generator().manual_seed(self.cfg.seed))
         return model.to(device=m.device, dtype=self.dtype)
+
+    def _check_model_vocab(self, model_vocab: int) -> None:
+        """A Hugging Face model's embedding table may be padded past its tokenizer's ids, never short
+        of them, and not by more than the tokenizer's own size (then the tokenizer is another model's)."""
+        m, vocab = self.cfg.model, self.tokenizer.vocab_size
+        which = f"the {m.tokenizer!r} tokenizer" if m.tokenizer else "its own tokenizer"
+        if model_vocab < vocab:
+            raise ValueError(f"{m.path}/config.json: vocab_size {model_vocab} is smaller than {which}'s "
+                             f"{vocab} ids; use the model's own tokenizer (model.tokenizer = \"\")")
+        if model_vocab >= 2 * vocab:
+            raise ValueError(f"{m.path}/config.json: vocab_size {model_vocab} is far larger than {which}'s "
+                             f"{vocab} ids (the sampler would draw ids it cannot decode); use the model's "
+                             f"own tokenizer (model.tokenizer = \"\")")
 
     def _sampler_model(self):
         """The model the sampler runs: the learner's, or (a sampler recipe) its own, synced now."""
@@ -190,11 +303,26 @@ class Trainer:
                                max_grad_norm=rl.max_grad_norm)
 
     def run(self) -> dict:
-        """Warm start (fresh runs), RL steps up to `rl.steps` with eval and checkpoints, then the report."""
-        start = time.perf_counter()
+        """Warm start (fresh runs), RL steps up to `rl.steps` with eval and checkpoints, then the report.
+        Releases the run folder at the end, also on an error (a folder this process created and wrote
+        no record into is removed then)."""
+        try:
+            with self._ctrl_c():
+                summary = self._run()
+        except BaseException as e:
+            self.log.close()
+            self.folder.close(failed=not isinstance(e, KeyboardInterrupt))
+            raise
+        self.folder.close()
+        return summary
+
+    def _run(self) -> dict:
+        self._run_start = time.perf_counter()
         cfg = self.cfg
+        self._check_weights("before training" if self.needs_warmup else f"in checkpoint step {self.step}")
         if self.needs_warmup:
             self.warmup()
+            self._check_weights("after the warm start")
             self.sync_sampler(calibrate=True)
             self._make_learner()
             if cfg.rl.loss.kl_coef > 0:
@@ -202,6 +330,7 @@ class Trainer:
             self.evaluate()
             if cfg.checkpoint.every:
                 self.save()
+            self._stop_if_asked()
         while self.step < cfg.rl.steps:
             self.step += 1
             record = self.rl_step()
@@ -210,21 +339,92 @@ class Trainer:
             self.progress.update(self.step, record)
             if cfg.checkpoint.every and (self.step % cfg.checkpoint.every == 0 or self.step == cfg.rl.steps):
                 self.save()
+            self._stop_if_asked()
         self.log.close()
-        summary = write_report(self.run_dir, {"wall_seconds": time.perf_counter() - start,
-                                              "run_dir": str(self.run_dir)})
+        summary = write_report(self.run_dir, {"wall_seconds": self.wall_seconds(),
+                                              "run_dir": str(self.run_dir), "warnings": self.warnings})
         self.progress.message(f"report: {self.run_dir}/report.png, report.html, summary.json, metrics.jsonl")
         return summary
 
+    def wall_seconds(self) -> float:
+        """Seconds spent training this run, by this process and the ones it resumed from."""
+        return self.wall_before + (time.perf_counter() - self._run_start if self._run_start else 0.0)
+
+    @contextmanager
+    def _ctrl_c(self):
+        """While training: Ctrl-C asks for a stop at the next step boundary, a second one stops at once."""
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signal handlers can only be set in the main thread
+            return
+        previous = signal.signal(signal.SIGINT, self._on_ctrl_c)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def _on_ctrl_c(self, signum=None, frame=None) -> None:
+        if self._stop_requested:
+            raise Interrupted(f"interrupted during step {self.step} (second Ctrl-C); {self._resume_hint()}")
+        self._stop_requested = True
+        print("\nminite train: Ctrl-C: stopping after this step (Ctrl-C again to stop at once)",
+              file=sys.stderr, flush=True)
+
+    def _stop_if_asked(self) -> None:
+        """At a step boundary after Ctrl-C: save (when checkpointing) and raise `Interrupted`."""
+        if not self._stop_requested:
+            return
+        if self.cfg.checkpoint.every and self.learner is not None:
+            self.save()
+        where = f"after step {self.step}" if self.learner is not None else "during the warm start"
+        raise Interrupted(f"interrupted {where}; {self._resume_hint()}")
+
+    def _resume_hint(self) -> str:
+        ckpt = latest_checkpoint(self.ckpt_dir)
+        if ckpt is not None:
+            return f"checkpoint {ckpt.name} saved; resume with: minite train --resume {self.run_dir}"
+        if not self.cfg.checkpoint.every:
+            return "nothing was saved (checkpoint.every = 0): the run cannot be resumed"
+        return f"no checkpoint yet: minite train --resume {self.run_dir} starts the run over"
+
     def save(self) -> None:
         state = {"learner": self.learner.state_dict(), "data": {"position": self.data_pos},
-                 "config": to_dict(self.cfg), "static_scales": static_scales(self.model)}
+                 "config": to_dict(self.cfg), "static_scales": static_scales(self.model),
+                 "wall_seconds": self.wall_seconds(), "warnings": list(self.warnings),
+                 "zero_reward_steps": self.zero_reward_steps}
         if self.sampler_model is not self.model:
             state["sampler_static_scales"] = static_scales(self.sampler_model)
         models = {"model": self.model}
         if self.ref_model is not None:
             models["ref_model"] = self.ref_model
-        save_checkpoint(self.ckpt_dir, self.step, models, state, self.cfg.checkpoint.keep)
+        if self._saved_step != self.step:  # Ctrl-C right after a scheduled save: it is there already
+            save_checkpoint(self.ckpt_dir, self.step, models, state, self.cfg.checkpoint.keep)
+            self._saved_step = self.step
+
+    def _check_weights(self, when: str) -> None:
+        """Non-finite weights stop the run whatever `rl.on_nonfinite` says: every later loss would be NaN."""
+        name = nonfinite_parameter(self.model)
+        if name is None:
+            return
+        source = self.cfg.model.path or "the model"
+        raise NonFiniteError(f"{when}: {source} weight {name} holds inf or NaN; the run cannot train on from "
+                             f"it: {self._after_nonfinite()}")
+
+    def _after_nonfinite(self) -> str:
+        ckpt = latest_checkpoint(self.ckpt_dir)
+        if ckpt is None:
+            return "check the model's weights and lower the learning rates (rl.lr, warmup.lr)"
+        return (f"resume from the last checkpoint ({ckpt.name}) with a lower rl.lr: minite train --resume "
+                f"{self.run_dir} --rl.lr=...")
+
+    def _nonfinite(self, what: str) -> None:
+        """A non-finite loss or gradient: stop, or warn (the update was skipped or applied)."""
+        mode = self.cfg.rl.on_nonfinite
+        if mode == "stop":
+            raise NonFiniteError(f"{what}; stopped (rl.on_nonfinite = \"stop\"; \"skip\" skips such "
+                                 f"updates): {self._after_nonfinite()}")
+        done = ("the update was skipped" if mode == "skip" else "trained on (rl.on_nonfinite = \"warn\"; the "
+                "optimizer still skips an update whose gradient is not finite)")
+        self.warn(f"{what}; {done}")
 
     def encode_prompt(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_bos=self.tokenizer.bos_token_id is not None)
@@ -240,8 +440,10 @@ class Trainer:
         if not w.steps:
             return
         sft = Learner(self.model, lr=w.lr, max_grad_norm=1.0)
+        loss_fn = sft_loss if self.cfg.rl.on_nonfinite == "warn" else skip_nonfinite(sft_loss)
         t0 = time.perf_counter()
         for i in range(w.steps):
+            self._stop_if_asked()
             sft.optimizer.lr = w.lr * (1 - 0.9 * i / max(w.steps - 1, 1))
             examples = self.task.batch("train", i * w.batch_size, w.batch_size)
             if any(ex.solution is None for ex in examples):
@@ -249,12 +451,23 @@ class Trainer:
             prompts = [self.encode_prompt(ex.prompt) for ex in examples]
             targets = [self.tokenizer.encode(ex.solution, add_eos=True) for ex in examples]
             batch = SequenceBatch.from_samples(prompts, targets, advantages=torch.zeros(len(examples)))
-            m = sft.step(batch, sft_loss)
+            m = sft.step(batch, loss_fn)
+            if not (math.isfinite(m["sft/nll"]) and math.isfinite(m["grad_norm"])):
+                self._check_weights(f"warm start step {i + 1}")
+                self._nonfinite(f"warm start step {i + 1}: nll {m['sft/nll']}, grad_norm {m['grad_norm']}")
             if (i + 1) % max(1, w.steps // 10) == 0 or i + 1 == w.steps:
                 self.log.log({"kind": "warmup", "step": i + 1, "nll": m["sft/nll"],
                               "grad_norm": m["grad_norm"], "seconds": time.perf_counter() - t0})
                 self.progress.message(f"warm start {i + 1}/{w.steps}: nll {m['sft/nll']:.3f}")
+        self._check_warmup_nll(m["sft/nll"])
         self.calibrate()
+
+    def _check_warmup_nll(self, nll: float) -> None:
+        """A warm start ending worse than a uniform guess over the vocabulary has diverged."""
+        uniform = math.log(self.model.config.vocab_size)
+        if not nll <= uniform:  # NaN included
+            self.warn(f"the warm start diverged: its last nll {nll:.4g} is above ln(vocab_size) = "
+                      f"{uniform:.3f} (a uniform guess); lower warmup.lr or raise warmup.steps")
 
     @torch.no_grad()
     def calibrate(self, model=None, size: int = 64, quiet: bool = False) -> None:
@@ -338,8 +551,10 @@ class Trainer:
         t_update = time.perf_counter()
         order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed))
         loss_fn = partial(policy_loss, cfg=rl.loss)
-        updates = [self.learner.step(batch.rows(rows.tolist()), loss_fn, correction=correction.rows(rows),
-                                     aggregation=rl.loss.aggregation) for rows in order.chunk(rl.minibatches)]
+        if rl.on_nonfinite != "warn":
+            loss_fn = skip_nonfinite(loss_fn)
+        updates = [self._update(batch.rows(rows.tolist()), loss_fn, correction.rows(rows))
+                   for rows in order.chunk(rl.minibatches)]
         self.data_pos += rl.prompts
         now = time.perf_counter()
         t_sync = self.sync_sampler()
@@ -359,7 +574,33 @@ class Trainer:
                   "time/rollout_s": t_rollout, "time/update_s": now - t_update, "time/weight_sync_s": t_sync,
                   "time/step_s": time.perf_counter() - t0}
         self.log.log(record)
+        self._check_step(updates, record["reward"])
         return record
+
+    def _update(self, batch: SequenceBatch, loss_fn, correction) -> dict:
+        try:
+            return self.learner.step(batch, loss_fn, correction=correction,
+                                     aggregation=self.cfg.rl.loss.aggregation)
+        except ValueError:
+            # the weight refresh refuses non-finite weights: say which and where
+            self._check_weights(f"step {self.step}, after an update")
+            raise
+
+    def _check_step(self, updates: list[dict], reward: float) -> None:
+        """After a step's updates: weights finite (else stop), losses and gradients finite (else
+        `rl.on_nonfinite`), and the reward not stuck at 0 (a warning once per run of such steps)."""
+        self._check_weights(f"step {self.step}, after its updates")
+        bad = [(i, u) for i, u in enumerate(updates) if not (math.isfinite(u["loss"])
+                                                             and math.isfinite(u["grad_norm"]))]
+        if bad:
+            listed = ", ".join(f"{i + 1} (loss {u['loss']}, grad_norm {u['grad_norm']})" for i, u in bad)
+            self._nonfinite(f"step {self.step}: a non-finite loss or gradient in update(s) {listed} of "
+                            f"{len(updates)}")
+        self.zero_reward_steps = self.zero_reward_steps + 1 if reward == 0 else 0
+        if self.zero_reward_steps == ZERO_REWARD_STEPS:
+            self.warn(f"steps {self.step - ZERO_REWARD_STEPS + 1}-{self.step}: the reward was 0 at "
+                      f"{ZERO_REWARD_STEPS} consecutive steps: no learning signal (every advantage is 0); "
+                      f"the model may have diverged, or the task is too hard for it")
 
 
 def diagnose_direction(batch: RLBatch, cfg: TriageConfig) -> dict:

@@ -7,7 +7,12 @@ import torch
 
 from minite.learner import Learner
 from minite.rl import checkpointing
-from minite.rl.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
+from minite.rl.checkpointing import (
+    latest_checkpoint,
+    load_checkpoint,
+    load_latest_checkpoint,
+    save_checkpoint,
+)
 from tests.rl.test_trainer import make_trainer, parity_reward
 
 # with a KL penalty, so that the frozen reference model is checkpointed and restored too
@@ -93,10 +98,12 @@ def test_hard_kill_leftovers_are_ignored_and_pruned(tmp_path):
         assert torch.equal(a, b)
 
 
-def test_latest_pointing_at_a_missing_checkpoint_is_an_error(tmp_path):
+def test_latest_pointing_at_a_missing_checkpoint_and_nothing_older_is_an_error(tmp_path):
     (tmp_path / "latest").write_text("step_000009\n")
-    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
-        latest_checkpoint(tmp_path)
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_000009"
+    with pytest.raises(ValueError, match=r"no checkpoint .* can be loaded \(step_000009: FileNotFoundError"):
+        load_latest_checkpoint(tmp_path, "aligned", torch.float32, "cpu", warn=lambda text: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]  # nothing moved or removed
 
 
 def test_static_scale_recipe_calibrates_and_its_scales_survive_resume(tmp_path, monkeypatch):
