@@ -302,3 +302,60 @@ def test_metrics_append_failure_names_the_file(tmp_path, monkeypatch):
     monkeypatch.setattr("minite.files.open", full, raising=False)
     with pytest.raises(WriteError, match=rf"cannot write {tmp_path}/{METRICS_FILE}: no space left"):
         MetricsLog(tmp_path, tensorboard=False).log({"kind": "rl", "step": 1})
+
+
+TINY_TRAIN = ["--model.config.hidden_size=32", "--model.config.intermediate_size=64",
+              "--model.config.head_dim=16", "--model.config.num_hidden_layers=1", "--rl.prompts=2",
+              "--rl.n=2", "--sampling.max_tokens=2", "--warmup.steps=1", "--warmup.batch_size=4",
+              "--eval.size=4", "--eval.every=0", "--logging.progress=false", "--logging.tensorboard=false",
+              "--threads=0", "--checkpoint.every=1"]
+
+
+@pytest.mark.xfail(raises=AssertionError, strict=False,
+                   reason="Trainer.__init__ has yet to call check_device(cfg.model.device, '--model.device')")
+def test_gpu_preset_without_cuda_is_refused_before_building(tmp_path, capsys):
+    argv = ["train", "--config", "configs/gpu_arith.toml", f"--run_dir={tmp_path / 'run'}"]
+    assert main(argv) == 2
+    assert_one_error_line(capsys.readouterr().err, "train",
+                          ["--model.device='cuda'", "CUDA is not available here", "use --model.device=cpu"])
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A two-step tiny run with a checkpoint at every step; cases copy it."""
+    run = tmp_path_factory.mktemp("train") / "run"
+    assert main(["train", *TINY_TRAIN, "--rl.steps=2", f"--run_dir={run}"]) == 0
+    return run
+
+
+def _resume_copy(run: Path, tmp_path: Path) -> tuple[Path, list[str]]:
+    """A copy of `run` and the command line that resumes it for one more step."""
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    return copy, ["train", "--resume", str(copy), "--rl.steps=3"]
+
+
+def test_resume_with_a_bad_metrics_line_names_the_file_and_line(finished_run, tmp_path, capsys):
+    run, argv = _resume_copy(finished_run, tmp_path)
+    lines = (run / METRICS_FILE).read_text().splitlines(keepends=True)
+    (run / METRICS_FILE).write_text("".join(lines[:1] + ["{not json\n"] + lines[1:]))
+    before = snapshot(run)
+    capsys.readouterr()
+    assert main(argv) == 2
+    assert_one_error_line(capsys.readouterr().err, "train",
+                          [f"{run / METRICS_FILE} line 2 is not valid JSON"])
+    assert snapshot(run) == before
+
+
+def test_resume_after_a_half_written_metrics_line_warns_and_continues(finished_run, tmp_path, capsys):
+    run, argv = _resume_copy(finished_run, tmp_path)
+    with open(run / METRICS_FILE, "a") as f:
+        f.write('{"kind": "rl", "step": 3, "rew')
+    capsys.readouterr()
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert f"minite train: warning: {run / METRICS_FILE} line" in err and "half-written" in err
+    steps = [r["step"] for r in read_metrics(run / METRICS_FILE) if r["kind"] == "rl"]
+    assert steps == [1, 2, 3]

@@ -24,6 +24,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from minite.files import WriteError, writing
 from minite.models.config import ModelConfig, UnsupportedConfigError
 from minite.models.qwen3 import Qwen3
 from minite.recipe import Recipe
@@ -151,25 +152,39 @@ def save_pretrained(model: Qwen3, path: str | Path, max_shard_size: int | str = 
     tensors = to_hf_tensors(model, dtype)
     shards = _shard(tensors, _parse_size(max_shard_size))
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
+    with writing(path):
+        tmp.mkdir(parents=True)
     try:
         config = model.config.to_hf(dtype or next(iter(tensors.values())).dtype)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if len(shards) == 1:
-            save_file(shards[0], tmp / SINGLE, metadata={"format": "pt"})
+            _save_file(shards[0], tmp / SINGLE, path)
         else:
             weight_map = {}
             for i, shard in enumerate(shards):
                 file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, tmp / file, metadata={"format": "pt"})
+                _save_file(shard, tmp / file, path)
                 weight_map.update({name: file for name in shard})
             total = sum(t.numel() * t.element_size() for t in tensors.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         _swap_into_place(tmp, path)
+    except OSError as e:  # a full disk or permissions: named by the checkpoint's path
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise (e if isinstance(e, WriteError) else WriteError(path, e)) from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _save_file(tensors: dict[str, torch.Tensor], file: Path, target: Path) -> None:
+    """safetensors' `save_file`; its I/O failures (a Rust `IoError` wrapped in `SafetensorError`) become
+    the `OSError` they are, so that a full disk reads as one."""
+    try:
+        save_file(tensors, file, metadata={"format": "pt"})
+    except SafetensorError as e:
+        code = re.search(r"code: (\d+)", str(e))
+        raise WriteError(target, OSError(int(code.group(1)) if code else None, str(e))) from e
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:

@@ -5,9 +5,11 @@ import json
 import pytest
 import torch
 import transformers
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 import minite.models.checkpoint as checkpoint
+from minite.files import WriteError
 from minite.models import CheckpointError, UnsupportedConfigError, load_pretrained, save_pretrained
 from minite.models.config import tiny_qwen3, tiny_qwen3_moe
 from tests.models.hf_helpers import random_hf_model
@@ -173,6 +175,23 @@ def test_save_is_atomic(tmp_path, monkeypatch):
         save_pretrained(model, target)
     save_pretrained(model, target, max_shard_size=10_000, overwrite=True)
     assert (target / checkpoint.INDEX).exists() and not (target / checkpoint.SINGLE).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+
+
+def test_full_disk_while_saving_names_the_path_and_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    model = load_pretrained_tiny(tmp_path)
+    save_pretrained(model, tmp_path / "out")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+
+    def full(tensors, filename, metadata=None):  # how safetensors reports an I/O error
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                              'message: "No space left on device" })')
+
+    monkeypatch.setattr(checkpoint, "save_file", full)
+    with pytest.raises(WriteError, match=f"cannot write {tmp_path / 'out'}: no space left on the device; "
+                                         "free space"):
+        save_pretrained(model, tmp_path / "out", overwrite=True)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
 
 
