@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from minite.cli import main
 from minite.config import load_config
 from minite.learner import Learner
 from minite.models import Qwen3, save_pretrained, tiny_qwen3
@@ -66,6 +67,9 @@ def test_a_second_writer_is_refused_and_a_dead_holders_lock_taken_over(tmp_path,
         with pytest.raises(RunFolderBusy, match=rf"in use by another run \(pid {holder.pid} on .*choose "
                                                 r"another run_dir"):
             make_trainer(tmp_path, *QUICK)
+        assert main(["train", *TINY, *QUICK, f"--run_dir={run}"]) == 2
+        err = capsys.readouterr().err
+        assert f"minite train: error: {run} is in use by another run (pid {holder.pid}" in err
         assert_kept(before, run)
     finally:
         holder.kill()  # as kill -9: the lock file stays, its lock goes with the process
@@ -80,11 +84,19 @@ def test_a_second_writer_is_refused_and_a_dead_holders_lock_taken_over(tmp_path,
     assert not (run / LOCK_FILE).exists()  # released at the end
 
 
-def test_default_names_started_in_the_same_second_differ(tmp_path):
+def test_default_names_started_in_the_same_second_differ(tmp_path, monkeypatch):
     now = datetime(2026, 1, 2, 3, 4, 5)
     names = [new_run_dir(tmp_path, now) for _ in range(3)]
     assert [p.name for p in names] == ["20260102-030405", "20260102-030405-2", "20260102-030405-3"]
     assert all(p.is_dir() for p in names)
+    monkeypatch.chdir(tmp_path)
+    frozen = type("Frozen", (), {"now": staticmethod(lambda: now)})
+    monkeypatch.setattr("minite.rl.run_folder.datetime", frozen)
+    cfg = load_config(None, TINY + QUICK)
+    first, second = Trainer(cfg), Trainer(cfg)  # both hold their folders, as two processes would
+    assert first.run_dir != second.run_dir and first.run_dir.parent == second.run_dir.parent == Path("runs")
+    first.close()
+    second.close()
 
 
 @pytest.mark.parametrize("files", [
