@@ -49,7 +49,13 @@ def run(args) -> int:
         parallel = args.parallel or n
         print(f"minite experiment: {n} runs ({len(exp.arms)} arms x {len(exp.seeds)} seeds), {parallel} at "
               f"once, into {out}", flush=True)
-        codes = launch(exp, out, parallel)
+        try:
+            codes = launch(exp, out, parallel)
+        except KeyboardInterrupt:
+            print("minite experiment: interrupted; the runs saved at their step boundary where they "
+                  "checkpoint; rerun the same command to resume (report so far: --report-only)",
+                  file=sys.stderr)
+            return 130
         failed = [k for k, c in codes.items() if c != 0]
     report = write_report(exp, out)
     sys.stdout.write((out / "report.md").read_text())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from minite.experiment.spec import Arm, Experiment
 from minite.rl.checkpointing import latest_checkpoint
 
 POLL_SECONDS = 5.0
+STOP_SECONDS = 120.0  # how long Ctrl-C waits for the runs to save at their step boundary
 
 
 def run_dir(out: Path, arm: Arm, seed: int) -> Path:
@@ -45,6 +47,27 @@ def _steps_done(folder: Path) -> int:
     if not path.is_file():
         return 0
     return sum('"kind": "rl"' in line for line in path.read_text().splitlines())
+
+
+def _stop(running: list[tuple], stream) -> None:
+    """After Ctrl-C: pass one SIGINT to every run (they run in sessions of their own, so the terminal's
+    reaches only this process), which saves a checkpoint at its next step boundary; wait for them up
+    to STOP_SECONDS, then terminate what is left. A second Ctrl-C terminates at once."""
+    for *_, proc, _log in running:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+    print(f"stopping {len(running)} runs at their next step boundary (Ctrl-C again: kill them)", file=stream)
+    try:
+        deadline = time.monotonic() + STOP_SECONDS
+        for *_, proc, _log in running:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except (KeyboardInterrupt, subprocess.TimeoutExpired):
+        pass
+    for *_, proc, log in running:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait()
+        log.close()
 
 
 def launch(exp: Experiment, out: str | Path, parallel: int, stream=None) -> dict[str, int]:
@@ -78,7 +101,7 @@ def launch(exp: Experiment, out: str | Path, parallel: int, stream=None) -> dict
                 folder.mkdir(parents=True, exist_ok=True)
                 log = open(folder / "train.log", "a")
                 proc = subprocess.Popen(command(exp, arm, seed, out), stdout=log, stderr=subprocess.STDOUT,
-                                        env=env)
+                                        env=env, start_new_session=True)
                 running.append((arm, seed, folder, steps, proc, log))
             time.sleep(min(POLL_SECONDS, 0.5) if not running else POLL_SECONDS)
             for item in list(running):
@@ -96,11 +119,7 @@ def launch(exp: Experiment, out: str | Path, parallel: int, stream=None) -> dict
                 print(f"[{time.strftime('%H:%M:%S')}] running: {state}; {len(todo)} waiting", file=stream,
                       flush=True)
     except KeyboardInterrupt:
-        for *_, proc, _log in running:
-            proc.terminate()
-        for *_, proc, log in running:
-            proc.wait()
-            log.close()
+        _stop(running, stream)
         print("interrupted: rerun the same command to resume the runs from their checkpoints", file=stream)
         raise
     return codes

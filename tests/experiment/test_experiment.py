@@ -87,3 +87,30 @@ def test_gpu_runs_side_by_side_need_a_fixed_kv_cache(tmp_path):
         launch(exp, tmp_path / "out", parallel=2)
     shipped = load_experiment("configs/experiments/naive_vs_aligned.toml")
     assert all(cfg.sampler.kv_cache_tokens for cfg in shipped.configs.values())
+
+
+def test_ctrl_c_stops_the_runs_at_a_step_boundary_and_a_rerun_resumes(tmp_path):
+    """Ctrl-C on the launcher: each run gets one SIGINT, saves a checkpoint at its step boundary and
+    exits; the launcher says how to go on; rerunning the command resumes and finishes the runs."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    spec = tmp_path / "long.toml"
+    _write(spec, "[arms.a]\noverrides = [\"rl.steps=40\"]")
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "minite.cli", "experiment", str(spec), "--out", str(out), "--seeds", "0"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    ckpts = out / "a" / "seed0" / "checkpoints"
+    deadline = time.monotonic() + 120
+    while not (ckpts / "latest").is_file() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "rerun the same command to resume" in err and "Traceback" not in err
+    log = (out / "a" / "seed0" / "train.log").read_text()
+    assert "interrupted after step" in log and "Traceback" not in log
+    assert main(["experiment", str(spec), "--out", str(out), "--seeds", "0"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["arms"]["a"]["steps"] == [40]
