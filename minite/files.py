@@ -18,12 +18,12 @@ from pathlib import Path
 
 # what went wrong, then what to do
 CAUSES = {
-    errno.ENOSPC: ("no space left on the device", "free space there or write elsewhere"),
-    errno.EDQUOT: ("disk quota exceeded", "free space there or write elsewhere"),
-    errno.EFBIG: ("file too large for this file system", "write elsewhere"),
-    errno.EACCES: ("permission denied", "check the permissions or write elsewhere"),
-    errno.EPERM: ("operation not permitted", "check the permissions or write elsewhere"),
-    errno.EROFS: ("read-only file system", "write elsewhere"),
+    errno.ENOSPC: ("no space left on the device", "free space there or use another path"),
+    errno.EDQUOT: ("disk quota exceeded", "free space there or use another path"),
+    errno.EFBIG: ("file too large for this file system", "use another path"),
+    errno.EACCES: ("permission denied", "check the permissions or use another path"),
+    errno.EPERM: ("operation not permitted", "check the permissions or use another path"),
+    errno.EROFS: ("read-only file system", "use another path"),
 }
 
 
