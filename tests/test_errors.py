@@ -311,8 +311,6 @@ TINY_TRAIN = ["--model.config.hidden_size=32", "--model.config.intermediate_size
               "--threads=0", "--checkpoint.every=1"]
 
 
-@pytest.mark.xfail(raises=AssertionError, strict=False,
-                   reason="Trainer.__init__ has yet to call check_device(cfg.model.device, '--model.device')")
 def test_gpu_preset_without_cuda_is_refused_before_building(tmp_path, capsys):
     argv = ["train", "--config", "configs/gpu_arith.toml", f"--run_dir={tmp_path / 'run'}"]
     assert main(argv) == 2

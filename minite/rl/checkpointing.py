@@ -26,6 +26,7 @@ step number itself.
 
 from __future__ import annotations
 
+import io
 import os
 import random
 import re
@@ -36,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from minite.files import writing
 from minite.models import load_pretrained, save_pretrained
 
 LATEST = "latest"
@@ -74,7 +76,12 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, models: dict[str, torch.nn.
     try:
         for name, model in models.items():
             save_pretrained(model, tmp / name)
-        torch.save({**state, "step": step, "rng": rng_state()}, tmp / "state.pt")
+        # through memory: a full disk then fails in our write, which names the path (torch's own
+        # writer reports it as an internal assertion)
+        buf = io.BytesIO()
+        torch.save({**state, "step": step, "rng": rng_state()}, buf)
+        with writing(tmp / "state.pt"):
+            (tmp / "state.pt").write_bytes(buf.getvalue())
         _fsync_tree(tmp)
         if final.exists():
             # a complete checkpoint of this step (`latest` may name it) is never replaced in place

@@ -60,6 +60,7 @@ import numpy as np
 import torch
 
 from minite.config import TrainConfig, to_dict, to_toml
+from minite.devices import check_device
 from minite.diagnostics.metrics import mismatch_metrics
 from minite.learner import Learner, SequenceBatch, sequence_logprobs
 from minite.learner.weight_sync import sync_sampler_model
@@ -134,6 +135,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, run_dir: str | Path | None = None, resume: bool = False,
                  make_sampler=default_sampler, progress_stream=None):
+        check_device(cfg.model.device, "--model.device")  # before the run folder or any model is made
         self.cfg = cfg
         self.progress = Progress(cfg.rl.steps, cfg.logging.progress, progress_stream)
         self.warnings: list[str] = []

@@ -133,3 +133,26 @@ def test_static_scale_recipe_calibrates_and_its_scales_survive_resume(tmp_path, 
     assert all(torch.equal(static_scales(resumed.model)[k], final[k]) for k in final)
     resumed.run()
     assert resumed.step == 3
+
+
+def test_full_disk_while_saving_the_state_names_it_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    import errno
+    from pathlib import Path
+
+    from minite.files import WriteError
+
+    trainer = make_trainer(tmp_path, "--rl.steps=1", "--checkpoint.every=1", reward=parity_reward)
+    trainer.run()
+    ckpts = tmp_path / "run" / "checkpoints"
+    before = {p: p.read_bytes() for p in ckpts.rglob("*") if p.is_file()}
+    real = Path.write_bytes
+
+    def full(self, data):
+        if self.name == "state.pt":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    with pytest.raises(WriteError, match="state.pt: no space left on the device; free space"):
+        save_checkpoint(ckpts, 2, {"model": trainer.model}, {"learner": trainer.learner.state_dict()})
+    assert {p: p.read_bytes() for p in ckpts.rglob("*") if p.is_file()} == before
