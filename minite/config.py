@@ -130,6 +130,7 @@ class SamplerSection:
 
 
 NONFINITE = ("stop", "skip", "warn")
+DIVERGENCE = ("warn", "stop")
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,9 @@ class RLSection:
     """One RL step = `prompts` x `n` rollouts, then `minibatches` updates on them. `on_nonfinite`: what
     an inf or NaN loss or gradient (warm start included) does: `"stop"` the run with an error naming the
     step (its update not applied), `"skip"` the update with a warning, `"warn"` and train on (the
-    optimizer still skips a non-finite gradient). Non-finite weights always stop the run."""
+    optimizer still skips a non-finite gradient). Non-finite weights always stop the run.
+    `on_divergence`: what a diverged run does (a warm start ending worse than a uniform guess, a
+    reward stuck at 0): `"warn"` (in the log and summary.json) or `"stop"` with an error."""
 
     steps: int = 150
     lr: float = 1e-4
@@ -150,11 +153,14 @@ class RLSection:
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     on_nonfinite: str = "stop"
+    on_divergence: str = "warn"
 
     def __post_init__(self):
         _positive(self, "steps", "prompts", "minibatches")
         if self.on_nonfinite not in NONFINITE:
             raise ValueError(f"on_nonfinite={self.on_nonfinite!r}; choose one of {list(NONFINITE)}")
+        if self.on_divergence not in DIVERGENCE:
+            raise ValueError(f"on_divergence={self.on_divergence!r}; choose one of {list(DIVERGENCE)}")
         if self.n < 2:
             raise ValueError(f"n={self.n} must be >= 2 (advantages are normalized within a group)")
         if not self.lr > 0:

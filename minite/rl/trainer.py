@@ -36,8 +36,9 @@ Reliability (module `minite.rl.run_folder` owns the folder):
   `Interrupted`, whose text says how to resume; a second Ctrl-C stops at once;
 - a non-finite loss or gradient stops the run, skips the update or is warned about
   (`rl.on_nonfinite`); non-finite weights always stop it (nothing trains on from them);
-- divergence is warned about: a warm start whose last nll is above ln(vocab_size) (worse than a
-  uniform guess), or a reward of 0 at `ZERO_REWARD_STEPS` consecutive RL steps (no learning signal);
+- divergence is warned about (or, with `rl.on_divergence = "stop"`, stops the run): a warm start
+  whose last nll is above ln(vocab_size) (worse than a uniform guess), or a reward of 0 at
+  `ZERO_REWARD_STEPS` consecutive RL steps (no learning signal);
   warnings go to stderr and to summary.json's `warnings`, and travel with the checkpoints;
 - `wall_seconds` adds up the time of every process that trained the run (kept in the checkpoint).
 """
@@ -102,6 +103,10 @@ def sft_loss(batch: RLBatch) -> tuple[torch.Tensor, dict]:
 
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C stopped the run; the text says what was saved and how to go on."""
+
+
+class DivergenceError(ValueError):
+    """The run diverged and `rl.on_divergence` says stop."""
 
 
 class NonFiniteError(ValueError):
@@ -468,8 +473,8 @@ class Trainer:
         """A warm start ending worse than a uniform guess over the vocabulary has diverged."""
         uniform = math.log(self.model.config.vocab_size)
         if not nll <= uniform:  # NaN included
-            self.warn(f"the warm start diverged: its last nll {nll:.4g} is above ln(vocab_size) = "
-                      f"{uniform:.3f} (a uniform guess); lower warmup.lr or raise warmup.steps")
+            self._diverged(f"the warm start diverged: its last nll {nll:.4g} is above ln(vocab_size) = "
+                           f"{uniform:.3f} (a uniform guess); lower warmup.lr or raise warmup.steps")
 
     @torch.no_grad()
     def calibrate(self, model=None, size: int = 64, quiet: bool = False) -> None:
@@ -600,9 +605,15 @@ class Trainer:
                             f"{len(updates)}")
         self.zero_reward_steps = self.zero_reward_steps + 1 if reward == 0 else 0
         if self.zero_reward_steps == ZERO_REWARD_STEPS:
-            self.warn(f"steps {self.step - ZERO_REWARD_STEPS + 1}-{self.step}: the reward was 0 at "
-                      f"{ZERO_REWARD_STEPS} consecutive steps: no learning signal (every advantage is 0); "
-                      f"the model may have diverged, or the task is too hard for it")
+            self._diverged(f"steps {self.step - ZERO_REWARD_STEPS + 1}-{self.step}: the reward was 0 at "
+                           f"{ZERO_REWARD_STEPS} consecutive steps: no learning signal (every advantage is "
+                           f"0); the model may have diverged, or the task is too hard for it")
+
+    def _diverged(self, what: str) -> None:
+        """`rl.on_divergence`: a warning, or an error that stops the run."""
+        if self.cfg.rl.on_divergence == "stop":
+            raise DivergenceError(f"{what}; stopped (rl.on_divergence = \"stop\"; \"warn\" trains on)")
+        self.warn(what)
 
 
 def diagnose_direction(batch: RLBatch, cfg: TriageConfig) -> dict:

@@ -401,6 +401,15 @@ def test_divergence_rules_warn(tmp_path):
     trainer.close()
 
 
+def test_divergence_stops_the_run_when_asked(tmp_path):
+    from minite.rl.trainer import DivergenceError
+
+    trainer = make_trainer(tmp_path, *QUICK, "--rl.on_divergence=stop")
+    with pytest.raises(DivergenceError, match="warm start diverged.*rl.on_divergence"):
+        trainer._check_warmup_nll(7e4)
+    trainer.close()
+
+
 def test_a_warm_start_that_diverges_is_reported_in_the_summary(tmp_path):
     summary = make_trainer(tmp_path, "--rl.steps=1", "--warmup.steps=2", "--warmup.lr=30", "--eval.every=0",
                            "--checkpoint.every=0", "--rl.on_nonfinite=warn").run()
