@@ -9,6 +9,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from minite.commands.args import collect_overrides
+
 HELP = "run several training arms x seeds side by side (separate processes) and compare them in one report"
 
 
@@ -22,15 +24,7 @@ def add_parser(sub, name):
     p.add_argument("--seeds", type=int, nargs="+", help="replace the file's seeds")
     p.add_argument("--arms", help="comma-separated subset of the file's arms")
     p.add_argument("--report-only", action="store_true", help="write the report of what has run, run nothing")
-    p.set_defaults(overrides=[])
-    parse_known = p.parse_known_args
-
-    def parse_known_args(args=None, namespace=None):
-        ns, rest = parse_known(args, namespace)
-        ns.overrides = list(ns.overrides) + [a for a in rest if a.startswith("--") and "=" in a]
-        return ns, [a for a in rest if not (a.startswith("--") and "=" in a)]
-
-    p.parse_known_args = parse_known_args
+    collect_overrides(p)
 
 
 def run(args) -> int:

@@ -12,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from minite.commands.args import collect_overrides
 from minite.config import ConfigError, load_config, to_toml
 
 INTERRUPTED = 130  # the shell's exit status of a process stopped by SIGINT
@@ -25,20 +26,7 @@ def add_parser(sub, name):
     p.add_argument("--config", help="a TOML preset (default: the embedded CPU default)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue this run folder from its latest checkpoint")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
-    p.set_defaults(overrides=[])
-    # argparse rejects options it does not know; `--key=value` overrides are open-ended: collect them.
-    parse_known = p.parse_known_args
-
-    def parse_known_args(args=None, namespace=None):
-        ns, rest = parse_known(args, namespace)
-        ns.overrides = list(ns.overrides) + [a for a in rest if _is_override(a)]
-        return ns, [a for a in rest if not _is_override(a)]
-
-    p.parse_known_args = parse_known_args
-
-
-def _is_override(arg: str) -> bool:
-    return arg.startswith("--") and "=" in arg
+    collect_overrides(p)
 
 
 def resolve(args):

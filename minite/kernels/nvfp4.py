@@ -366,14 +366,11 @@ def check_fused_output(op: str, width: int, out_dtype, chain: str) -> None:
         raise ValueError(f"unknown chain {chain!r}; expected one of {sorted(CHAIN_IDS)}")
 
 
-def quantize_unscaled(x: torch.Tensor, out_dtype=torch.bfloat16, chain: str = "te",
-                      return_codes: bool = False):
-    """Fused activation quantizer (row scaling, 1x16 blocks, RNE): x [..., K] ->
-    (values e2m1 * s_b in out_dtype [..., K] (exact), S_dec fp32 [..., 1]), and with return_codes=True
-    also (packed codes uint8 [..., K // 2], block scales e4m3 [..., K // 16], amax fp32 [..., 1]).
-    The values equal `quantize(x, scaling="row").unscaled()` bit for bit."""
+def _fused_buffers(x: torch.Tensor, out_dtype, op: str):
+    """The fused activation forms' checks and outputs: (lead shape, K, x as [R, K] with unit column
+    stride, values [R, K] out_dtype, block scales uint8 [R, K // 16], S_dec and amax fp32 [R])."""
     if out_dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"quantize_unscaled writes bf16 or fp16 values, not {out_dtype}")
+        raise TypeError(f"{op} writes bf16 or fp16 values, not {out_dtype}")
     _check_device(x)
     _check_input(x, (1, 16))
     lead, k = x.shape[:-1], x.shape[-1]
@@ -383,9 +380,18 @@ def quantize_unscaled(x: torch.Tensor, out_dtype=torch.bfloat16, chain: str = "t
     r, dev = x2.shape[0], x.device
     vals = torch.empty(r, k, dtype=out_dtype, device=dev)
     scales = torch.empty(r, k // 16, dtype=torch.uint8, device=dev)
-    codes = torch.empty(r, k // 2, dtype=torch.uint8, device=dev) if return_codes else scales
     sdec = torch.empty(r, dtype=torch.float32, device=dev)
-    amx = torch.empty_like(sdec)
+    return lead, k, x2, vals, scales, sdec, torch.empty_like(sdec)
+
+
+def quantize_unscaled(x: torch.Tensor, out_dtype=torch.bfloat16, chain: str = "te",
+                      return_codes: bool = False):
+    """Fused activation quantizer (row scaling, 1x16 blocks, RNE): x [..., K] ->
+    (values e2m1 * s_b in out_dtype [..., K] (exact), S_dec fp32 [..., 1]), and with return_codes=True
+    also (packed codes uint8 [..., K // 2], block scales e4m3 [..., K // 16], amax fp32 [..., 1]).
+    The values equal `quantize(x, scaling="row").unscaled()` bit for bit."""
+    lead, k, x2, vals, scales, sdec, amx = _fused_buffers(x, out_dtype, "quantize_unscaled")
+    codes = torch.empty(x2.shape[0], k // 2, dtype=torch.uint8, device=x.device) if return_codes else scales
     _launch(x2, codes, scales, vals, sdec, amx, sdec, 0, 0, chain, (1, 16), False,
             write_codes=return_codes, vals=vals)
     out = (vals.reshape(*lead, k), sdec.reshape(*lead, 1))
@@ -405,19 +411,7 @@ def quantize_unscaled_global(x: torch.Tensor, out_dtype=torch.bfloat16, chain: s
     and amax. One quantizer launch after the amax reduction (tensor) or the finiteness check
     (static); no host synchronization and no host-to-device copy, so a CUDA graph can capture it. x
     holding inf or NaN gets S_dec = amax = NaN on every row."""
-    if out_dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"quantize_unscaled_global writes bf16 or fp16 values, not {out_dtype}")
-    _check_device(x)
-    _check_input(x, (1, 16))
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    r, dev = x2.shape[0], x.device
-    vals = torch.empty(r, k, dtype=out_dtype, device=dev)
-    scales = torch.empty(r, k // 16, dtype=torch.uint8, device=dev)
-    sdec = torch.empty(r, dtype=torch.float32, device=dev)
-    amx = torch.empty_like(sdec)
+    lead, k, x2, vals, scales, sdec, amx = _fused_buffers(x, out_dtype, "quantize_unscaled_global")
     if static is None:
         gs, mode = amax(x2), 3
     else:
