@@ -73,11 +73,15 @@ class RecipeSection:
 @dataclass(frozen=True)
 class TaskSection:
     """`minite.rl.tasks.make_task(name, seed=seed, **args)`; `args` belong to the task `name` (set both
-    when switching tasks: `--task.name=countdown --task.args={}`)."""
+    when switching tasks: `--task.name=countdown --task.args={}`). `reward`: empty for the task's own
+    reward, or `module:function` (several comma-separated, summed with `reward_weights`), called as
+    `function(completion, example) -> float` (`minite.rl.reward_import`)."""
 
     name: str = "arithmetic"
     seed: int = 0
     args: dict[str, Any] = field(default_factory=lambda: {"operands": [2, 4]})
+    reward: str = ""
+    reward_weights: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -341,7 +345,8 @@ def check(cfg: TrainConfig) -> None:
     attempts = [("recipe", lambda: get_recipe(cfg.recipe.name, **cfg.recipe.overrides)),
                 ("sampler.recipe", lambda: cfg.sampler.recipe and get_recipe(cfg.sampler.recipe,
                                                                              **cfg.sampler.recipe_overrides)),
-                ("task.args", lambda: make_task(cfg.task.name, seed=cfg.task.seed, **cfg.task.args))]
+                ("task.args", lambda: make_task(cfg.task.name, seed=cfg.task.seed, **cfg.task.args)),
+                ("task.reward", lambda: task_reward(cfg))]
     if not cfg.model.path:
         attempts.append(("model.config", cfg.model.model_config))
     for where, attempt in attempts:
@@ -349,6 +354,17 @@ def check(cfg: TrainConfig) -> None:
             attempt()
         except (ValueError, TypeError) as e:
             raise ConfigError(f"{where}: {e}") from None
+
+
+def task_reward(cfg: TrainConfig):
+    """The reward `task.reward` names (None: the task's own)."""
+    from minite.rl.reward_import import WeightedRewards, parse_specs
+
+    if not cfg.task.reward:
+        if cfg.task.reward_weights:
+            raise ValueError("reward_weights need task.reward")
+        return None
+    return WeightedRewards(parse_specs(cfg.task.reward), list(cfg.task.reward_weights))
 
 
 def to_toml(cfg) -> str:

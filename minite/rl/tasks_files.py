@@ -154,7 +154,8 @@ class QATask(Task):
         if self.solution_key is not None:
             solution = _field(record, self.solution_key, where, "solution")
         prompt = self.prompt_template.format(question=question)
-        return Example(prompt, answer, solution, {"question": question})
+        # the record's own fields travel along: a reward given by import path may read them
+        return Example(prompt, answer, solution, {**record, "question": question})
 
     def size(self, split: str) -> int | None:
         check_split(split)

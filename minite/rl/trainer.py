@@ -60,7 +60,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minite.config import TrainConfig, to_dict, to_toml
+from minite.config import TrainConfig, task_reward, to_dict, to_toml
 from minite.devices import check_device
 from minite.diagnostics.metrics import mismatch_metrics
 from minite.learner import Learner, SequenceBatch, sequence_logprobs
@@ -165,6 +165,9 @@ class Trainer:
             seed_fn(cfg.seed)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
         self.task = make_task(cfg.task.name, seed=cfg.task.seed, **cfg.task.args)
+        reward = task_reward(cfg)
+        if reward is not None:
+            self.task.reward = reward  # the reward given by import path replaces the task's own
         self.recipe = get_recipe(cfg.recipe.name, **cfg.recipe.overrides)
         self.sampler_recipe = (get_recipe(cfg.sampler.recipe, **cfg.sampler.recipe_overrides)
                                if cfg.sampler.separate() else None)
