@@ -165,6 +165,9 @@ class Trainer:
             seed_fn(cfg.seed)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
         self.task = make_task(cfg.task.name, seed=cfg.task.seed, **cfg.task.args)
+        if not self.task.heldout(1):
+            raise ValueError(f"task {cfg.task.name!r} has no held-out examples to evaluate on: give the file "
+                             "task a test_path (task.args.test_path) or a larger heldout_fraction")
         reward = task_reward(cfg)
         if reward is not None:
             self.task.reward = reward  # the reward given by import path replaces the task's own

@@ -80,3 +80,13 @@ def test_bad_reward_specs_name_the_key(override, match):
 def test_a_reward_returning_nan_is_named(reward_file):
     with pytest.raises(ValueError, match="nan.*returned nan"):
         WeightedRewards([f"{reward_file}:nan"])("x", Example("p", "a"))
+
+
+def test_a_file_too_small_for_a_held_out_split_is_refused_before_training(tmp_path):
+    rows = tmp_path / "six.jsonl"
+    rows.write_text("\n".join(json.dumps({"question": f"q{i}", "answer": str(i)}) for i in range(6)))
+    cfg = load_config(None, TINY + ["--task.name=file", f"--task.args={{train_path=\"{rows}\"}}",
+                                    "--warmup.steps=0"])
+    with pytest.raises(ValueError, match="no held-out examples.*test_path"):
+        Trainer(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
