@@ -35,7 +35,8 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny models, tiny batch, fp32")
     p.add_argument("--models", default="dense,moe", help="comma list of dense,moe")
     p.add_argument("--recipes", default="bf16,aligned", help="comma list of recipe names")
-    p.add_argument("--backend", default="triton", choices=["ref", "triton"], help="NVFP4 backend")
+    p.add_argument("--backend", default="auto", choices=["auto", "ref", "triton"],
+                   help="backend of the NVFP4 recipes (auto: the kernels on CUDA, the reference elsewhere)")
     p.add_argument("--dense-layers", type=int, default=28)
     p.add_argument("--moe-layers", type=int, default=4)
     p.add_argument("--seqs", type=int, default=16)

@@ -15,8 +15,8 @@ prompt is reported as a mapping check. Each engine runs a short warm-up (graph c
 compilation) before the timed run. `--tiny` runs tiny models on the CPU in seconds (smoke test).
 Prints a table and writes JSON (GPU, date, commit, arguments, rows) to `--out`.
 
-    python -m benchmarks.e2e.bench_rollout --models dense --backend triton --out OUT.json
-    python -m benchmarks.e2e.bench_rollout --models moe --backend triton --new-tokens 256 --no-hf --rounds 3
+    python -m benchmarks.e2e.bench_rollout --models dense --out OUT.json
+    python -m benchmarks.e2e.bench_rollout --models moe --new-tokens 256 --no-hf --rounds 3
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny models on the CPU, a few tokens (smoke test)")
     p.add_argument("--models", default="dense,moe")
     p.add_argument("--recipes", default="bf16,aligned")
-    p.add_argument("--backend", default="ref", choices=["ref", "triton"], help="backend of the NVFP4 recipes")
+    p.add_argument("--backend", default="auto", choices=["auto", "ref", "triton"],
+                   help="backend of the NVFP4 recipes (auto: the kernels on CUDA, the reference elsewhere)")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=512)

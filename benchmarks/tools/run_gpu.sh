@@ -43,9 +43,9 @@ for part in "$@"; do
     tests) py "${TESTS_CAP:-200}" pytest -q -m gpu -p no:cacheprovider tests ;;
     quantize|gemm|grouped_gemm|decode_gemm|grouped_decode|attention|attention_backward|norm|sample)
       py 200 "benchmarks.ops.bench_$part" --out "$x/$part.json" ;;
-    rollout) py 170 benchmarks.e2e.bench_rollout --models dense --backend triton --out "$x/rollout_dense.json" ;;
+    rollout) py 170 benchmarks.e2e.bench_rollout --models dense --out "$x/rollout_dense.json" ;;
     rollout_moe)
-      moe="--models moe --moe-layers 24 --new-tokens 256 --backend triton --no-hf"
+      moe="--models moe --moe-layers 24 --new-tokens 256 --no-hf"
       py 150 benchmarks.e2e.bench_rollout $moe --rounds 3 --out "$x/rollout_moe24.json"
       py 60 benchmarks.e2e.bench_rollout $moe --recipes aligned --moe-decode-rows 0 \
         --out "$x/rollout_moe24_bf16_copy.json" ;;
@@ -77,14 +77,14 @@ for part in "$@"; do
     agreement)
       for preset in qwen3-1.7b qwen3-30b-a3b; do
         py 60 minite.cli agreement --preset $preset --layers 4 --num-prompts 16 --n 4 --max-tokens 64 \
-          --learner-recipe aligned --backend triton --json
+          --learner-recipe aligned --json
         cp "$x/step.txt" "$x/agreement_$preset.txt"
       done ;;
     agreement_full)
-      for pair in "bf16 bf16 triton" "aligned aligned triton" "te vllm ref"; do
-        read -r lr sr backend <<< "$pair"
+      for pair in "bf16 bf16" "aligned aligned" "te vllm"; do
+        read -r lr sr <<< "$pair"
         py 40 minite.cli agreement --preset qwen3-1.7b --learner-recipe "$lr" --sampler-recipe "$sr" \
-          --backend "$backend" --num-prompts 16 --n 4 --max-tokens 64 --json
+          --num-prompts 16 --n 4 --max-tokens 64 --json
         cp "$x/step.txt" "$x/agreement_${lr}_$sr.txt"
       done ;;
     diagnose)
@@ -95,7 +95,7 @@ for part in "$@"; do
       done ;;
     train)  # metrics, plots and the summary come back; the checkpoints (subfolders) stay on the machine
       run_dir=$(mktemp -d)
-      py 600 minite.cli train --config configs/gpu_arith.toml --recipe.overrides.backend=triton --run_dir="$run_dir"
+      py 600 minite.cli train --config configs/gpu_arith.toml --run_dir="$run_dir"
       mkdir -p "$x/train" && find "$run_dir" -maxdepth 1 -type f -exec cp {} "$x/train/" \; ;;
     *) echo "unknown part $part" | tee -a "$log" ;;
   esac

@@ -50,7 +50,7 @@ def _steps_done(folder: Path) -> int:
 
 
 def _stop(running: list[tuple], stream) -> None:
-    """After Ctrl-C: pass one SIGINT to every run (they run in sessions of their own, so the terminal's
+    """After Ctrl-C: pass one SIGINT to every run (each runs in its own process group, so the terminal's
     reaches only this process), which saves a checkpoint at its next step boundary; wait for them up
     to STOP_SECONDS, then terminate what is left. A second Ctrl-C terminates at once."""
     for *_, proc, _log in running:
