@@ -14,6 +14,9 @@ and in the sampler's decode step.
   read in place from the cache blocks (prefill and decode alike).
 - `PagedReferenceAttention`: a cached step on the CPU: the queries padded to `[B, Tq]` (pad queries
   at position -1) over the keys gathered from the cache in position order.
+- `PagedSDPAAttention`: the same layout through torch's `scaled_dot_product_attention` (its fused
+  kernels on CUDA, chosen by shape): the fast sampler's attention (`Sampler(fast=True)`), a serving
+  engine's bf16 arithmetic, not the learner's bits.
 
 None of them synchronizes with the host per layer (the decode step is captured in CUDA graphs).
 """
@@ -97,3 +100,24 @@ class PagedReferenceAttention:
         keys, values = self.cache.gather(layer, self.block_tables)  # [B, Tk, Hkv, D]
         out = attention(q[self.query_rows], keys, values, self.query_pos, self.key_pos)
         return out.reshape(B * Tq, -1)[self.unpad]  # [N, Hq * D]
+
+
+class PagedSDPAAttention(PagedReferenceAttention):
+    """`PagedReferenceAttention`'s gather through torch SDPA: a boolean mask of the visible keys
+    (key position <= query position; a padding query sees key 0 so that no row is empty), bf16 in,
+    the kernel's own accumulation and reduction order."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        visible = (self.key_pos[:, None, :] <= self.query_pos[:, :, None]) & (self.key_pos[:, None, :] >= 0)
+        first = torch.zeros_like(visible)
+        first[..., 0] = True
+        self.mask = torch.where((self.query_pos < 0)[:, :, None], first, visible)[:, None]  # [B, 1, Tq, Tk]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        B, Tq = self.query_pos.shape
+        keys, values = self.cache.gather(layer, self.block_tables)  # [B, Tk, Hkv, D]
+        qb = q[self.query_rows].transpose(1, 2)  # [B, Hq, Tq, D]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qb, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=self.mask, enable_gqa=True)
+        return out.transpose(1, 2).reshape(B * Tq, -1)[self.unpad]  # [N, Hq * D]

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from minite.nn.attention import kernel_enabled
-from minite.nn.attention_backends import PagedKernelAttention, PagedReferenceAttention
+from minite.nn.attention_backends import PagedKernelAttention, PagedReferenceAttention, PagedSDPAAttention
 from minite.nn.context import ForwardContext
 from minite.sampler.kv_cache import KVCache
 
@@ -114,11 +114,14 @@ def build_decode_batch(token_lists: list[list[int]], block_tables: list[list[int
                        as_t(qpos), as_t(ar), as_t(ar))
 
 
-def cached_context(model, cache: KVCache, batch: CachedBatch) -> ForwardContext:
+def cached_context(model, cache: KVCache, batch: CachedBatch, fast: bool = False) -> ForwardContext:
     """The step's context: positions, the cache and the slots the layers write, the attention backend
-    over the cache, each sequence's last token as the output rows."""
+    over the cache (`fast`: torch SDPA), each sequence's last token as the output rows."""
     Tq = batch.query_pos.shape[1]
-    if kernel_enabled(cache.k.device):
+    if fast:
+        attention = PagedSDPAAttention(cache, batch.block_tables, batch.context_lens, batch.query_rows,
+                                       batch.query_pos, batch.unpad)
+    elif kernel_enabled(cache.k.device):
         query_seq = batch.unpad // Tq  # [N] sequence of each new token
         group = model.config.num_attention_heads // model.config.num_key_value_heads
         attention = PagedKernelAttention(cache, query_seq, batch.positions, batch.block_tables,
@@ -130,7 +133,7 @@ def cached_context(model, cache: KVCache, batch: CachedBatch) -> ForwardContext:
                           output_rows=batch.last)
 
 
-def cached_forward(model, cache: KVCache, batch: CachedBatch) -> torch.Tensor:
+def cached_forward(model, cache: KVCache, batch: CachedBatch, fast: bool = False) -> torch.Tensor:
     """Run the new tokens through `model`, writing their k/v into `cache`; -> logits `[B, V]` of
     each sequence's last new token, in the model's dtype."""
-    return model(batch.input_ids, context=cached_context(model, cache, batch))
+    return model(batch.input_ids, context=cached_context(model, cache, batch, fast))

@@ -92,3 +92,19 @@ def test_every_sync_recalibrates_the_sampler(tmp_path):
 def test_bad_sampler_settings_name_the_key(override, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, [override])
+
+
+def test_the_fast_bf16_sampler_has_its_own_model_and_a_gap(tmp_path):
+    cfg = load_config(None, TINY + ["--recipe.name=bf16", "--sampler.engine=fast", "--rl.steps=1"])
+    trainer = Trainer(cfg, tmp_path / "run")
+    trainer.task.reward = parity_reward
+    assert trainer.sampler_model is not trainer.model and trainer.sampler.fast
+    assert trainer.sampler_model.recipe.name == "bf16"
+    trainer.run()
+    (rl,) = [r for r in _records(tmp_path / "run") if r["kind"] == "rl"]
+    assert rl["mismatch/bitwise_equal_frac"] < 1  # SDPA's arithmetic, not the learner's
+
+
+def test_the_fast_engine_refuses_a_quantized_recipe():
+    with pytest.raises(ConfigError, match="engine='fast' samples in bf16"):
+        load_config(None, TINY + ["--sampler.engine=fast", "--sampler.recipe=vllm"])
