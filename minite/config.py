@@ -64,7 +64,7 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class RecipeSection:
-    """A named recipe of `minite.recipe` and field overrides (e.g. `backend = "triton"`)."""
+    """A named recipe of `minite.recipe` and field overrides (e.g. `execution = {backend = "triton"}`)."""
 
     name: str = "aligned"
     overrides: dict[str, Any] = field(default_factory=dict)

@@ -128,9 +128,10 @@ def side_logprobs(model, side: Side, seqs: Sequences, temperature: float = 1.0) 
     out = torch.zeros(targets.shape)
     with recipe_of(model, side):
         logits = _forward_logits(model, seqs, side.batching)
+        execution = model.recipe.execution
     for i, (lg, s) in enumerate(zip(logits, seqs.tokens)):
         out[i, : len(s) - 1] = token_logprobs(lg[:-1], torch.tensor(s[1:], device=lg.device),
-                                              temperature).cpu()
+                                              temperature, execution=execution).cpu()
     return out
 
 

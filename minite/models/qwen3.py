@@ -15,8 +15,10 @@ autograd and recomputes the layer in the backward.
 Numerics: every projection of attention, MLP and experts is a recipe-driven `minite.nn.Linear` (or
 the experts' grouped equivalent); embedding, LM head, router and norms are never quantized. The
 recipe's `bf16_first_layers` / `bf16_last_layers` keep those decoder layers unquantized.
-`set_recipe` switches every layer. Parameter names follow Hugging Face's (without the `model.`
-prefix), so checkpoints map one to one except the experts' fused 3D tensors.
+`set_recipe` switches every layer. How everything executes (kernels or reference, fast paths) is the
+recipe's `execution` (`minite.execution`), read by every op of the forward. Parameter names follow
+Hugging Face's (without the `model.` prefix), so checkpoints map one to one except the experts' fused 3D
+tensors.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(x, self.fused_projection_groups()[0], self)
-        return self.down_proj(swiglu(gate, up, self.down_proj.recipe))
+        recipe = self.down_proj.recipe
+        return self.down_proj(swiglu(gate, up, recipe.execution, recipe))
 
 
 class DecoderLayer(nn.Module):
@@ -83,10 +86,12 @@ class DecoderLayer(nn.Module):
     # the norms also quantize their output for the NVFP4 projections that read it (`nn.norm.rms_norm`);
     # not in MoE layers, where the router reads it in bf16 and the experts their own rows
     def attn_input(self, x: torch.Tensor) -> torch.Tensor:
-        return self.input_layernorm(x, self.self_attn.q_proj.recipe)
+        recipe = self.self_attn.q_proj.recipe
+        return self.input_layernorm(x, recipe.execution, recipe)
 
     def mlp_input(self, h: torch.Tensor) -> torch.Tensor:
-        return self.post_attention_layernorm(h, None if self.is_moe else self.mlp.gate_proj.recipe)
+        recipe = self.mlp.recipe if self.is_moe else self.mlp.gate_proj.recipe
+        return self.post_attention_layernorm(h, recipe.execution, None if self.is_moe else recipe)
 
     def forward(self, x: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         """x `[B, T, H]` (or `[N, H]`, a cached step's new tokens) -> the same shape."""
@@ -116,7 +121,7 @@ class Qwen3(nn.Module):
         recipe = self.recipe if recipe is None else recipe
         n = self.config.num_hidden_layers
         if layer < recipe.bf16_first_layers or layer >= n - recipe.bf16_last_layers:
-            return get_recipe("bf16", backend=recipe.backend)
+            return get_recipe("bf16", execution=recipe.execution)
         return recipe
 
     def set_recipe(self, recipe: str | Recipe) -> None:
@@ -134,7 +139,7 @@ class Qwen3(nn.Module):
         Without `context`: the forward over whole sequences of `minite.nn.context.sequence_context`
         (`[B, T]`, or `[1, N]` packed with `cu_seqlens`; `check` as there)."""
         if context is None:
-            context = sequence_context(input_ids, position_ids, cu_seqlens, check)
+            context = sequence_context(input_ids, position_ids, cu_seqlens, check, self.recipe.execution)
         elif position_ids is not None or cu_seqlens is not None:
             raise ValueError("position_ids / cu_seqlens make a full-sequence context: give them or `context`")
         checkpointed = activation_checkpointing and torch.is_grad_enabled()
@@ -147,7 +152,7 @@ class Qwen3(nn.Module):
                     x = layer(x, context)
         if context.output_rows is not None:
             x = x[context.output_rows]
-        return self.norm(x)
+        return self.norm(x, self.recipe.execution)
 
     def lm_head_weight(self) -> torch.Tensor:
         """The `[V, H]` output projection (the embedding matrix when tied)."""

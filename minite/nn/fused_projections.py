@@ -2,8 +2,8 @@
 
 `project(x, linears, owner)` returns `[lin(x) for lin in linears]`. Where the Triton kernels run the
 recipe's forward (`nvfp4_matmul.use_kernels`: the `aligned` recipe on CUDA), with the 'dequantized'
-backward, more than `ALIGNED_DECODE_MAX_M` rows, no bias, no hooks and no calibration on the linears,
-it computes them together:
+backward, more than `execution.decode_max_m` rows, no bias, no hooks and no calibration on the
+linears, and `execution.fused_projections` on (the default), it computes them together:
 
 - forward: the input is quantized once (as it already was, through the forward scope's memo) and one
   `kernels.gemm.gemm_segments` launch multiplies it by the weights' unscaled copies concatenated
@@ -21,8 +21,7 @@ it computes them together:
 The concatenated copy is made once per weight update (when a member's `QuantizedWeight` changes),
 cached on `owner`; the members' own copies then become views into it (no second copy in memory).
 One launch and one autograd node instead of two or three take host time off every layer: the aligned
-learner step is host-bound on the H200 (benchmarks/results/). `use_fused_projections(False)` turns it
-off (each linear runs on its own).
+learner step is host-bound on the H200 (benchmarks/results/).
 """
 
 from __future__ import annotations
@@ -34,13 +33,6 @@ import torch
 from minite.kernels import lazy
 from minite.nn import nvfp4_matmul as nm
 from minite.recipe import Recipe
-
-_STATE = {"on": True}
-
-
-def use_fused_projections(on: bool = True) -> None:
-    """Whether `project` may fuse (default True); False: each linear runs on its own."""
-    _STATE["on"] = bool(on)
 
 
 def project(x: torch.Tensor, linears, owner: torch.nn.Module) -> list[torch.Tensor]:
@@ -55,10 +47,11 @@ def project(x: torch.Tensor, linears, owner: torch.nn.Module) -> list[torch.Tens
 
 
 def _fusable(x: torch.Tensor, linears) -> bool:
-    if not _STATE["on"] or len(linears) not in (2, 3):
+    if len(linears) not in (2, 3):
         return False
     k = x.shape[-1]
-    if k % 16 or x.numel() // max(k, 1) <= nm.ALIGNED_DECODE_MAX_M or not _members_fit(linears, x.device):
+    if k % 16 or x.numel() // max(k, 1) <= linears[0].recipe.execution.decode_max_m or \
+            not _members_fit(linears, x.device):
         return False
     if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
         return False
@@ -69,30 +62,28 @@ def _fusable(x: torch.Tensor, linears) -> bool:
 
 def _members_fit(linears, device) -> bool:
     """The linears' settings allow the fused GEMM (whatever the input): one recipe on the kernels with
-    the 'dequantized' backward, no bias, no fast mode, no calibration, weights on `device`."""
+    the 'dequantized' backward, fusion on, no fast mode, no bias, no calibration, weights on `device`."""
     recipe = linears[0].recipe
     # a calibrated static scale belongs to each linear, so a shared quantization would need them equal
-    if not (recipe.fp4 and recipe.backward == "dequantized" and nm.use_kernels(recipe, device)
+    if not (recipe.fp4 and recipe.backward == "dequantized" and recipe.execution.fused_projections
+            and not recipe.execution.fast and nm.use_kernels(recipe, device)
             and recipe.activation.scaling != "static"):
         return False
-    return all(lin.recipe is recipe and lin.bias is None and not lin.fast and lin._calib_amax is None
+    return all(lin.recipe is recipe and lin.bias is None and lin._calib_amax is None
                and lin.weight.device == device for lin in linears)
 
 
 def fused_members(model: torch.nn.Module) -> set[int]:
     """ids of the linears that modules of `model` may run fused (`fused_projection_groups()`)."""
-    if not _STATE["on"]:
-        return set()
     return {id(lin) for owner in model.modules() if hasattr(owner, "fused_projection_groups")
-            for linears in owner.fused_projection_groups() for lin in linears}
+            for linears in owner.fused_projection_groups() if linears[0].recipe.execution.fused_projections
+            for lin in linears}
 
 
 def prepare_model(model: torch.nn.Module) -> None:
     """Make the concatenated copies of every module with `fused_projection_groups()` now (after a
     weight update: `refresh_quantized_weights` calls it, so the copies are queued with the quantizer's
     launches rather than in the next forward)."""
-    if not _STATE["on"]:
-        return
     for owner in model.modules():
         groups = getattr(owner, "fused_projection_groups", None)
         for linears in groups() if groups is not None else ():

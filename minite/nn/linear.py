@@ -24,11 +24,11 @@ Which operand is quantized how:
 
 The quantized weight is computed once per weight update and cached (see `quantized_weight`).
 
-Execution: `recipe.backend == "triton"` runs the forward on the Triton kernels on CUDA (fused row
-quantizer + W4A4 GEMM in the batch-invariant 'aligned' config at every M, so the learner's and the
-sampler's rows agree bit for bit); recipes the kernels do not cover fall back to the reference GEMM
-(`minite.nn.nvfp4_matmul` lists them). `fast = True` on a module trades that alignment for speed
-(the 'decode' config on packed weights for M <= 64, 'prefill' above). On CUDA the forward never
+Execution (`recipe.execution`): on the Triton kernels (on CUDA by default) the forward is the fused
+row quantizer + W4A4 GEMM in the batch-invariant 'aligned' config at every M, so the learner's and
+the sampler's rows agree bit for bit; recipes the kernels do not cover fall back to the reference
+GEMM (`minite.nn.nvfp4_matmul` lists them). `execution.fast` trades that alignment for speed (the
+'decode' config on packed weights for M <= 64, 'prefill' above). On CUDA the forward never
 synchronizes with the host: a non-finite input gives NaN outputs instead of the CPU's ValueError.
 """
 
@@ -53,10 +53,7 @@ class Linear(nn.Module):
 
     `input_scale` (fp32 [], non-persistent buffer, None until `minite.nn.calibrate` sets it) is the
     static activation decode scale used by recipes with `activation.scaling == "static"`.
-    `fast` (default False) lets the Triton backend pick faster, M-dependent GEMM configs.
     """
-
-    fast: bool = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  recipe: str | Recipe = "aligned", dtype=None, device=None):
@@ -118,8 +115,7 @@ class Linear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{self!r} expects in_features={self.in_features}, got x {tuple(x.shape)}")
-        y = LinearMatmul.apply(x, self.weight, self.quantized_weight(), self.recipe, self._static_scale(),
-                               self.fast)
+        y = LinearMatmul.apply(x, self.weight, self.quantized_weight(), self.recipe, self._static_scale())
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def graph_safe(self) -> bool:

@@ -6,9 +6,10 @@ Norms are never quantized. The reduction is over the last dimension of one row, 
 output does not depend on the other rows of the batch (torch's own reduction kernels do not promise
 the same bits for every batch size on the GPU; the Triton kernel does).
 
-On CUDA (by default; `minite.nn.fused.use_fused_kernels`) `rms_norm` runs the one-launch Triton
-kernel `minite.kernels.norm.rms_norm` instead; told the recipe of the NVFP4 linears that read its
-output (`quantize_for`), the same launch also quantizes the output for them.
+Where the execution runs the element-wise kernels (`Execution.elementwise`: on CUDA by default)
+`rms_norm` runs the one-launch Triton kernel `minite.kernels.norm.rms_norm` instead; told the recipe
+of the NVFP4 linears that read its output (`quantize_for`), the same launch also quantizes the output
+for them.
 """
 
 from __future__ import annotations
@@ -16,19 +17,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minite.execution import DEFAULT, Execution
 from minite.kernels import lazy
 from minite.nn import nvfp4_matmul
-from minite.nn.fused import fused_applies
 from minite.recipe import Recipe
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize_for: Recipe | None = None
-             ) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, execution: Execution = DEFAULT,
+             quantize_for: Recipe | None = None) -> torch.Tensor:
     """RMS-normalize `x [..., D]` over its last dimension and scale by `weight [D]`. `quantize_for`: the
     recipe of the linears that read the output next; where they run the NVFP4 kernels inside a forward
     scope, the kernel also quantizes the output for them (`kernels.norm.rms_norm_quantize`, the same
     bits as their own quantizer): one launch and one pass over the rows less."""
-    if fused_applies(x):
+    if execution.elementwise_kernels(x):
         kernel = lazy.norm
         if x.shape[-1] <= kernel.MAX_D:
             if quantize_for is not None and nvfp4_matmul.can_seed_quantized_input(x, quantize_for):
@@ -56,8 +57,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, quantize_for: Recipe | None = None) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, quantize_for)
+    def forward(self, x: torch.Tensor, execution: Execution = DEFAULT,
+                quantize_for: Recipe | None = None) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, execution, quantize_for)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -9,13 +9,12 @@ position order (fresh and cached keys are treated alike; the only difference fro
 trailing empty key slots), and only each sequence's last token going through the final norm and the
 LM head.
 
-The attention backend (`minite.nn.attention_backends`): on CUDA (`minite.nn.attention.kernel_enabled`)
-the paged kernel reads the keys in place from the cache blocks, for prefill and decode alike (the
-same kernel and launch configuration as the learner's forward, so a token's attention output does
-not depend on the batch it was computed in); on the CPU the reference over queries padded to
-`[B, Tq]` (pad queries have position -1, see `CachedBatch`) and keys gathered from the cache. Both
-are free of host syncs (the decode step is captured in CUDA graphs).
-"""
+The attention backend (`minite.nn.attention_backends`): where the model's execution runs the attention
+kernel (on CUDA by default, `Execution.attention`): the paged kernel reads the keys in place from the
+cache blocks, for prefill and decode alike (the same kernel and launch configuration as the learner's
+forward, so a token's attention output does not depend on the batch it was computed in); on the CPU the
+reference over queries padded to `[B, Tq]` (pad queries have position -1, see `CachedBatch`) and keys
+gathered from the cache. Both are free of host syncs (the decode step is captured in CUDA graphs). """
 
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minite.nn.attention import kernel_enabled
 from minite.nn.attention_backends import PagedKernelAttention, PagedReferenceAttention
 from minite.nn.context import ForwardContext
 from minite.sampler.kv_cache import KVCache
@@ -118,7 +116,7 @@ def cached_context(model, cache: KVCache, batch: CachedBatch) -> ForwardContext:
     """The step's context: positions, the cache and the slots the layers write, the attention backend
     over the cache, each sequence's last token as the output rows."""
     Tq = batch.query_pos.shape[1]
-    if kernel_enabled(cache.k.device):
+    if model.recipe.execution.attention_kernel(cache.k.device):
         query_seq = batch.unpad // Tq  # [N] sequence of each new token
         group = model.config.num_attention_heads // model.config.num_key_value_heads
         attention = PagedKernelAttention(cache, query_seq, batch.positions, batch.block_tables,

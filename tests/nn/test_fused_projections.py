@@ -18,7 +18,7 @@ from minite.recipe import QuantSpec, get_recipe
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="Triton is not installed")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-ALIGNED = get_recipe("aligned", backend="triton")
+ALIGNED = get_recipe("aligned").with_execution(backend="triton")
 # the fused backward sums the weights' dX terms in one fp32 pass where autograd adds separate results
 FP32_GRAD_RTOL = 1e-5
 # bf16 gradients: the same products with bf16 roundings at other places (a few bf16 ulps)
@@ -35,6 +35,11 @@ class _Owner(torch.nn.Module):
     def forward(self, x):
         return fp.project(x, tuple(self.lins), self)
 
+    def set_fused(self, fused: bool) -> None:
+        recipe = self.lins[0].recipe.with_execution(fused_projections=fused)
+        for lin in self.lins:
+            lin.set_recipe(recipe)
+
 
 def _launches(monkeypatch):
     calls = []
@@ -48,17 +53,14 @@ def _launches(monkeypatch):
 
 
 def _run(owner, x, fused: bool, grads: bool = True):
-    fp.use_fused_projections(fused)
-    try:
-        owner.zero_grad(set_to_none=True)
-        xi = x.detach().clone().requires_grad_(grads)
-        outs = owner(xi)
-        if grads:
-            sum((o.float() * (j + 1)).sin().sum() for j, o in enumerate(outs)).backward()
-            return outs, xi.grad, [lin.weight.grad for lin in owner.lins]
-        return outs, None, None
-    finally:
-        fp.use_fused_projections(True)
+    owner.set_fused(fused)
+    owner.zero_grad(set_to_none=True)
+    xi = x.detach().clone().requires_grad_(grads)
+    outs = owner(xi)
+    if grads:
+        sum((o.float() * (j + 1)).sin().sum() for j, o in enumerate(outs)).backward()
+        return outs, xi.grad, [lin.weight.grad for lin in owner.lins]
+    return outs, None, None
 
 
 @pytest.mark.parametrize("widths", [(64, 32, 32), (96, 96), (48, 16, 32)])
@@ -97,7 +99,7 @@ def test_steps_aside_where_it_does_not_apply(monkeypatch):
     x = torch.randn(80, 64, device=DEVICE)
     few = torch.randn(64, 64, device=DEVICE)  # decode-sized: the linears' packed-weight path
     rht = QuantSpec(scaling="tensor", hadamard=True)  # not on the kernels
-    te = _Owner((32, 32), 64, recipe=get_recipe("te", backend="triton", activation=rht))
+    te = _Owner((32, 32), 64, recipe=get_recipe("te", activation=rht).with_execution(backend="triton"))
     biased = _Owner((32, 32), 64, bias=True)
     hooked = _Owner((32, 32), 64)
     seen = []
@@ -107,11 +109,9 @@ def test_steps_aside_where_it_does_not_apply(monkeypatch):
         outs = owner(inp)
         assert [o.shape[-1] for o in outs] == [32, 32]
     assert calls == [] and seen == [1]
-    fp.use_fused_projections(False)
-    try:
-        _Owner((32, 32), 64)(x)
-    finally:
-        fp.use_fused_projections(True)
+    unfused = _Owner((32, 32), 64)
+    unfused.set_fused(False)
+    unfused(x)
     assert calls == []
     _Owner((32, 32), 64)(x)
     assert calls == [1]
@@ -120,7 +120,7 @@ def test_steps_aside_where_it_does_not_apply(monkeypatch):
 def test_a_per_tensor_activation_scale_fuses_with_each_linears_bits(monkeypatch):
     """`te`: one amax for the shared input, so the fused GEMM gives each linear's own outputs."""
     calls = _launches(monkeypatch)
-    owner = _Owner((32, 16, 16), 64, recipe=get_recipe("te", backend="triton"))
+    owner = _Owner((32, 16, 16), 64, recipe=get_recipe("te").with_execution(backend="triton"))
     x = torch.randn(80, 64, device=DEVICE)
     fused, _, _ = _run(owner, x, fused=True, grads=False)
     assert calls == [1]
@@ -221,14 +221,11 @@ def test_tiny_model_logits_and_grads_fused_or_not(monkeypatch):
     calls = _launches(monkeypatch)
     got = []
     for fused in (True, False):
-        fp.use_fused_projections(fused)
-        try:
-            model.zero_grad(set_to_none=True)
-            logits = model(ids)
-            logits.float().logsumexp(-1).sum().backward()
-            got.append((logits.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
-        finally:
-            fp.use_fused_projections(True)
+        model.set_recipe(ALIGNED.with_execution(fused_projections=fused))
+        model.zero_grad(set_to_none=True)
+        logits = model(ids)
+        logits.float().logsumexp(-1).sum().backward()
+        got.append((logits.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
     assert len(calls) == 2 * model.config.num_hidden_layers
     assert torch.equal(got[0][0], got[1][0])
     for a, b in zip(got[0][1], got[1][1]):

@@ -87,7 +87,7 @@ def test_every_sync_recalibrates_the_sampler(tmp_path):
 @pytest.mark.parametrize("override,match", [
     ("--sampler.recipe=fp8", "sampler.recipe"),
     ("--sampler.calibration=never", "calibration"),
-    ("--sampler.recipe_overrides={backend=\"ref\"}", "recipe_overrides need a sampler recipe"),
+    ("--sampler.recipe_overrides={execution={backend=\"ref\"}}", "recipe_overrides need a sampler recipe"),
 ])
 def test_bad_sampler_settings_name_the_key(override, match):
     with pytest.raises(ConfigError, match=match):

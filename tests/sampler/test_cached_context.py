@@ -4,7 +4,7 @@ the KV cache, the backend follows the device, and every module's hooks see the s
 import torch
 
 from minite.nn.attention_backends import PagedKernelAttention, PagedReferenceAttention
-from minite.sampler import Sampler, runner
+from minite.sampler import Sampler
 from minite.sampler.kv_cache import KVCache
 from minite.sampler.runner import build_batch, cached_context, cached_forward
 from minite.sampling import SamplingParams
@@ -35,14 +35,14 @@ def test_prefill_writes_every_layers_keys_at_the_slots():
         assert torch.equal(flat[i, batch.slots], keys[i][1])
 
 
-def test_backend_follows_the_device(monkeypatch):
+def test_backend_follows_the_device():
     model = tiny_model()
     cache = _cache(model)
     batch = build_batch(prompts_of([5]), [0], [[1, 3]], cache.block_size, cache.scratch_block, "cpu")
     ctx = cached_context(model, cache, batch)
     assert isinstance(ctx.attention, PagedReferenceAttention)
     assert ctx.kv_cache is cache and ctx.slots is batch.slots and ctx.output_rows is batch.last
-    monkeypatch.setattr(runner, "kernel_enabled", lambda device: True)
+    model.set_recipe(model.recipe.with_execution(attention="triton"))  # the kernel, also on the CPU
     assert isinstance(cached_context(model, cache, batch).attention, PagedKernelAttention)
 
 
