@@ -16,7 +16,8 @@ choice of an engine's hot path reads it, nothing reads a module global:
 - `decode_max_m`: at most this many rows, an aligned dense GEMM reads the packed weight in the
   decode layout instead of the bf16 copy (the same bits; 0: never); `decode_max_rows_per_expert`:
   the same for MoE experts, in rows per expert on average.
-- `fused_projections`: q/k/v and gate/up as one GEMM launch (`minite.nn.fused_projections`).
+- `fused_projections`: a segmented projection (q|k|v, gate|up) as one GEMM launch
+  (`minite.nn.segmented_matmul`); off, each segment's GEMM runs on its own (the same outputs).
 - `grouped_mm`: bf16 MoE experts on `torch._grouped_mm` (None: on CUDA weights).
 
 None of these changes a result the aligned contract fixes: the kernels and the reference agree as

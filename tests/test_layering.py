@@ -61,8 +61,6 @@ INDEPENDENT = (("minite.sampler", "minite.learner"),)
 
 # cycles still to be cut: {modules}: why it is there; remove the entry when the cycle is gone
 KNOWN_CYCLES = {
-    frozenset({"minite.nn.fused_projections", "minite.nn.nvfp4_matmul", "minite.nn.quantized_weight"}):
-        "run-time q/k/v and gate/up fusion; goes with the static segmented projections redesign",
     frozenset({"minite.kernels.nvfp4", "minite.kernels.nvfp4_pairs"}):
         "the pair kernel reuses the general kernel's jit helpers, whose launcher dispatches to it; "
         "goes when the helpers get a module of their own (kernels/nvfp4/ as a package)",

@@ -29,7 +29,7 @@ import torch
 
 from benchmarks.common import ratio_stats, report, sync
 from minite.models import ModelConfig, Qwen3, tiny_qwen3, tiny_qwen3_moe
-from minite.models.checkpoint import EXPERT_PARAM, expert_pieces, fused_expert_name, hf_name
+from minite.models.checkpoint import EXPERT_PARAM, fused_expert_name, hf_tensors
 from minite.models.presets import qwen3_1_7b, qwen3_30b_a3b
 from minite.recipe import get_recipe
 from minite.sampler import Sampler
@@ -123,14 +123,8 @@ def hf_model_from(model: Qwen3, device, dtype):
     hf_keys = set(hf.state_dict())
     state = {}
     for name, tensor in model.state_dict().items():
-        if EXPERT_PARAM.match(name) and fused_expert_name(name) in hf_keys:
-            state[fused_expert_name(name)] = tensor
-        elif EXPERT_PARAM.match(name):
-            split = tensor.chunk(2, dim=1) if "gate_up" in name else (tensor,)
-            per_expert = [t for e in range(tensor.shape[0]) for t in (s[e] for s in split)]
-            state.update({hf: t for (hf, _), t in zip(expert_pieces(name, tensor.shape), per_expert)})
-        else:
-            state[hf_name(name)] = tensor
+        fused = bool(EXPERT_PARAM.match(name)) and fused_expert_name(name) in hf_keys
+        state.update(hf_tensors(name, tensor, cfg, fused_experts=fused))
     missing, unexpected = hf.load_state_dict(state, strict=False)
     allowed = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     if set(missing) - allowed or unexpected:

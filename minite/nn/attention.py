@@ -9,13 +9,13 @@ negative key position marks an empty (padding) slot. A query that sees no key ge
 Packed variable-length input (`cu_seqlens`) runs `attention` per group of sequences
 (`varlen_attention`).
 
-`Attention` is the layer: q/k/v projections (recipe-driven `Linear`), RMSNorm of each q and k head,
-RoPE, then, per the forward's context (`minite.nn.context`), the KV cache write (a cached step's new
-keys join the cache before any query reads it) and the context's attention backend
+`Attention` is the layer: the q|k|v projection (one recipe-driven `SegmentedLinear`), RMSNorm of each q
+and k head, RoPE, then, per the forward's context (`minite.nn.context`), the KV cache write (a cached
+step's new keys join the cache before any query reads it) and the context's attention backend
 (`minite.nn.attention_backends`), then the output projection.
 
-Where the execution runs the attention kernel (`Execution.attention`: on CUDA by default) the backends run the
-paged attention kernel (`minite.kernels.attention`, math in `minite.ref.attention`): the same kernel
+Where the execution runs the attention kernel (`Execution.attention`: on CUDA by default) the backends
+run the paged attention kernel (`minite.kernels.attention`, math in `minite.ref.attention`): the same kernel
 and launch configuration over the learner's packed k/v (`KernelAttention`, `PackedLayout`) as over
 the sampler's KV cache, so a token's attention output is the same bits in the learner's
 full-sequence forward as in the sampler's decode step. The kernel reads key slot j of a sequence as
@@ -32,10 +32,10 @@ from torch import nn
 
 from minite.execution import DEFAULT, Execution
 from minite.kernels import lazy
-from minite.nn.fused_projections import project
 from minite.nn.linear import Linear
 from minite.nn.norm import RMSNorm
 from minite.nn.rope import apply_rope, rope_cos_sin
+from minite.nn.segmented_linear import SegmentedLinear
 
 
 def kernel_applies(q: torch.Tensor, execution: Execution = DEFAULT) -> bool:
@@ -167,34 +167,29 @@ class Attention(nn.Module):
         self.layer_index = layer_index  # which layer of the KV cache this layer reads and writes
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.rope_theta = rope_theta
-        self.q_proj = Linear(hidden_size, num_heads * head_dim, recipe=recipe)
-        self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, recipe=recipe)
-        self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, recipe=recipe)
+        kv = num_kv_heads * head_dim
+        self.qkv_proj = SegmentedLinear(hidden_size, (num_heads * head_dim, kv, kv), recipe=recipe)
         self.o_proj = Linear(num_heads * head_dim, hidden_size, recipe=recipe)
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
 
-    def fused_projection_groups(self) -> list[tuple]:
-        """The linears `project_qkv` runs as one GEMM where it can (`minite.nn.fused_projections`)."""
-        return [(self.q_proj, self.k_proj, self.v_proj)]
-
-    def project_qkv(self, x: torch.Tensor, positions: torch.Tensor):
-        """x `[..., T, H]`, positions `[..., T]` -> q `[..., T, Hq, D]`, k and v `[..., T, Hkv, D]`;
-        q and k are normed per head and rotated."""
+    def project_qkv(self, x: torch.Tensor, positions: torch.Tensor, quantized=None):
+        """x `[..., T, H]` (`quantized`: its quantization, handed over by the norm before), positions
+        `[..., T]` -> q `[..., T, Hq, D]`, k and v `[..., T, Hkv, D]`; q and k are normed per head and
+        rotated."""
         lead = x.shape[:-1]
-        q, k, v = project(x, self.fused_projection_groups()[0], self)
-        execution = self.q_proj.recipe.execution
+        q, k, v = self.qkv_proj(x, quantized)
+        execution = self.qkv_proj.recipe.execution
         q = self.q_norm(q.view(*lead, self.num_heads, self.head_dim), execution)
         k = self.k_norm(k.view(*lead, self.num_kv_heads, self.head_dim), execution)
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
-        execution = self.q_proj.recipe.execution
         return apply_rope(q, cos, sin, execution), apply_rope(k, cos, sin, execution), v
 
-    def forward(self, x: torch.Tensor, context) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context, quantized=None) -> torch.Tensor:
         """x `[..., T, H]` -> `[..., T, H]` under the forward's `minite.nn.context.ForwardContext`
         (positions `[..., T]`; not imported here: the context's backends import this module)."""
-        q, k, v = self.project_qkv(x, context.positions)
+        q, k, v = self.project_qkv(x, context.positions, quantized)
         if context.kv_cache is not None:
             # the new tokens' keys join the cache before any query reads it: fresh and cached keys alike
             context.kv_cache.write(self.layer_index, context.slots, k, v)

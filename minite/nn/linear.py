@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minite.nn.nvfp4_matmul import LinearMatmul, StaticScale, static_scale, use_kernels
+from minite.nn.nvfp4_matmul import LinearMatmul, QuantizedActivation, StaticScale, static_scale, use_kernels
 from minite.nn.quantized_weight import QuantizedWeight, quantize_weight, weight_key
 from minite.recipe import Recipe, get_recipe
 
@@ -107,7 +107,8 @@ class Linear(nn.Module):
             raise ValueError(f"quantized weight {tuple(qw.unscaled.shape)} / {qw.spec} does not fit {self!r}")
         self._qweight = dataclasses.replace(qw, key=weight_key(self.weight, self.recipe.weight))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, quantized: QuantizedActivation | None = None) -> torch.Tensor:
+        """`quantized`: x's quantization, where the op before made it (`nvfp4_matmul.QuantizedActivation`)."""
         if self._calib_amax is not None:
             self._calib_amax = torch.maximum(self._calib_amax, x.detach().abs().amax().float())
             return F.linear(x, self.weight, self.bias)
@@ -115,7 +116,8 @@ class Linear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{self!r} expects in_features={self.in_features}, got x {tuple(x.shape)}")
-        y = LinearMatmul.apply(x, self.weight, self.quantized_weight(), self.recipe, self._static_scale())
+        y = LinearMatmul.apply(x, self.weight, self.quantized_weight(), self.recipe, self._static_scale(),
+                               quantized)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def graph_safe(self) -> bool:

@@ -46,7 +46,7 @@ from minite.nn.linear import TE_AMAX_TO_SCALE, Linear
 from minite.nn.moe_combine import combine
 from minite.nn.nvfp4_matmul import grouped_nvfp4_matmul, nvfp4_matmul, use_grouped_kernels
 from minite.nn.quantized_weight import QuantizedWeight, quantize_weight, weight_key
-from minite.nn.swiglu import swiglu
+from minite.nn.swiglu import swiglu, swiglu_quantized
 from minite.recipe import Recipe, get_recipe
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
@@ -226,9 +226,9 @@ class MoEExperts(nn.Module):
         gate_up = grouped_nvfp4_matmul(xs, self.gate_up_proj, self.quantized_weight("gate_up_proj"),
                                        self.recipe, s.offsets, s.experts)
         gate, up = gate_up.chunk(2, dim=-1)  # [R, I] each
-        h = swiglu(gate, up, self.recipe.execution, self.recipe)  # quantized for down in the same launch
+        h, hq = swiglu_quantized(gate, up, self.recipe)  # quantized for down in the same launch
         return grouped_nvfp4_matmul(h, self.down_proj, self.quantized_weight("down_proj"), self.recipe,
-                                    s.offsets, s.experts)
+                                    s.offsets, s.experts, hq)
 
     def experts_forward(self, xg: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """SwiGLU experts on grouped tokens: xg [A, C, H], experts [A] -> [A, C, H]."""

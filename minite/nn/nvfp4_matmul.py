@@ -54,7 +54,6 @@ import torch.nn.functional as F
 from minite import nvfp4
 from minite.execution import runs_kernels
 from minite.kernels import lazy
-from minite.nn.forward_scope import scope_memo
 from minite.nn.quantized_weight import QuantizedWeight
 from minite.nvfp4 import quantize
 from minite.recipe import QuantSpec, Recipe
@@ -194,56 +193,34 @@ class _Scales(NamedTuple):
     amax: torch.Tensor
 
 
-def _kernel_rows(x2: torch.Tensor, recipe: Recipe, static: StaticScale | None = None):
-    """x2 [R, K] -> (a [R, K] e2m1 * s_b in the kernels' operand dtype, S_dec fp32 [R, 1], the
-    epilogue's row factor fp32 [R, 1]: S_dec, or amax for 'alpha'; with 'tensor' / 'static' scaling
-    every row holds the one global value).
+class QuantizedActivation(NamedTuple):
+    """A GEMM input quantized on the kernels, as its rows: what an op that quantizes its output (a
+    norm, SwiGLU) hands the linear that reads it, and what a segmented linear shares among its
+    segments. Bitwise what the linear's own quantizer would give."""
 
-    Within a forward scope (`minite.nn.forward_scope`), consecutive GEMMs on the same input (q/k/v,
-    gate/up) quantize it once: the last input's quantization is kept, with a reference to the input,
-    and handed out again while the input is unchanged (same storage, shape, strides and version) and
-    the quantization asked for is the same."""
-    memo = scope_memo("quantized_input")
-    if memo is None:
-        return _quantize_rows(x2, recipe, static)
-    key = _memo_key(x2, recipe, static)
-    if memo.get("key") != key:
-        memo.update(key=key, x=x2, rows=_quantize_rows(x2, recipe, static))
-    return memo["rows"]
+    values: torch.Tensor  # [R, K] e2m1 * s_b in the kernels' operand dtype
+    sdec: torch.Tensor  # [R, 1] fp32 S_dec (with 'tensor' / 'static' scaling every row the one value)
+    row_factor: torch.Tensor  # [R, 1] fp32, the epilogue's row factor: S_dec, or amax for 'alpha'
 
 
-def _memo_key(x2: torch.Tensor, recipe: Recipe, static: StaticScale | None = None) -> tuple:
-    return (x2.data_ptr(), x2.device, x2.dtype, tuple(x2.shape), x2.stride(), x2._version,
-            recipe.activation.chain, recipe.activation.scaling, recipe.epilogue == "alpha",
-            None if static is None else static.key)
+def quantize_input(x: torch.Tensor, recipe: Recipe, static: StaticScale | None = None) -> QuantizedActivation:
+    """x [..., K] quantized on the kernels for a dense linear under `recipe` (`use_kernels`)."""
+    return QuantizedActivation(*_quantize_rows(x.reshape(-1, x.shape[-1]), recipe, static))
 
 
-def can_seed_quantized_input(x: torch.Tensor, recipe: Recipe) -> bool:
-    """Whether the op producing x can hand its row quantization to the linears that read x next
-    (`seed_quantized_input`): they run the kernels, inside a forward scope."""
-    return (x.shape[-1] % 16 == 0 and use_kernels(recipe, x.device) and row_scaled(recipe)
-            and scope_memo("quantized_input") is not None)
+def hands_over(x: torch.Tensor, recipe: Recipe) -> bool:
+    """Whether the op producing x quantizes it for the NVFP4 linear that reads it next (`handed_over`):
+    that linear runs the kernels with per-row scales, and K is a multiple of 16."""
+    return x.shape[-1] % 16 == 0 and use_kernels(recipe, x.device) and row_scaled(recipe)
 
 
-def seed_quantized_input(x: torch.Tensor, recipe: Recipe, values: torch.Tensor, sdec: torch.Tensor,
-                         amax: torch.Tensor) -> None:
-    """Record x [..., K]'s row quantization (values e2m1 * s_b [..., K] in the kernels' operand dtype,
-    S_dec and amax fp32 [..., 1], bitwise `_quantize_rows`') as the one the next linears on x use in
-    this forward scope: they skip their quantizer launch."""
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    factor = amax if recipe.epilogue == "alpha" else sdec
-    rows = (values.reshape(-1, k), sdec.reshape(-1, 1), factor.reshape(-1, 1))
-    scope_memo("quantized_input").update(key=_memo_key(x2, recipe), x=x2, rows=rows)
-
-
-def produce_quantized(recipe: Recipe, device: torch.device, produce) -> torch.Tensor:
-    """Run an op that also quantizes its output for the NVFP4 linears reading it next (where
-    `can_seed_quantized_input`): `produce(operand dtype, chain)` -> (out, values e2m1 * s_b, S_dec,
-    amax); the quantization is handed to those linears (`seed_quantized_input`); returns out."""
+def handed_over(recipe: Recipe, device: torch.device, produce) -> tuple[torch.Tensor, QuantizedActivation]:
+    """Run an op that also quantizes its output for the linear reading it next (where `hands_over`):
+    `produce(operand dtype, chain)` -> (out, values e2m1 * s_b, S_dec, amax) -> (out, its quantization)."""
     out, values, sdec, amax = produce(lazy.gemm.operand_dtype(device), recipe.activation.chain)
-    seed_quantized_input(out, recipe, values, sdec, amax)
-    return out
+    k = out.shape[-1]
+    factor = amax if recipe.epilogue == "alpha" else sdec
+    return out, QuantizedActivation(values.reshape(-1, k), sdec.reshape(-1, 1), factor.reshape(-1, 1))
 
 
 def _quantize_rows(x2: torch.Tensor, recipe: Recipe, static: StaticScale | None = None):
@@ -276,16 +253,15 @@ def _pad_k(a: torch.Tensor, k: int) -> torch.Tensor:
 
 def _weight_scale(qweight: QuantizedWeight, recipe: Recipe) -> torch.Tensor:
     """The weight's epilogue factor, fp32 flat: [] (a Linear) or [E] (experts); made once per weight."""
-    s = qweight.amax if recipe.epilogue == "alpha" else qweight.global_scale
-    return qweight.cached(("epilogue scale", recipe.epilogue == "alpha"),
-                          lambda: s.reshape(-1 if s.ndim else ()).float())
+    return qweight.epilogue_scale(recipe.epilogue == "alpha")
 
 
 def _dense_kernel(x2: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe,
-                  static: StaticScale | None = None):
-    """x2 [M, K] times a 2D weight on the kernels -> (out [M, N] in x2.dtype, a, S_dec)."""
+                  static: StaticScale | None = None, quantized: QuantizedActivation | None = None):
+    """x2 [M, K] times a 2D weight on the kernels -> (out [M, N] in x2.dtype, a, S_dec); `quantized`:
+    x2's quantization, made by the op before (else quantized here)."""
     kd, kg = lazy.decode_gemm, lazy.gemm
-    a, sdec, row_factor = _kernel_rows(x2, recipe, static)
+    a, sdec, row_factor = quantized if quantized is not None else _quantize_rows(x2, recipe, static)
     m, k = a.shape
     n = qweight.unscaled.shape[-2]
     sw = _weight_scale(qweight, recipe)
@@ -303,13 +279,14 @@ def _dense_kernel(x2: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe,
     return out, a, sdec
 
 
-def _grouped_kernel(xs: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe, offsets: torch.Tensor):
+def _grouped_kernel(xs: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe, offsets: torch.Tensor,
+                    quantized: QuantizedActivation | None = None):
     """xs [R, K] sorted by expert, offsets [E + 1] -> (out [R, N] in xs.dtype, a, S_dec); one launch."""
     from minite import kernels
     from minite.kernels import grouped_decode as gd
     from minite.kernels import grouped_gemm as gg
 
-    a, sdec, row_factor = _kernel_rows(xs, recipe)
+    a, sdec, row_factor = quantized if quantized is not None else _quantize_rows(xs, recipe)
     config = "prefill" if recipe.execution.fast else "aligned"
     bk = gg.CONFIGS["interpret" if kernels.interpreted() else config]["BK"]
     e, n, k = qweight.unscaled.shape
@@ -333,7 +310,8 @@ def _expert_offsets(experts: torch.Tensor, rows: int, num_experts: int) -> torch
 
 class NVFP4Matmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, qweight: QuantizedWeight, recipe: Recipe, static_scale, experts):
+    def forward(ctx, x, weight, qweight: QuantizedWeight, recipe: Recipe, static_scale, experts,
+                quantized=None):
         b, m, k = x.shape
         static = static_scale if isinstance(static_scale, StaticScale) else None
         if static is not None:
@@ -342,7 +320,7 @@ class NVFP4Matmul(torch.autograd.Function):
         if use_kernels(recipe, x.device) and x.numel() and (row_scaled(recipe) or (dense and b == 1)):
             x2 = x.reshape(b * m, k)
             if dense:
-                out, a, sdec = _dense_kernel(x2, qweight, recipe, static)
+                out, a, sdec = _dense_kernel(x2, qweight, recipe, static, quantized)
             else:
                 e = qweight.unscaled.shape[0]
                 ids = torch.arange(e, device=x.device) if experts is None else experts
@@ -370,7 +348,7 @@ class NVFP4Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         if ctx.dense_bf16 is not None and dy.dtype == torch.bfloat16:
-            return (*_dense_bf16_grads(ctx, dy), None, None, None, None)
+            return (*_dense_bf16_grads(ctx, dy), None, None, None, None, None)
         wu, ws, _ = ctx.qweight.batched()
         if ctx.experts is not None:
             wu, ws = wu[ctx.experts], ws[ctx.experts]
@@ -380,13 +358,14 @@ class NVFP4Matmul(torch.autograd.Function):
             dx = dx.to(ctx.x_dtype)
         if dw is not None:
             dw = _scatter_experts(dw, ctx.experts, ctx.weight_meta[0]).to(ctx.weight_meta[1])
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
 class GroupedNVFP4Matmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, xs, weight, qweight: QuantizedWeight, recipe: Recipe, offsets, row_experts):
-        out, a, sdec = _grouped_kernel(xs, qweight, recipe, offsets)
+    def forward(ctx, xs, weight, qweight: QuantizedWeight, recipe: Recipe, offsets, row_experts,
+                quantized=None):
+        out, a, sdec = _grouped_kernel(xs, qweight, recipe, offsets, quantized)
         ctx.mode, ctx.qweight, ctx.x_dtype, ctx.w_dtype = recipe.backward, qweight, xs.dtype, weight.dtype
         ctx.backend, ctx.grouped_mm = quantize_backend(recipe), recipe.execution.grouped_mm_on(weight.device)
         saved = (a, sdec) if recipe.backward == "dequantized" else (xs,)
@@ -399,7 +378,7 @@ class GroupedNVFP4Matmul(torch.autograd.Function):
         if ctx.grouped_mm and ctx.mode == "dequantized" and dy.dtype == torch.bfloat16 and \
                 grouped_mm_applies(dy, ctx.qweight.unscaled):
             return (*_grouped_mm_grads(ctx, dy.contiguous(), offsets, row_experts, *saved), None, None, None,
-                    None)
+                    None, None)
         num_experts = offsets.numel() - 1
         # the padded [E, C, *] layout of the reference path; C costs one host sync (backward only)
         cap = int((offsets[1:] - offsets[:-1]).max())
@@ -414,7 +393,7 @@ class GroupedNVFP4Matmul(torch.autograd.Function):
             dx = dx[row_experts, rank].to(ctx.x_dtype)
         if dw is not None:
             dw = dw.to(ctx.w_dtype)
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
 def grouped_mm_applies(t: torch.Tensor, w: torch.Tensor) -> bool:
@@ -445,20 +424,21 @@ def _grouped_mm_grads(ctx, dy, offsets, row_experts, a, sdec):
 
 
 class LinearMatmul(NVFP4Matmul):
-    """`NVFP4Matmul` for a Linear: x [..., K] as one batch entry -> [..., N]. The reshapes happen
-    inside, so autograd records no view nodes around the GEMM (host time on every call)."""
+    """`NVFP4Matmul` for a Linear: x [..., K] as one batch entry -> [..., N] (`quantized`: x's
+    `QuantizedActivation` where the op before made it). The reshapes happen inside, so autograd
+    records no view nodes around the GEMM (host time on every call)."""
 
     @staticmethod
-    def forward(ctx, x, weight, qweight: QuantizedWeight, recipe: Recipe, static_scale):
+    def forward(ctx, x, weight, qweight: QuantizedWeight, recipe: Recipe, static_scale, quantized=None):
         ctx.x_shape = x.shape
         out = NVFP4Matmul.forward(ctx, x.reshape(1, -1, x.shape[-1]), weight, qweight, recipe, static_scale,
-                                  None)
+                                  None, quantized)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
         dx, dw, *_ = NVFP4Matmul.backward(ctx, dy.reshape(1, -1, dy.shape[-1]))
-        return None if dx is None else dx.reshape(ctx.x_shape), dw, None, None, None
+        return None if dx is None else dx.reshape(ctx.x_shape), dw, None, None, None, None
 
 
 def _dense_bf16_grads(ctx, dy: torch.Tensor):
@@ -567,9 +547,11 @@ def nvfp4_matmul(x: torch.Tensor, weight: torch.Tensor, qweight: QuantizedWeight
 
 
 def grouped_nvfp4_matmul(xs: torch.Tensor, weight: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe,
-                         offsets: torch.Tensor, row_experts: torch.Tensor) -> torch.Tensor:
+                         offsets: torch.Tensor, row_experts: torch.Tensor,
+                         quantized: QuantizedActivation | None = None) -> torch.Tensor:
     """xs [R, K] sorted by expert (expert e owns rows offsets[e] .. offsets[e + 1]; row_experts [R] the
-    expert of each row), weight [E, N, K] -> [R, N] in xs.dtype, on the kernels only (`use_kernels`)
+    expert of each row), weight [E, N, K] -> [R, N] in xs.dtype (`quantized`: xs's quantization where
+    the op before made it), on the kernels only (`use_kernels`)
     and without any host synchronization in the forward. With `execution.grouped_mm` on, the
     'dequantized' backward of bf16 rows runs on `torch._grouped_mm` (where `grouped_mm_applies`)
     instead of the padded layout."""
@@ -579,4 +561,4 @@ def grouped_nvfp4_matmul(xs: torch.Tensor, weight: torch.Tensor, qweight: Quanti
     if not use_grouped_kernels(recipe, xs.device):
         raise ValueError(f"recipe {recipe.name!r} (backend {recipe.execution.backend!r}) on {xs.device} "
                          "does not run on the grouped Triton kernels; use nvfp4_matmul on the padded layout")
-    return GroupedNVFP4Matmul.apply(xs, weight, qweight, recipe, offsets, row_experts)
+    return GroupedNVFP4Matmul.apply(xs, weight, qweight, recipe, offsets, row_experts, quantized)

@@ -20,6 +20,7 @@ import torch
 from minite.execution import DEFAULT, Execution
 from minite.kernels import lazy
 from minite.nn.forward_scope import scope_memo
+from minite.ref.rope import apply_rope as apply_rope_reference
 
 
 def rope_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
@@ -74,11 +75,3 @@ class _RoPE(torch.autograd.Function):
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
         return lazy.rope.apply_rope(grad, cos, sin, backward=True), None, None
-
-
-def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The reference: `x * cos + rotate_half(x) * sin` in x's dtype (five torch ops)."""
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [..., T, 1, D]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

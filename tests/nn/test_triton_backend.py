@@ -10,7 +10,6 @@ import torch
 from minite import kernels
 from minite.models import Qwen3, tiny_qwen3, tiny_qwen3_moe
 from minite.nn import Linear, MoEExperts, moe_reference
-from minite.nn.forward_scope import forward_scope
 from minite.nn.moe import group_by_expert, sort_by_expert
 from minite.nn.nvfp4_matmul import use_grouped_kernels, use_kernels
 from minite.nvfp4 import dequantize, quantize  # noqa: E402
@@ -111,27 +110,30 @@ def test_linear_triton_matches_ref(lead):
     assert (a == b).float().mean().item() >= GAUSSIAN_EQUAL_FRAC
 
 
-def test_forward_scope_quantizes_a_shared_input_once(monkeypatch):
-    """Inside a forward scope, q/k/v-like Linears on one input quantize it once and give the
-    same outputs; a changed input (in place: new version) or another tensor is quantized again."""
+def test_segmented_linear_quantizes_its_input_once(monkeypatch):
+    """A q|k|v-like SegmentedLinear (few rows: each segment's own GEMM) quantizes its input once for
+    all segments and gives each segment the outputs of a separate Linear with its rows; a quantization
+    handed over is used as is."""
     from minite.kernels import nvfp4 as kq
+    from minite.nn.nvfp4_matmul import quantize_input
+    from minite.nn.segmented_linear import SegmentedLinear
 
     torch.manual_seed(0)
+    seg = SegmentedLinear(64, (48, 32, 32), recipe=ALIGNED_TRITON).to(DEVICE)
     lins = [Linear(64, n, recipe=ALIGNED_TRITON).to(DEVICE) for n in (48, 32, 32)]
+    with torch.no_grad():
+        for lin, w in zip(lins, seg.segments()):
+            lin.weight.copy_(w)
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     want = [lin(x) for lin in lins]
     calls = []
     real = kq.quantize_unscaled
     monkeypatch.setattr(kq, "quantize_unscaled", lambda *a, **k: calls.append(1) or real(*a, **k))
-    with forward_scope():
-        got = [lin(x) for lin in lins]
-        assert len(calls) == 1
-        x.mul_(2)
-        doubled = lins[0](x)
-        lins[1](x.clone())
-    assert len(calls) == 3
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert torch.equal(doubled, lins[0](x))
+    got = seg(x)
+    assert len(calls) == 1
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    xq = quantize_input(x, seg.recipe)
+    assert all(torch.equal(a, b) for a, b in zip(seg(x, xq), want)) and len(calls) == 2
 
 
 @pytest.mark.parametrize("config,per_layer", [(tiny_qwen3, 1), (tiny_qwen3_moe, 2)])
@@ -154,7 +156,7 @@ def test_norms_and_swiglu_hand_their_quantization_to_the_projections(monkeypatch
     monkeypatch.setattr(kq, "quantize_unscaled", lambda *a, **k: calls.append(1) or real(*a, **k))
     got = model(ids)
     fused_calls = len(calls)
-    monkeypatch.setattr(nvfp4_matmul, "can_seed_quantized_input", lambda *a: False)
+    monkeypatch.setattr(nvfp4_matmul, "hands_over", lambda *a: False)
     want = model(ids)
     layers = model.config.num_hidden_layers
     # without the handover: qkv, o, gate/up, down
@@ -301,7 +303,7 @@ def test_moe_triton_grouped_decode_and_bf16_copy_give_the_same_bits(monkeypatch)
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     tri.set_recipe(tri.recipe.with_execution(decode_max_rows_per_expert=64))
     decoded = tri(x)
-    assert any(key[0] == "decode" for key in tri.quantized_weight("gate_up_proj")._operands)
+    assert tri.quantized_weight("gate_up_proj").decode_dtypes()
     tri.set_recipe(tri.recipe.with_execution(decode_max_rows_per_expert=0))
     assert torch.equal(tri(x), decoded)
 
@@ -350,7 +352,7 @@ def test_gpu_aligned_linear_triton_vs_ref(dtype):
     for m in (1, 7, 64):  # the aligned config: rows do not depend on M
         assert torch.equal(tri(x[:m]), full[:m])
     # M <= execution.decode_max_m read the packed weight in the decode layout; 300 rows the bf16 copy
-    assert ("decode", torch.bfloat16) in tri.quantized_weight()._operands
+    assert torch.bfloat16 in tri.quantized_weight().decode_dtypes()
 
 
 def test_aligned_linear_few_rows_take_the_decode_layout_with_the_same_bits(monkeypatch):
@@ -359,7 +361,7 @@ def test_aligned_linear_few_rows_take_the_decode_layout_with_the_same_bits(monke
     _, tri = _pair(Linear, 128, 48)
     x = torch.randn(9, 128, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     decoded = tri(x)
-    assert any(key[0] == "decode" for key in tri.quantized_weight()._operands)
+    assert tri.quantized_weight().decode_dtypes()
     tri.set_recipe(tri.recipe.with_execution(decode_max_m=0))
     assert torch.equal(tri(x), decoded)
 

@@ -26,7 +26,8 @@ def test_prefill_writes_every_layers_keys_at_the_slots():
     for i, layer in enumerate(model.layers):
         # k as the layer computed it: project_qkv's second output
         real = layer.self_attn.project_qkv
-        layer.self_attn.project_qkv = lambda x, pos, i=i, real=real: keys.setdefault(i, real(x, pos))
+        layer.self_attn.project_qkv = (lambda x, pos, *rest, i=i, real=real:
+                                       keys.setdefault(i, real(x, pos, *rest)))
     with torch.no_grad():
         logits = cached_forward(model, cache, batch)
     assert logits.shape == (2, model.config.vocab_size)
