@@ -22,7 +22,7 @@ from typing import Any
 
 from minite.models.config import ModelConfig
 from minite.models.presets import MODEL_PRESETS
-from minite.recipe import get_recipe
+from minite.recipe import Recipe, get_recipe
 from minite.rl.advantages import AdvantageConfig
 from minite.rl.corrections import CorrectionConfig
 from minite.rl.losses import LossConfig
@@ -64,7 +64,7 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class RecipeSection:
-    """A named recipe of `minite.recipe` and field overrides (e.g. `backend = "triton"`)."""
+    """A named recipe of `minite.recipe` and field overrides (e.g. `execution = {backend = "triton"}`)."""
 
     name: str = "aligned"
     overrides: dict[str, Any] = field(default_factory=dict)
@@ -141,9 +141,13 @@ class SamplerSection:
         """Whether the sampler runs its own model (a recipe is named, or the fast engine)."""
         return bool(self.recipe) or self.engine == "fast"
 
-    def recipe_name(self) -> str:
-        """The recipe of the sampler's own model (the fast engine's is bf16)."""
-        return self.recipe or "bf16"
+    def own_recipe(self) -> Recipe | None:
+        """The recipe of the sampler's own model (None: it runs the learner's): the fast engine's is
+        bf16 with torch SDPA attention (`execution.attention = "sdpa"`)."""
+        if not self.separate():
+            return None
+        recipe = get_recipe(self.recipe or "bf16", **self.recipe_overrides)
+        return recipe.with_execution(attention="sdpa") if self.engine == "fast" else recipe
 
 
 NONFINITE = ("stop", "skip", "warn")

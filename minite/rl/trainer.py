@@ -92,7 +92,7 @@ def default_sampler(model, cfg: TrainConfig):
 
     s = cfg.sampler
     return Sampler(model, max_num_seqs=s.max_num_seqs, kv_cache_tokens=s.kv_cache_tokens or None,
-                   kv_memory_fraction=s.kv_memory_fraction, fast=s.engine == "fast")
+                   kv_memory_fraction=s.kv_memory_fraction)
 
 
 def sft_loss(batch: RLBatch) -> tuple[torch.Tensor, dict]:
@@ -172,8 +172,7 @@ class Trainer:
         if reward is not None:
             self.task.reward = reward  # the reward given by import path replaces the task's own
         self.recipe = get_recipe(cfg.recipe.name, **cfg.recipe.overrides)
-        self.sampler_recipe = (get_recipe(cfg.sampler.recipe_name(), **cfg.sampler.recipe_overrides)
-                               if cfg.sampler.separate() else None)
+        self.sampler_recipe = cfg.sampler.own_recipe()
         self.dtype = getattr(torch, cfg.model.dtype)
         loaded = None
         self.ref_model = None

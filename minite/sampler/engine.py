@@ -55,17 +55,14 @@ class Sampler:
     blocks; cuda_graphs: None = on for CUDA models whose decode step can be captured (every module
     `graph_safe()`: bf16 layers, NVFP4 layers and MoE experts on the Triton backend; the reference
     NVFP4 path and the padded MoE grouping of bf16 experts synchronize), False = off, True = on
-    (error on CPU); async_decode: lookahead decode (see the module doc), None = on with CUDA graphs;
-    fast: torch SDPA attention instead of the paged kernel (with a `bf16` model, cuBLAS GEMMs: the
-    unaligned bf16 sampler of a serving engine, whose rows depend on their batch).
+    (error on CPU); async_decode: lookahead decode (see the module doc), None = on with CUDA graphs.
     """
 
     def __init__(self, model, max_num_seqs: int = 256, kv_cache_tokens: int | None = None,
                  block_size: int = 16, max_num_batched_tokens: int = 8192, prefix_sharing: bool = True,
                  cuda_graphs: bool | None = None, kv_memory_fraction: float = 0.8,
-                 async_decode: bool | None = None, fast: bool = False):
+                 async_decode: bool | None = None):
         param = next(model.parameters())
-        self.fast = fast
         self.model, self.device, self.dtype = model, param.device, param.dtype
         cfg = model.config
         num_blocks = num_kv_blocks(cfg, block_size, self.dtype, self.device, kv_cache_tokens,
@@ -137,7 +134,7 @@ class Sampler:
         logits = self._forward(kind, seqs, starts)
         keys = key_tensor([s.key for s in seqs], self.device)
         steps = key_tensor([s.num_generated for s in seqs], self.device)
-        new, logprobs = sample(logits, [s.params for s in seqs], keys, steps)
+        new, logprobs = sample(logits, [s.params for s in seqs], keys, steps, self.model.recipe.execution)
         if kind == "decode" and self.async_decode:
             return finished + self._launch(seqs, new, logprobs)
         for seq, token, logprob in zip(seqs, new.tolist(), logprobs.tolist()):
@@ -224,7 +221,7 @@ class Sampler:
         else:
             batch = build_batch(tokens, starts, tables, self.block_size, self.cache.scratch_block,
                                 self.device, width=width, rows=rows)
-        return cached_forward(self.model, self.cache, batch, self.fast)[: len(seqs)]
+        return cached_forward(self.model, self.cache, batch)[: len(seqs)]
 
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
@@ -247,5 +244,5 @@ class Sampler:
         seen = (self.model.recipe, *((p.data_ptr(), p._version) for p in self.model.parameters()))
         width = max(cdiv(len(p) + sp.max_tokens, self.block_size) for p, sp in zip(prompts, params))
         if self.graphs is None or seen != self._weights_seen or not self.graphs.fits(1, width):
-            self.graphs = DecodeGraphs(self.model, self.cache, self.max_num_seqs, width, self.fast)
+            self.graphs = DecodeGraphs(self.model, self.cache, self.max_num_seqs, width)
             self._weights_seen = seen

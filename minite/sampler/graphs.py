@@ -33,8 +33,8 @@ def bucket_width(w: int) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, model, cache: KVCache, max_rows: int, max_width: int, fast: bool = False):
-        self.model, self.cache, self.fast = model, cache, fast
+    def __init__(self, model, cache: KVCache, max_rows: int, max_width: int):
+        self.model, self.cache = model, cache
         self.max_rows, self.max_width = bucket_rows(max_rows), bucket_width(max_width)
         scratch = [[0]] * self.max_rows
         self.static = build_batch(scratch, [0] * self.max_rows, [[cache.scratch_block]] * self.max_rows,
@@ -69,11 +69,11 @@ class DecodeGraphs:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            cached_forward(self.model, self.cache, batch, self.fast)
+            cached_forward(self.model, self.cache, batch)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = cached_forward(self.model, self.cache, batch, self.fast)
+            logits = cached_forward(self.model, self.cache, batch)
         self.graphs[(rows, width)] = (graph, batch, logits)
 
     def run(self, token_lists: list[list[int]], block_tables: list[list[int]],
