@@ -39,7 +39,7 @@ ROOT = "minite"
 
 # (name, modules): a module named here and every module below it, except that the root names itself only
 LAYERS = (
-    ("root", ("minite", "minite.devices", "minite.files")),
+    ("root", ("minite", "minite.devices", "minite.distributed", "minite.files")),
     ("format", ("minite.nvfp4_format", "minite.ref.hadamard")),
     ("ref", ("minite.ref",)),
     ("kernels", ("minite.kernels",)),

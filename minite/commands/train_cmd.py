@@ -12,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from minite import distributed
 from minite.commands.args import collect_overrides
 from minite.config import ConfigError, load_config, to_toml
 
@@ -50,6 +51,9 @@ def run(args) -> int:
 
     try:
         trainer = Trainer(cfg, run_dir=args.resume, resume=bool(args.resume))
+        if not trainer.is_main:  # across processes (torchrun) rank 0 alone speaks
+            trainer.run()
+            return 0
         print(f"minite train: run folder {trainer.run_dir}", flush=True)
         summary = trainer.run()
     except KeyboardInterrupt as e:
@@ -57,6 +61,8 @@ def run(args) -> int:
         print(f"\nminite train: {e or 'interrupted before training started; nothing was saved'}",
               file=sys.stderr, flush=True)
         return INTERRUPTED
+    finally:
+        distributed.close()
     keys = ("reward_first_fifth_mean", "reward_last_fifth_mean", "eval_accuracy_first", "eval_accuracy_last",
             "wall_seconds")
     print("summary: " + ", ".join(f"{k}={summary[k]:.3f}" for k in keys if k in summary))
