@@ -92,6 +92,8 @@ def init_single(device: str) -> Group:
 
 
 def close() -> None:
-    """Leave the process group (at the end of a run)."""
+    """Leave the process group (at the end of a run), once every rank got there: a rank leaving while
+    another still reads the last collective's data would break that read."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
