@@ -1,6 +1,9 @@
-"""One rank of the sharded-learner check (`torchrun --nproc-per-node=N tests/learner/fsdp_worker.py OUT`).
+"""One rank of the sharded-learner check:
 
-On the tiny dense and MoE models under the aligned recipe (fp32 compute, gloo): the sharded learner's
+    torchrun --nproc-per-node=N tests/learner/fsdp_worker.py OUT TMP [cuda]
+
+On the tiny dense and MoE models under the aligned recipe (CPU: fp32 compute, gloo; cuda: bf16 on
+the kernels, NCCL): the sharded learner's
 log-probs against one process's, the sampler's codes and scales gathered from the shards against the
 whole model's quantization, and one learner step against one process's step on the same batch.
 Rank 0 writes what it measured to OUT (JSON); a failed check raises on every rank.
@@ -32,17 +35,22 @@ STEP_TOLERANCE = 1e-3
 
 
 def check(moe: bool, group, tmp: str) -> dict:
-    single = tiny_model(moe)
-    sharded = shard_model(tiny_model(moe), torch.float32)
-    batch = sampled_batch(single, SamplingParams(temperature=1.0))
+    device, dtype = group.device, torch.float32 if group.device.type == "cpu" else torch.bfloat16
+
+    def model(seed: int = 0):
+        return tiny_model(moe, seed=seed).to(device=device, dtype=dtype)
+
+    batch = sampled_batch(tiny_model(moe), SamplingParams(temperature=1.0))
+    single = model()
+    sharded = shard_model(model(), dtype)
     one = Learner(single, lr=LR, micro_batch_tokens=MICRO_TOKENS)
     many = ShardedLearner(sharded, group, lr=LR, micro_batch_tokens=MICRO_TOKENS)
-    sampler = Qwen3(single.config, "aligned")
-    gather_quantized_weights(sharded, sampler, torch.float32)
+    sampler = Qwen3(single.config, "aligned").to(device=device, dtype=dtype)
+    gather_quantized_weights(sharded, sampler, dtype)
     out = {}
 
     def aligned(when: str) -> None:
-        whole = tiny_model(moe)
+        whole = model()
         with torch.no_grad():
             for p, q in zip(sharded.parameters(), whole.parameters()):
                 q.copy_(p.full_tensor())
@@ -60,35 +68,35 @@ def check(moe: bool, group, tmp: str) -> dict:
     old = one.logprobs(batch)
     assert torch.equal(old, many.logprobs(batch))
     loss_fn = partial(policy_loss, cfg=LossConfig())
-    before = {n: p.detach().clone() for n, p in single.named_parameters()}
+    masters = one.optimizer.masters  # fp32, in the parameters' order (the parameters themselves in fp32)
+    before = [m.detach().clone() for m in masters]
     m_one = one.step(replace(batch, old_logprobs=old), loss_fn)
     m_many = many.step(replace(batch, old_logprobs=old), loss_fn)
     worst = 0.0
-    for (name, p), q in zip(sharded.named_parameters(), single.parameters()):
-        full = p.full_tensor()
-        worst = max(worst, float((full - q.detach()).abs().max()) / LR)
-        moved = not torch.equal(q.detach(), before[name])
+    for (name, p), q, q0 in zip(sharded.named_parameters(), masters, before):
+        worst = max(worst, float((p.full_tensor() - q.detach()).abs().max()) / LR)
+        moved = not torch.equal(q.detach(), q0)
         assert moved or name.endswith("norm.weight"), f"{name} did not move"
     assert worst <= STEP_TOLERANCE, f"sharded step differs from one process's by {worst} lr"
     out["step_max_abs_diff_over_lr"] = worst
     out["grad_norm_rel_diff"] = abs(m_one["grad_norm"] - m_many["grad_norm"]) / m_one["grad_norm"]
     out["loss_abs_diff"] = abs(m_one["loss"] - m_many["loss"])
-    gather_quantized_weights(sharded, sampler, torch.float32)
+    gather_quantized_weights(sharded, sampler, dtype)
     aligned("after the step")
     lp_one, lp_many = one.logprobs(batch), many.logprobs(batch)
     out["logprob_max_abs_diff_after_step"] = float((lp_one - lp_many).abs().max())
     # masters and moments through torch.distributed.checkpoint, back into a fresh sharded learner
     save_sharded(f"{tmp}/{'moe' if moe else 'dense'}", many)
-    again = ShardedLearner(shard_model(tiny_model(moe, seed=5), torch.float32), group, lr=LR)
+    again = ShardedLearner(shard_model(model(seed=5), dtype), group, lr=LR)
     load_sharded(f"{tmp}/{'moe' if moe else 'dense'}", again)
     for p, q in zip(sharded.parameters(), again.model.parameters()):
         assert torch.equal(p.to_local(), q.to_local())
     return out
 
 
-def main(path: str, tmp: str) -> None:
+def main(path: str, tmp: str, device: str = "cpu") -> None:
     torch.set_num_threads(1)
-    group = distributed.init("cpu")
+    group = distributed.init(device)
     results = {"world_size": group.world_size, "dense": check(False, group, tmp),
                "moe": check(True, group, tmp)}
     if group.main:
@@ -98,4 +106,4 @@ def main(path: str, tmp: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 from minite.rl.run_logging import read_metrics
 from tests.learner.fsdp_worker import STEP_TOLERANCE
 from tests.rl.test_trainer import TINY
@@ -43,13 +46,25 @@ def rl_steps(run: Path) -> list[int]:
     return [r["step"] for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "rl"]
 
 
-def test_sharded_learner_matches_one_process(tmp_path):
-    out = torchrun(2, "tests/learner/fsdp_worker.py", str(tmp_path / "out.json"), str(tmp_path))
-    assert out.returncode == 0, out.stderr[-3000:]
+def check_sharded_learner(tmp_path, nproc: int, *device: str) -> dict:
+    out = torchrun(nproc, "tests/learner/fsdp_worker.py", str(tmp_path / "out.json"), str(tmp_path), *device)
+    assert out.returncode == 0, _errors(out.stderr)
     got = json.loads((tmp_path / "out.json").read_text())
-    assert got["world_size"] == 2
+    assert got["world_size"] == nproc
     for model in ("dense", "moe"):
         assert got[model]["step_max_abs_diff_over_lr"] <= STEP_TOLERANCE
+    return got
+
+
+def test_sharded_learner_matches_one_process(tmp_path):
+    check_sharded_learner(tmp_path, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_sharded_learner_matches_one_process_on_gpus(tmp_path):
+    """bf16 on the kernels, NCCL, every GPU of the machine."""
+    check_sharded_learner(tmp_path, torch.cuda.device_count(), "cuda")
 
 
 def test_two_processes_train_log_once_and_resume_in_one_and_two(tmp_path):
