@@ -135,27 +135,37 @@ def _all_gather(items: list, world: int, device: torch.device) -> list[torch.Ten
     return out
 
 
-def _padded_bytes(item) -> int:
+ALIGN = 16  # bytes: each item starts at a multiple in the bucket (a dtype view needs its alignment)
+
+
+def _item_bytes(item) -> int:
     _, _, rows, shape, dt, _ = item
     return rows[0] * math.prod(shape) * torch.empty((), dtype=dt).element_size()
 
 
+def _padded_bytes(item) -> int:
+    return -(-_item_bytes(item) // ALIGN) * ALIGN
+
+
 def _gather_bucket(items: list, world: int, device: torch.device) -> list[torch.Tensor]:
     parts = []
-    for _, _, rows, shape, dt, local in items:
+    for item in items:
+        _, _, rows, shape, dt, local = item
         buf = torch.zeros(rows[0], *shape, dtype=dt, device=device)
         if local is not None:
             buf[: local.shape[0]] = local.reshape(-1, *shape)
-        parts.append(_bytes(buf))
+        pad = _padded_bytes(item) - _item_bytes(item)
+        parts.append(_bytes(buf) if not pad else torch.cat([_bytes(buf), _bytes(buf).new_zeros(pad)]))
     send = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8, device=device)
     recv = [torch.empty_like(send) for _ in range(world)]
     dist.all_gather(recv, send)
     out, at = [], 0
-    for _, _, rows, shape, dt, _ in items:
-        n = rows[0] * math.prod(shape) * torch.empty((), dtype=dt).element_size()
+    for item in items:
+        _, _, rows, shape, dt, _ = item
+        n = _item_bytes(item)
         pieces = [recv[r][at: at + n].view(dt).reshape(rows[0], *shape)[: rows[r]] for r in range(world)]
         out.append(torch.cat(pieces))
-        at += n
+        at += _padded_bytes(item)
     return out
 
 
