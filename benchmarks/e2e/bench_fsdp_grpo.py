@@ -100,7 +100,7 @@ def build(args, group):
     model = shard_model(model, dtype)
     model.to_empty(device=group.device)
     init_local(model)
-    sampler_model = sampler_model.to_empty(device=group.device).to(dtype)
+    sampler_model = sampler_model.to(dtype).to_empty(device=group.device)  # never whole in fp32
     return model, sampler_model, dtype
 
 
