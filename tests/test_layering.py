@@ -9,9 +9,9 @@ submodules would otherwise form a cycle with each of them.
 
 The layers, lowest first (`LAYERS`); a module may import its own layer and the ones below:
 
-- root:        `minite/__init__.py` (the version), `devices` (the compute device check) and `files`
-               (atomic writes, write errors naming the path); they import only torch and the
-               standard library;
+- root:        `minite/__init__.py` (the version), `devices` (the compute device check), `files`
+               (atomic writes, write errors naming the path) and `distributed` (the process group
+               of a run across processes); they import only torch and the standard library;
 - format:      the NVFP4 container, its decode and argument checks (`nvfp4_format`), and the RHT that
                its `dequantize` undoes (`ref/hadamard.py`, a leaf that ref and kernels use too);
 - ref:         the numerics contract in plain PyTorch;
@@ -40,7 +40,7 @@ ROOT = "minite"
 
 # (name, modules): a module named here and every module below it, except that the root names itself only
 LAYERS = (
-    ("root", ("minite", "minite.devices", "minite.files")),
+    ("root", ("minite", "minite.devices", "minite.distributed", "minite.files")),
     ("format", ("minite.nvfp4_format", "minite.ref.hadamard")),
     ("ref", ("minite.ref",)),
     ("kernels", ("minite.kernels",)),

@@ -12,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from minite import distributed
 from minite.commands.args import collect_overrides
 from minite.config import ConfigError, load_config, to_toml
 
@@ -50,13 +51,17 @@ def run(args) -> int:
 
     try:
         trainer = Trainer(cfg, run_dir=args.resume, resume=bool(args.resume))
-        print(f"minite train: run folder {trainer.run_dir}", flush=True)
+        if trainer.is_main:  # across processes (torchrun) rank 0 alone speaks
+            print(f"minite train: run folder {trainer.run_dir}", flush=True)
         summary = trainer.run()
+        distributed.close()  # on an error the process ends instead (torchrun then stops the others)
     except KeyboardInterrupt as e:
         # Ctrl-C: one line saying what was saved and how to go on, no traceback; 130 = 128 + SIGINT
         print(f"\nminite train: {e or 'interrupted before training started; nothing was saved'}",
               file=sys.stderr, flush=True)
         return INTERRUPTED
+    if not trainer.is_main:
+        return 0
     keys = ("reward_first_fifth_mean", "reward_last_fifth_mean", "eval_accuracy_first", "eval_accuracy_last",
             "wall_seconds")
     print("summary: " + ", ".join(f"{k}={summary[k]:.3f}" for k in keys if k in summary))

@@ -76,6 +76,7 @@ from minite.rl.corrections import apply_correction
 from minite.rl.losses import policy_loss
 from minite.rl.run_folder import RunFolder, existing_run_files
 from minite.rl.run_logging import SUMMARY_FILE, MetricsLog, Progress, write_report
+from minite.rl.sharded_run import ShardedRun, SilentLog
 from minite.rl.tasks import make_task
 from minite.rl.tokenizer import load_tokenizer
 from minite.rl.triage import TriageConfig, triage
@@ -142,9 +143,13 @@ class Trainer:
                  make_sampler=default_sampler, progress_stream=None):
         check_device(cfg.model.device, "--model.device")  # before the run folder or any model is made
         self.cfg = cfg
-        self.progress = Progress(cfg.rl.steps, cfg.logging.progress, progress_stream)
+        # across processes (torchrun): rank 0 writes the run folder and logs (minite.rl.sharded_run)
+        self.dist = ShardedRun.start(cfg, run_dir, resume)
+        self.is_main = self.dist is None or self.dist.main
+        self.progress = Progress(cfg.rl.steps, cfg.logging.progress and self.is_main, progress_stream)
         self.warnings: list[str] = []
-        self.folder = RunFolder.open(run_dir or cfg.run_dir or None)
+        path = run_dir or cfg.run_dir or None
+        self.folder = RunFolder.open(path) if self.dist is None else self.dist.open_folder(path)
         self.run_dir = self.folder.path
         self.ckpt_dir = self.run_dir / "checkpoints"
         if self.folder.warning:
@@ -158,7 +163,8 @@ class Trainer:
     def _open(self, resume: bool, make_sampler) -> None:
         cfg = self.cfg
         ckpt = latest_checkpoint(self.ckpt_dir)
-        self._check_folder(ckpt, resume)
+        if self.is_main:
+            self._check_folder(ckpt, resume)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         for seed_fn in (torch.manual_seed, random.seed, np.random.seed):
@@ -176,7 +182,7 @@ class Trainer:
         self.dtype = getattr(torch, cfg.model.dtype)
         loaded = None
         self.ref_model = None
-        if ckpt is not None:
+        if ckpt is not None and self.dist is None:
             loaded = load_latest_checkpoint(self.ckpt_dir, self.recipe, self.dtype, cfg.model.device,
                                             warn=self.warn)
         if loaded is not None:
@@ -185,6 +191,12 @@ class Trainer:
         else:
             state = None
             self.model = self._fresh_model()
+        if self.dist is not None:
+            self.model = self.dist.shard(self.model)
+            self.progress.message(self.dist.describe())
+            loaded = self.dist.load_checkpoint(self.ckpt_dir, self.warn) if ckpt is not None else None
+            if loaded is not None:
+                ckpt, state = loaded
         self.sampler_model = self._sampler_model()
         self.sampler = make_sampler(self.sampler_model, cfg)
         self.step, self.data_pos = 0, cfg.warmup.steps * cfg.warmup.batch_size
@@ -193,7 +205,7 @@ class Trainer:
         self._run_start = None
         self._stop_requested = False
         self._saved_step = None
-        self.log = MetricsLog(self.run_dir, cfg.logging.tensorboard)
+        self.log = MetricsLog(self.run_dir, cfg.logging.tensorboard) if self.is_main else SilentLog()
         self.needs_warmup = state is None
         self.learner = None
         self._heldout = None
@@ -201,11 +213,13 @@ class Trainer:
             if resume:
                 self.progress.message(f"{self.run_dir} holds no checkpoint yet: the run starts over")
             # a resumed run killed before its first checkpoint starts over
-            self.log.path.unlink(missing_ok=True)
+            if self.is_main:
+                self.log.path.unlink(missing_ok=True)
         else:
             self._restore(state)
             self.progress.message(f"resumed {ckpt} (step {self.step})")
-        (self.run_dir / "config.toml").write_text(to_toml(cfg))
+        if self.is_main:
+            (self.run_dir / "config.toml").write_text(to_toml(cfg))
 
     def _check_folder(self, ckpt: Path | None, resume: bool) -> None:
         """Refuse to write a new run over an earlier one, and to resume one that cannot be."""
@@ -226,6 +240,8 @@ class Trainer:
     def _restore(self, state: dict) -> None:
         self._make_learner()
         self.learner.load_state_dict(state["learner"])
+        if self.dist is not None:
+            self.sync_sampler()
         load_static_scales(self.model, state.get("static_scales", {}))
         if self.sampler_model is not self.model:
             load_static_scales(self.sampler_model, state.get("sampler_static_scales", {}))
@@ -239,7 +255,8 @@ class Trainer:
 
     def warn(self, text: str, keep: bool = True) -> None:
         """A warning on stderr (also without progress output), kept for summary.json when `keep`."""
-        print(f"minite train: warning: {text}", file=sys.stderr, flush=True)
+        if self.is_main:
+            print(f"minite train: warning: {text}", file=sys.stderr, flush=True)
         if keep:
             self.warnings.append(text)
 
@@ -286,6 +303,8 @@ class Trainer:
 
     def _sampler_model(self):
         """The model the sampler runs: the learner's, or (a sampler recipe) its own, synced now."""
+        if self.dist is not None:
+            return self.dist.sampler_model(self.model, self.sampler_recipe or self.recipe)
         if self.sampler_recipe is None:
             return self.model
         model = Qwen3(self.model.config, self.sampler_recipe)
@@ -303,7 +322,10 @@ class Trainer:
         if self.sampler_model is self.model:
             return 0.0
         t0 = time.perf_counter()
-        sync_sampler_model(self.sampler_model, self.model)
+        if self.dist is not None:
+            self.dist.sync(self.model, self.sampler_model)
+        else:
+            sync_sampler_model(self.sampler_model, self.model)
         if calibrate or self.cfg.sampler.calibration == "every_sync":
             self.calibrate(self.sampler_model, quiet=not calibrate)
         if self.sampler_model.embed_tokens.weight.is_cuda:
@@ -312,8 +334,12 @@ class Trainer:
 
     def _make_learner(self) -> None:
         rl = self.cfg.rl
-        self.learner = Learner(self.model, lr=rl.lr, weight_decay=rl.weight_decay,
-                               max_grad_norm=rl.max_grad_norm)
+        self.learner = self._new_learner(lr=rl.lr, weight_decay=rl.weight_decay,
+                                         max_grad_norm=rl.max_grad_norm)
+
+    def _new_learner(self, **kwargs) -> Learner:
+        """A learner on the run's model: in this process, or sharded across the run's processes."""
+        return Learner(self.model, **kwargs) if self.dist is None else self.dist.learner(self.model, **kwargs)
 
     def run(self) -> dict:
         """Warm start (fresh runs), RL steps up to `rl.steps` with eval and checkpoints, then the report.
@@ -327,6 +353,8 @@ class Trainer:
             self.folder.close(failed=not isinstance(e, KeyboardInterrupt))
             raise
         self.folder.close()
+        if self.dist is not None:
+            summary = self.dist.group.broadcast(summary)
         return summary
 
     def _run(self) -> dict:
@@ -354,8 +382,11 @@ class Trainer:
                 self.save()
             self._stop_if_asked()
         self.log.close()
-        summary = write_report(self.run_dir, {"wall_seconds": self.wall_seconds(),
-                                              "run_dir": str(self.run_dir), "warnings": self.warnings})
+        if not self.is_main:
+            return {}
+        extra = {"wall_seconds": self.wall_seconds(), "run_dir": str(self.run_dir), "warnings": self.warnings,
+                 "world_size": 1 if self.dist is None else self.dist.group.world_size}
+        summary = write_report(self.run_dir, extra)
         self.progress.message(f"report: {self.run_dir}/report.png, report.html, summary.json, metrics.jsonl")
         return summary
 
@@ -384,6 +415,8 @@ class Trainer:
 
     def _stop_if_asked(self) -> None:
         """At a step boundary after Ctrl-C: save (when checkpointing) and raise `Interrupted`."""
+        if self.dist is not None:  # every rank stops at the same boundary
+            self._stop_requested = self.dist.group.any(self._stop_requested)
         if not self._stop_requested:
             return
         if self.cfg.checkpoint.every and self.learner is not None:
@@ -410,12 +443,17 @@ class Trainer:
         if self.ref_model is not None:
             models["ref_model"] = self.ref_model
         if self._saved_step != self.step:  # Ctrl-C right after a scheduled save: it is there already
-            save_checkpoint(self.ckpt_dir, self.step, models, state, self.cfg.checkpoint.keep)
+            keep = self.cfg.checkpoint.keep
+            if self.dist is None:
+                save_checkpoint(self.ckpt_dir, self.step, models, state, keep)
+            else:
+                self.dist.save_checkpoint(self.ckpt_dir, self.step, self.learner, state, keep)
             self._saved_step = self.step
 
     def _check_weights(self, when: str) -> None:
         """Non-finite weights stop the run whatever `rl.on_nonfinite` says: every later loss would be NaN."""
-        name = nonfinite_parameter(self.model)
+        name = (nonfinite_parameter(self.model) if self.dist is None
+                else self.dist.nonfinite_parameter(self.model))
         if name is None:
             return
         source = self.cfg.model.path or "the model"
@@ -452,7 +490,7 @@ class Trainer:
         self.calibrate()
         if not w.steps:
             return
-        sft = Learner(self.model, lr=w.lr, max_grad_norm=1.0)
+        sft = self._new_learner(lr=w.lr, max_grad_norm=1.0)
         loss_fn = sft_loss if self.cfg.rl.on_nonfinite == "warn" else skip_nonfinite(sft_loss)
         t0 = time.perf_counter()
         for i in range(w.steps):
@@ -531,6 +569,8 @@ class Trainer:
                 for ex, o in zip(examples, outs) for smp in o.samples]
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list:
+        if self.dist is not None:  # each rank its share of the prompts
+            return self.dist.generate(self.sampler, prompts, params)
         outs = self.sampler.generate(prompts, params)
         return sorted(outs, key=lambda o: o.index)
 
