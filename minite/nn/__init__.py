@@ -8,9 +8,10 @@ from minite.nn.norm import RMSNorm, rms_norm
 from minite.nn.quantized_weight import QuantizedWeight, quantize_weight
 from minite.nn.refresh import refresh_quantized_weights
 from minite.nn.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from minite.nn.segmented_linear import SegmentedLinear
 
 __all__ = [
-    "Attention", "Linear", "MoEExperts", "QuantizedWeight", "RMSNorm", "apply_rope", "attention",
-    "calibrate", "moe_reference", "quantize_weight", "refresh_quantized_weights", "rms_norm",
+    "Attention", "Linear", "MoEExperts", "QuantizedWeight", "RMSNorm", "SegmentedLinear", "apply_rope",
+    "attention", "calibrate", "moe_reference", "quantize_weight", "refresh_quantized_weights", "rms_norm",
     "rope_cos_sin", "rope_inv_freq", "varlen_attention",
 ]
