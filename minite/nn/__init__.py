@@ -2,13 +2,12 @@
 
 from minite.nn.attention import Attention, attention, varlen_attention
 from minite.nn.calibrate import calibrate
-from minite.nn.linear import Linear
+from minite.nn.linear import Linear, SegmentedLinear
 from minite.nn.moe import MoEExperts, moe_reference
 from minite.nn.norm import RMSNorm, rms_norm
 from minite.nn.quantized_weight import QuantizedWeight, quantize_weight
 from minite.nn.refresh import refresh_quantized_weights
 from minite.nn.rope import apply_rope, rope_cos_sin, rope_inv_freq
-from minite.nn.segmented_linear import SegmentedLinear
 
 __all__ = [
     "Attention", "Linear", "MoEExperts", "QuantizedWeight", "RMSNorm", "SegmentedLinear", "apply_rope",
