@@ -59,12 +59,8 @@ LAYERS = (
 # pairs in one layer that import neither each other nor each other's modules
 INDEPENDENT = (("minite.sampler", "minite.learner"),)
 
-# cycles still to be cut: {modules}: why it is there; remove the entry when the cycle is gone
-KNOWN_CYCLES = {
-    frozenset({"minite.kernels.nvfp4", "minite.kernels.nvfp4_pairs"}):
-        "the pair kernel reuses the general kernel's jit helpers, whose launcher dispatches to it; "
-        "goes when the helpers get a module of their own (kernels/nvfp4/ as a package)",
-}
+# cycles still to be cut: {frozenset of modules: why it is there}; remove the entry when the cycle is gone
+KNOWN_CYCLES: dict[frozenset, str] = {}
 
 
 def module_files(package: Path = PACKAGE) -> dict[str, tuple[Path, bool]]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from minite.nn import quantized_weight as qw
-from minite.nn.segmented_linear import SegmentedLinear
+from minite.nn.linear import SegmentedLinear
 
 # bytes of weights stacked for one `quantize_weights` launch (the stack is a transient copy)
 STACK_BYTES = 1 << 29
