@@ -21,7 +21,9 @@ checkpoint carries the tokenizer it was trained with.
 
 import string
 from collections.abc import Sequence
+from pathlib import Path
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 CHAR_VOCAB = string.digits + "+-*/=()<>#.,:;?!'\"$%&@[]{}^_|~`\\ \n" + string.ascii_lowercase + (
     string.ascii_uppercase
@@ -102,6 +104,10 @@ class HFTokenizer:
     def __init__(self, path: str):
         from transformers import AutoTokenizer
 
+        if Path(path).is_dir() and not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
+            # AutoTokenizer would build some tokenizer of its own from config.json alone
+            raise ValueError(f"{path} holds no tokenizer ({', '.join(TOKENIZER_FILES[:2])}): give one with "
+                             "model.tokenizer = DIR (or \"char\")")
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError) as e:
