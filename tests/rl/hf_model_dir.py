@@ -58,9 +58,9 @@ def build_model_dir(path: Path, texts: list[str], eos_lean: float = 0.5) -> Path
     tok.save_pretrained(path)
     im_end, end_of_text = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     config = transformers.Qwen3Config(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=False,
-        eos_token_id=im_end, pad_token_id=end_of_text, bos_token_id=None)
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+        tie_word_embeddings=False, eos_token_id=im_end, pad_token_id=end_of_text, bos_token_id=None)
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(config).float()
     model.model.embed_tokens.weight[:, 0] = 4.0
