@@ -87,3 +87,25 @@ def test_a_random_preset_takes_the_tokenizers_vocabulary(tmp_path):
     assert trainer.run()["rl_steps"] == 1
     with pytest.raises(ValueError, match="larger than the tokenizer"):
         make_trainer(tmp_path / "b", "--model.config.vocab_size=300", "--rl.steps=1")
+
+
+def test_every_run_ends_in_a_full_hugging_face_directory_and_tensorboard_events(tmp_path):
+    """checkpoint.every = 0 still leaves the trained model, in final/, loadable by transformers' Auto
+    classes with the char tokenizer it was trained with; the default logging writes event files."""
+    import transformers
+
+    from minite.models.checkpoint import to_hf_tensors
+
+    trainer = make_trainer(tmp_path, "--rl.steps=1", "--checkpoint.every=0", "--eval.every=0",
+                           "--logging.tensorboard=true")
+    summary = trainer.run()
+    final = tmp_path / "run" / "final"
+    assert summary["final"] == str(final)
+    assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(final)
+    ours = to_hf_tensors(trainer.model)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, ours[name]), name
+    tok = transformers.AutoTokenizer.from_pretrained(final)
+    assert tok.encode("3+4=", add_special_tokens=False) == trainer.tokenizer.encode("3+4=")
+    assert transformers.GenerationConfig.from_pretrained(final).eos_token_id == trainer.tokenizer.eos_token_id
