@@ -56,6 +56,8 @@ def _reward_kind(spec: str) -> str:
 
     if spec == "auto":
         return "math_verify" if math_verify_available() else "exact"
+    if spec not in ("exact", "math_verify") and ":" not in spec:
+        raise ValueError(f"--reward {spec!r}: choose exact, math_verify or module:function")
     return spec
 
 

@@ -104,7 +104,10 @@ class HFTokenizer:
     def __init__(self, path: str):
         from transformers import AutoTokenizer
 
-        if Path(path).is_dir() and not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
+        if not Path(path).is_dir():
+            raise ValueError(f"cannot load a tokenizer from {str(path)!r}: no such directory (a model or "
+                             "tokenizer directory, or \"char\")")
+        if not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
             # AutoTokenizer would build some tokenizer of its own from config.json alone
             raise ValueError(f"{path} holds no tokenizer ({', '.join(TOKENIZER_FILES[:2])}): give one with "
                              "model.tokenizer = DIR (or \"char\")")
