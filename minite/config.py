@@ -427,7 +427,8 @@ def check(cfg: TrainConfig) -> None:
                 ("sampler.recipe", lambda: cfg.sampler.recipe and get_recipe(cfg.sampler.recipe,
                                                                              **cfg.sampler.recipe_overrides)),
                 ("task.args", lambda: make_task(cfg.task.name, seed=cfg.task.seed, **cfg.task.args)),
-                ("task.reward", lambda: task_reward(cfg))]
+                ("task.reward", lambda: task_reward(cfg)),
+                ("logging.wandb", lambda: cfg.logging.wandb and _needs_package("wandb"))]
     if not cfg.model.path:
         attempts.append(("model.config", cfg.model.model_config))
     for where, attempt in attempts:
@@ -435,6 +436,13 @@ def check(cfg: TrainConfig) -> None:
             attempt()
         except (ValueError, TypeError) as e:
             raise ConfigError(f"{where}: {e}") from None
+
+
+def _needs_package(name: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(name) is None:
+        raise ValueError(f"true needs the {name} package: pip install {name}")
 
 
 def loss_normalizer(cfg: TrainConfig) -> int:

@@ -109,3 +109,28 @@ def test_every_run_ends_in_a_full_hugging_face_directory_and_tensorboard_events(
     tok = transformers.AutoTokenizer.from_pretrained(final)
     assert tok.encode("3+4=", add_special_tokens=False) == trainer.tokenizer.encode("3+4=")
     assert transformers.GenerationConfig.from_pretrained(final).eos_token_id == trainer.tokenizer.eos_token_id
+
+
+def test_eval_files_are_scored_apart_from_the_task(tmp_path):
+    rows = [{"question": f"{a}+{b}=", "answer": f"#### {a + b}"} for a, b in [(1, 2), (3, 4), (2, 2)]]
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    make_trainer(tmp_path, "--rl.steps=1", "--checkpoint.every=0", "--eval.every=0",
+                 f"--eval.files=[\"{data}\"]").run()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert len(evals) == 2
+    for r in evals:
+        assert r["eval/sums/size"] == 3 and 0 <= r["eval/sums/pass@1"] <= r["eval/sums/pass@4"] <= 1
+        assert {"eval/sums/greedy_accuracy", "eval/sums/maj@4", "eval/sums/avg@4"} <= r.keys()
+
+
+def test_wandb_without_the_package_is_refused_before_training():
+    import importlib.util
+
+    from minite.config import ConfigError
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed")
+    with pytest.raises(ConfigError, match="logging.wandb: true needs the wandb package: pip install wandb"):
+        load_config(None, ["--logging.wandb=true"])
