@@ -63,8 +63,8 @@ def run(args) -> int:
     prompts = random_prompts(args.num_prompts, args.prompt_len, vocab, args.seed)
     kw = {k: v for k, v in (("kv_cache_tokens", args.kv_cache_tokens), ("max_num_seqs", args.max_num_seqs))
           if v is not None}
-    learner = get_recipe(args.learner_recipe, backend=args.backend)
-    sampler = get_recipe(args.sampler_recipe or args.learner_recipe, backend=args.backend)
+    learner = get_recipe(args.learner_recipe).with_execution(backend=args.backend)
+    sampler = get_recipe(args.sampler_recipe or args.learner_recipe).with_execution(backend=args.backend)
     report = measure_agreement(source, prompts, params, learner, sampler,
                                init_std=args.init_std, seed=args.seed, dtype=dtype, device=args.device,
                                sampler_kwargs=kw)

@@ -1,11 +1,16 @@
 """Hugging Face checkpoints (config.json + safetensors, single file or sharded) to and from `Qwen3`.
 
-Tensor names map one to one (`model.` + our name, `lm_head.weight` as is) except the MoE experts:
-Hugging Face stores each expert's `gate_proj`, `up_proj`, `down_proj` weights
-(`model.layers.{l}.mlp.experts.{e}.gate_proj.weight` [I, H], ...), we keep them fused per layer as
-`gate_up_proj` [E, 2I, H] (gate rows, then up rows) and `down_proj` [E, H, I]. Loading also accepts
-the fused names transformers 5 uses in memory (`model.layers.{l}.mlp.experts.gate_up_proj`); saving
-writes per-expert tensors, the format of published Qwen3-MoE checkpoints.
+Tensor names map one to one (`model.` + our name, `lm_head.weight` as is) except two kinds, and
+`hf_tensors` / `hf_pieces` are the one place that maps them (export code elsewhere reuses them):
+
+- the segmented projections: our `layers.{l}.self_attn.qkv_proj.weight` [Nq + 2 Nkv, H] is Hugging
+  Face's `q_proj`, `k_proj`, `v_proj` weights one after the other, `layers.{l}.mlp.gate_up_proj.weight`
+  [2I, H] its `gate_proj` and `up_proj` (`SEGMENTS`);
+- the MoE experts: Hugging Face stores each expert's `gate_proj`, `up_proj`, `down_proj` weights
+  (`model.layers.{l}.mlp.experts.{e}.gate_proj.weight` [I, H], ...), we keep them fused per layer as
+  `gate_up_proj` [E, 2I, H] (gate rows, then up rows) and `down_proj` [E, H, I]. Loading also accepts
+  the fused names transformers 5 uses in memory (`model.layers.{l}.mlp.experts.gate_up_proj`); saving
+  writes per-expert tensors, the format of published Qwen3-MoE checkpoints.
 
 Saving writes into a temporary sibling directory and renames it into place, so a crash never leaves
 a half-written checkpoint at `path`; the split into shards and the index are huggingface_hub's
@@ -34,6 +39,10 @@ from minite.recipe import Recipe
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 EXPERT_PARAM = re.compile(r"^layers\.(\d+)\.mlp\.(gate_up_proj|down_proj)$")
+SEGMENTED_PARAM = re.compile(r"^(layers\.\d+)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight$")
+# our segmented projection -> Hugging Face's projections it holds, in row order
+SEGMENTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
 
 class CheckpointError(ValueError):
@@ -41,8 +50,60 @@ class CheckpointError(ValueError):
 
 
 def hf_name(name: str) -> str:
-    """Our parameter name -> the Hugging Face tensor name (for non-expert tensors)."""
+    """Our parameter name -> the Hugging Face tensor name (for tensors that map one to one)."""
     return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def segment_widths(name: str, config: ModelConfig) -> tuple[int, ...]:
+    """The row counts of segmented projection `name`'s segments under `config`."""
+    kind = SEGMENTED_PARAM.match(name).group(2)
+    if kind == "self_attn.qkv_proj":
+        kv = config.num_key_value_heads * config.head_dim
+        return (config.num_attention_heads * config.head_dim, kv, kv)
+    return (config.intermediate_size, config.intermediate_size)
+
+
+def segment_pieces(name: str, shape: torch.Size, config: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """The Hugging Face tensors `(name, shape)` whose rows make up our segmented projection `name`."""
+    layer, kind = SEGMENTED_PARAM.match(name).groups()
+    return [(f"model.{layer}.{hf}.weight", (n, shape[-1]))
+            for hf, n in zip(SEGMENTS[kind], segment_widths(name, config))]
+
+
+def hf_pieces(name: str, shape: torch.Size, config: ModelConfig, fused_experts: bool = False
+              ) -> list[tuple[str, tuple[int, ...]]]:
+    """Our tensor `name` [shape] -> the Hugging Face tensors `(name, shape)` it is made of, in order: a
+    segmented projection's segments (rows concatenated), the experts' per-expert tensors (stacked;
+    `fused_experts`: transformers 5's one fused tensor instead), else the one tensor of `hf_name`."""
+    if SEGMENTED_PARAM.match(name):
+        return segment_pieces(name, shape, config)
+    if EXPERT_PARAM.match(name):
+        return [(fused_expert_name(name), tuple(shape))] if fused_experts else expert_pieces(name, shape)
+    return [(hf_name(name), tuple(shape))]
+
+
+def hf_tensors(name: str, tensor: torch.Tensor, config: ModelConfig, fused_experts: bool = False
+               ) -> dict[str, torch.Tensor]:
+    """Our tensor `name` as the Hugging Face tensors of `hf_pieces` (views of `tensor`)."""
+    pieces = hf_pieces(name, tensor.shape, config, fused_experts)
+    if SEGMENTED_PARAM.match(name):
+        parts = tensor.split([shape[0] for _, shape in pieces])
+    elif len(pieces) > 1:  # per-expert tensors
+        split = (lambda t: t.chunk(2, dim=0)) if "gate_up" in name else (lambda t: (t,))
+        parts = [t for expert in tensor for t in split(expert)]
+    else:
+        parts = [tensor]
+    return {hf: t for (hf, _), t in zip(pieces, parts, strict=True)}
+
+
+def from_hf_pieces(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """The inverse of `hf_tensors`: our tensor `name` from its Hugging Face pieces, in order."""
+    if len(parts) == 1:
+        return parts[0]
+    if SEGMENTED_PARAM.match(name):
+        return torch.cat(parts)
+    per_expert = 2 if name.endswith("gate_up_proj") else 1
+    return torch.stack([torch.cat(parts[e:e + per_expert]) for e in range(0, len(parts), per_expert)])
 
 
 def expert_pieces(name: str, shape: torch.Size) -> list[tuple[str, tuple[int, ...]]]:
@@ -64,17 +125,14 @@ def fused_expert_name(name: str) -> str:
 
 
 def to_hf_tensors(model: Qwen3, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The model's weights under Hugging Face names (experts split per expert), contiguous, on CPU."""
+    """The model's weights under Hugging Face names (segmented projections and experts split),
+    contiguous, on CPU."""
     out = {}
     for name, tensor in model.state_dict().items():
         tensor = tensor.detach().to("cpu", dtype or tensor.dtype)
-        if EXPERT_PARAM.match(name):
-            pieces = expert_pieces(name, tensor.shape)
-            split = (lambda t: t.chunk(2, dim=0)) if "gate_up" in name else (lambda t: (t,))
-            flat = [t for expert in tensor for t in split(expert)]
-            out.update({piece: t.clone() for (piece, _), t in zip(pieces, flat)})
-        else:
-            out[hf_name(name)] = tensor.contiguous()
+        pieces = hf_tensors(name, tensor, model.config)
+        # pieces of one tensor are views of it: each its own copy (safetensors shares no storage)
+        out.update({hf: t.clone() if len(pieces) > 1 else t.contiguous() for hf, t in pieces.items()})
     return out
 
 
@@ -206,12 +264,8 @@ def _read_state(path: Path, files: dict[str, Path], expected: dict, config: Mode
     """Read, check and assemble every tensor of `expected` (our names) from the checkpoint `files`."""
     plan = {}  # our name -> list of (hf name, expected shape)
     for name, meta in expected.items():
-        if EXPERT_PARAM.match(name) and fused_expert_name(name) in files:
-            plan[name] = [(fused_expert_name(name), tuple(meta.shape))]
-        elif EXPERT_PARAM.match(name):
-            plan[name] = expert_pieces(name, meta.shape)
-        else:
-            plan[name] = [(hf_name(name), tuple(meta.shape))]
+        fused = bool(EXPERT_PARAM.match(name)) and fused_expert_name(name) in files
+        plan[name] = hf_pieces(name, meta.shape, config, fused_experts=fused)
     wanted = {hf for pieces in plan.values() for hf, _ in pieces}
     tied_head = config.tie_word_embeddings and "lm_head.weight" in files
     missing = sorted(wanted - files.keys())
@@ -225,11 +279,7 @@ def _read_state(path: Path, files: dict[str, Path], expected: dict, config: Mode
         state = {}
         for name, pieces in plan.items():
             parts = [reader.get(hf, shape) for hf, shape in pieces]
-            if len(parts) > 1:
-                per_expert = 2 if name.endswith("gate_up_proj") else 1
-                experts = [torch.cat(parts[e:e + per_expert]) for e in range(0, len(parts), per_expert)]
-                parts = [torch.stack(experts)]
-            state[name] = parts[0].to(device=device, dtype=dtype)
+            state[name] = from_hf_pieces(name, parts).to(device=device, dtype=dtype)
         if tied_head:
             head = reader.get("lm_head.weight", tuple(expected["embed_tokens.weight"].shape))
             if not torch.equal(head.to(dtype), state["embed_tokens.weight"].cpu()):

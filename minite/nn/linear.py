@@ -24,11 +24,11 @@ Which operand is quantized how:
 
 The quantized weight is computed once per weight update and cached (see `quantized_weight`).
 
-Execution: `recipe.backend == "triton"` runs the forward on the Triton kernels on CUDA (fused row
-quantizer + W4A4 GEMM in the batch-invariant 'aligned' config at every M, so the learner's and the
-sampler's rows agree bit for bit); recipes the kernels do not cover fall back to the reference GEMM
-(`minite.nn.nvfp4_matmul` lists them). `fast = True` on a module trades that alignment for speed
-(the 'decode' config on packed weights for M <= 64, 'prefill' above). On CUDA the forward never
+Execution (`recipe.execution`): on the Triton kernels (on CUDA by default) the forward is the fused
+row quantizer + W4A4 GEMM in the batch-invariant 'aligned' config at every M, so the learner's and
+the sampler's rows agree bit for bit; recipes the kernels do not cover fall back to the reference
+GEMM (`minite.nn.nvfp4_matmul` lists them). `execution.fast` trades that alignment for speed (the
+'decode' config on packed weights for M <= 64, 'prefill' above). On CUDA the forward never
 synchronizes with the host: a non-finite input gives NaN outputs instead of the CPU's ValueError.
 """
 
@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minite.nn.nvfp4_matmul import LinearMatmul, StaticScale, static_scale, use_kernels
+from minite.nn.nvfp4_matmul import LinearMatmul, QuantizedActivation, StaticScale, static_scale, use_kernels
 from minite.nn.quantized_weight import QuantizedWeight, quantize_weight, weight_key
 from minite.recipe import Recipe, get_recipe
 
@@ -53,10 +53,7 @@ class Linear(nn.Module):
 
     `input_scale` (fp32 [], non-persistent buffer, None until `minite.nn.calibrate` sets it) is the
     static activation decode scale used by recipes with `activation.scaling == "static"`.
-    `fast` (default False) lets the Triton backend pick faster, M-dependent GEMM configs.
     """
-
-    fast: bool = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  recipe: str | Recipe = "aligned", dtype=None, device=None):
@@ -110,7 +107,8 @@ class Linear(nn.Module):
             raise ValueError(f"quantized weight {tuple(qw.unscaled.shape)} / {qw.spec} does not fit {self!r}")
         self._qweight = dataclasses.replace(qw, key=weight_key(self.weight, self.recipe.weight))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, quantized: QuantizedActivation | None = None) -> torch.Tensor:
+        """`quantized`: x's quantization, where the op before made it (`nvfp4_matmul.QuantizedActivation`)."""
         if self._calib_amax is not None:
             self._calib_amax = torch.maximum(self._calib_amax, x.detach().abs().amax().float())
             return F.linear(x, self.weight, self.bias)
@@ -119,7 +117,7 @@ class Linear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{self!r} expects in_features={self.in_features}, got x {tuple(x.shape)}")
         y = LinearMatmul.apply(x, self.weight, self.quantized_weight(), self.recipe, self._static_scale(),
-                               self.fast)
+                               quantized)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def graph_safe(self) -> bool:
