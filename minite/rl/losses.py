@@ -33,10 +33,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from minite.loss_batch import AGGREGATIONS
 from minite.rl.batch import Correction, RLBatch, masked_mean
 from minite.rl.corrections import CorrectionConfig, apply_correction
 
-AGGREGATIONS = ("token_mean", "seq_mean", "seq_mean_token_sum_norm")
 RATIOS = ("token", "sequence")
 
 
@@ -63,10 +63,6 @@ class LossConfig:
             raise ValueError(f"ratio={self.ratio!r} is not supported; choose one of {RATIOS}")
         if self.normalizer < 0:
             raise ValueError(f"normalizer must be >= 0 (0: the generation budget), got {self.normalizer}")
-
-    def learner_aggregation(self) -> str:
-        """How the learner weights micro-batches: by tokens, or by sequences (the per-sequence forms)."""
-        return "token_mean" if self.aggregation == "token_mean" else "seq_mean"
 
 
 def _normalizer(cfg: LossConfig) -> int:

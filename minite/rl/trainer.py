@@ -640,7 +640,7 @@ class Trainer:
     def _update(self, batch: SequenceBatch, loss_fn, correction) -> dict:
         try:
             return self.learner.step(batch, loss_fn, correction=correction,
-                                     aggregation=self.cfg.rl.loss.learner_aggregation())
+                                     aggregation=self.cfg.rl.loss.aggregation)
         except ValueError:
             # the weight refresh refuses non-finite weights: say which and where
             self._check_weights(f"step {self.step}, after an update")

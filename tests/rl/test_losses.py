@@ -207,4 +207,3 @@ def test_dr_grpo_constant_normalizer():
     torch.testing.assert_close(g[batch.mask], torch.tensor([-0.05, -0.05, -0.05, 0.05]))
     with pytest.raises(ValueError, match="normalizer"):
         policy_loss(batch, LossConfig(aggregation="seq_mean_token_sum_norm"))
-    assert LossConfig(aggregation="seq_mean_token_sum_norm").learner_aggregation() == "seq_mean"
