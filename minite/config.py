@@ -439,8 +439,6 @@ def check(cfg: TrainConfig) -> None:
     from minite.rl.tasks import make_task
 
     attempts = [("recipe", lambda: get_recipe(cfg.recipe.name, **cfg.recipe.overrides)),
-                ("rl.loss", lambda: cfg.rl.loss.aggregation == "seq_mean_token_sum_norm"
-                 and loss_normalizer(cfg)),
                 ("sampler.recipe", lambda: cfg.sampler.recipe and get_recipe(cfg.sampler.recipe,
                                                                              **cfg.sampler.recipe_overrides)),
                 ("task.args", lambda: make_task(cfg.task.name, seed=cfg.task.seed, **cfg.task.args)),
