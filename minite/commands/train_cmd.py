@@ -3,7 +3,8 @@
     minite train                                  the embedded default (= configs/tiny_cpu.toml): a tiny
                                                   char model, warm start, RL on arithmetic, on the CPU
     minite train --config configs/gpu_arith.toml  a preset
-    minite train --rl.lr=1e-4 --rl.correction.name=triage   dotted overrides (TOML values)
+    minite train --rl.lr=1e-4 --rl.correction.name triage   dotted overrides (TOML values)
+    minite train --model.path=DIR --task.name=file ...      a model directory of one's own (docs/guide.md)
     minite train --dry-run ...                    print the resolved config and exit
     minite train --resume runs/20260101-120000    continue a run from its latest checkpoint
 """
@@ -21,8 +22,9 @@ HELP = "train a model with RL (warm start, GRPO, corrections, TRIAGE); writes a 
 
 
 def add_parser(sub, name):
-    p = sub.add_parser(name, help=HELP, description=HELP, epilog="Any --section.key=value overrides "
-                       "that config key, e.g. --rl.lr=1e-4 --sampling.temperature=0.8",
+    p = sub.add_parser(name, help=HELP, description=HELP, epilog="Any --section.key=value (or "
+                       "--section.key value) overrides that config key, e.g. --rl.lr=1e-4 "
+                       "--sampling.temperature 0.8",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="a TOML preset (default: the embedded CPU default)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue this run folder from its latest checkpoint")
