@@ -6,10 +6,12 @@ values the learner's forward gathers). A weight with one global scale needs the 
 tensor: the shards' amaxes are max-reduced first (one collective for all weights), and each shard is
 quantized with that amax standing in an extra row, so its codes and block scales are bitwise the rows
 of the whole tensor's quantization (block scales are per row, or per 16-row tile: shards of 16x16
-weights must hold whole tiles). Expert tensors [E, N, K] are sharded by experts, each quantized
-whole by its owner. Then the codes (uint8), block scales (E4M3) and, for the tensors that are not
-quantized (embeddings, norms, router, LM head, bf16 layers), their values in the compute dtype are
-all-gathered in buckets of `BUCKET_BYTES` and installed with `load_quantized_weights` (no second
+weights must hold whole tiles). A segmented projection (q|k|v, gate|up) has one amax per segment:
+the rows of each segment in a shard are quantized with their segment's amax, and the gathered codes
+and block scales are split back into the segments. Expert tensors [E, N, K] are sharded by experts,
+each quantized whole by its owner. Then the codes (uint8), block scales (E4M3) and, for the tensors
+that are not quantized (embeddings, norms, router, LM head, bf16 layers), their values in the compute
+dtype are all-gathered in buckets of `BUCKET_BYTES` and installed with `load_quantized_weights` (no second
 quantization). The sampler's forward then multiplies the very codes the learner's forward would make.
 
 `gather_full_weights` is the naive deployment's sync: the whole weights in the compute dtype, which
@@ -31,6 +33,7 @@ from minite.learner.weight_sync import (
     load_quantized_weights,
     sync_sampler_model,
 )
+from minite.nn.linear import SegmentedLinear
 from minite.nn.quantized_weight import quantize_weight
 
 BUCKET_BYTES = 1 << 30  # bytes per rank of one all-gather
@@ -43,6 +46,58 @@ def _rows_per_rank(n: int, world: int) -> list[int]:
 
 
 @torch.no_grad()
+def _pieces(p: DTensor, module: nn.Module, rank: int, world: int) -> list[tuple[int, int]]:
+    """This rank's rows of each segment of weight `p` (a plain weight: one segment), as [start, end)
+    in the local shard."""
+    rows = _rows_per_rank(p.shape[0], world)
+    start = sum(rows[:rank])
+    end = start + rows[rank]
+    widths = module.widths if isinstance(module, SegmentedLinear) else (p.shape[0],)
+    out, s0 = [], 0
+    for w in widths:
+        a, b = max(s0, start), min(s0 + w, end)
+        out.append((a - start, max(a, b) - start))
+        s0 += w
+    return out
+
+
+def _amax(local: torch.Tensor, piece: tuple[int, int], dtype: torch.dtype, device) -> torch.Tensor:
+    a, b = piece
+    if b <= a:
+        return torch.zeros((), device=device)
+    return local[a:b].to(dtype).abs().amax().float()
+
+
+def _segments(fields: dict, module: SegmentedLinear) -> dict:
+    """The gathered whole-tensor codes and block scales split into the segments, each with its own
+    global scale: the payload of a segmented weight."""
+    out, s0 = [], 0
+    for j, w in enumerate(module.widths):
+        r0, r1 = s0, s0 + w
+        seg = {k: fields[k] for k in CONTAINER_META if k != "shape"}
+        seg.update(shape=(w, module.in_features), codes=fields["codes"][r0:r1],
+                   block_scales=fields["block_scales"][r0:r1],
+                   global_scale=fields["global_scale"][j], amax=fields["amax"][j])
+        out.append(seg)
+        s0 += w
+    return {"segments": out}
+
+
+def _local_quantized_pieces(p: DTensor, spec, dtype: torch.dtype, pieces: list[tuple[int, int]],
+                            amaxes: list[torch.Tensor]):
+    """`_local_quantized` per segment: each segment's local rows with its own whole-segment amax;
+    -> the shard's codes and block scales (in row order) and one S_dec and amax per segment."""
+    local = p.to_local()
+    codes, scales, gs, am = [], [], [], []
+    for (a, b), amax in zip(pieces, amaxes):
+        c, s, g, m = _quantize_rows(local[a:b].to(dtype), spec, amax, p.shape)
+        codes.append(c)
+        scales.append(s)
+        gs.append(g)
+        am.append(m)
+    return torch.cat(codes), torch.cat(scales), torch.stack(gs), torch.stack(am)
+
+
 def _local_quantized(p: DTensor, spec, dtype: torch.dtype, amax: torch.Tensor | None):
     """The codes, block scales, S_dec and amax of this rank's rows of weight `p` (fp32 shard -> dtype);
     `amax` is the whole tensor's for per-tensor scaling (None: expert tensors, each expert whole)."""
@@ -52,14 +107,20 @@ def _local_quantized(p: DTensor, spec, dtype: torch.dtype, amax: torch.Tensor | 
             return None
         q = quantize_weight(local, spec).q
         return q.codes, q.block_scales, q.global_scale, q.amax
+    return _quantize_rows(local, spec, amax, p.shape)
+
+
+def _quantize_rows(local: torch.Tensor, spec, amax: torch.Tensor, shape) -> tuple:
+    """Rows of a tensor (of `shape`) whose whole amax is `amax`, quantized as they are in the whole."""
     tile = spec.block[0]
     if local.shape[0] % tile:
-        raise ValueError(f"a shard of {tuple(p.shape)} holds {local.shape[0]} rows, not whole {tile}-row "
-                         f"tiles of its {spec.block} blocks; choose a world size that splits it into tiles")
+        raise ValueError(f"a shard of {tuple(shape)} holds {local.shape[0]} rows of a segment, not whole "
+                         f"{tile}-row tiles of its {spec.block} blocks; choose a world size that splits it "
+                         f"into tiles")
     # the whole tensor's amax in an extra tile: the global scales are the whole tensor's (also on a
     # rank without rows of it), the shard's rows quantize as they do in the whole tensor
-    extra = local.new_zeros(tile, p.shape[1])
-    extra[0, 0] = amax.to(dtype)
+    extra = local.new_zeros(tile, shape[1])
+    extra[0, 0] = amax.to(local.dtype)
     q = quantize_weight(torch.cat([local, extra]), spec).q
     n = local.shape[0]
     return q.codes[:n], q.block_scales[:n], q.global_scale, q.amax
@@ -73,16 +134,19 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def gather_quantized_weights(learner_model: nn.Module, sampler_model: nn.Module, dtype: torch.dtype) -> None:
     """Install the sharded learner's current weights into `sampler_model` (a whole model of the same
     config and recipe on this rank) as codes and scales; every rank calls it (module docstring)."""
-    world = dist.get_world_size()
+    world, rank = dist.get_world_size(), dist.get_rank()
     targets = _quantized_targets(sampler_model)
     params = dict(learner_model.named_parameters())
-    flat = [n for n, p in params.items() if n in targets and p.ndim == 2]
     device = next(iter(params.values())).to_local().device
-    amaxes = torch.stack([params[n].to_local().to(dtype).abs().amax().float() if params[n].to_local().numel()
-                          else torch.zeros((), device=device) for n in flat]) if flat else None
+    # (name, segment) -> this rank's rows of it: one amax per weight, or per segment of a segmented one
+    pieces = {n: _pieces(params[n], targets[n][0], rank, world) for n, p in params.items()
+              if n in targets and p.ndim == 2}
+    keys = [(n, j) for n, ps in pieces.items() for j in range(len(ps))]
+    local_amax = [_amax(params[n].to_local(), pieces[n][j], dtype, device) for n, j in keys]
+    amaxes = torch.stack(local_amax) if local_amax else None
     if amaxes is not None:
         dist.all_reduce(amaxes, op=dist.ReduceOp.MAX)
-    amax_of = dict(zip(flat, amaxes if amaxes is not None else []))
+    amax_of = dict(zip(keys, amaxes if amaxes is not None else []))
     # (name, field, per-rank rows, row shape, dtype, local tensor or None)
     items = []
     quantized = {}
@@ -91,7 +155,11 @@ def gather_quantized_weights(learner_model: nn.Module, sampler_model: nn.Module,
         if name in targets:
             module, leaf = targets[name]
             spec = module.recipe.weight
-            got = _local_quantized(p, spec, dtype, amax_of.get(name))
+            if name in pieces:
+                got = _local_quantized_pieces(p, spec, dtype, pieces[name], [amax_of[name, j] for j in
+                                                                             range(len(pieces[name]))])
+            else:
+                got = _local_quantized(p, spec, dtype, None)
             k = p.shape[-1]
             shapes = {"codes": ((*p.shape[1:-1], k // 2), torch.uint8),
                       "block_scales": ((*p.shape[1:-1], k // 16), torch.float8_e4m3fn)}
@@ -101,11 +169,12 @@ def gather_quantized_weights(learner_model: nn.Module, sampler_model: nn.Module,
             if p.ndim == 3:  # one S_dec and amax per expert: gathered with the experts
                 for i, field in ((2, "global_scale"), (3, "amax")):
                     items.append((name, field, rows, (1, 1), torch.float32, got[i] if got else None))
-            else:
+            else:  # one S_dec and amax per segment (a plain weight: one segment)
                 quantized[name] = {"global_scale": got[2], "amax": got[3]}
-            q = {"shape": tuple(p.shape), "block": tuple(spec.block), "scaling": spec.scaling,
-                 "chain": spec.chain, "hadamard": spec.hadamard}
-            quantized.setdefault(name, {}).update({k: q[k] for k in CONTAINER_META})
+            meta = {"block": tuple(spec.block), "scaling": spec.scaling, "chain": spec.chain,
+                    "hadamard": spec.hadamard}
+            quantized.setdefault(name, {}).update({k: meta[k] for k in CONTAINER_META if k in meta})
+            quantized[name]["shape"] = tuple(p.shape)
         else:
             items.append((name, "tensor", rows, tuple(p.shape[1:]), dtype,
                           p.to_local().to(dtype) if rows[dist.get_rank()] else None))
@@ -116,6 +185,11 @@ def gather_quantized_weights(learner_model: nn.Module, sampler_model: nn.Module,
             tensors[name] = full
         else:
             quantized[name][field] = full
+    for name, fields in quantized.items():
+        module = targets[name][0]
+        if params[name].ndim == 2:
+            quantized[name] = _segments(fields, module) if isinstance(module, SegmentedLinear) else {
+                **fields, "global_scale": fields["global_scale"][0], "amax": fields["amax"][0]}
     recipe = getattr(getattr(sampler_model, "recipe", None), "name", None)
     load_quantized_weights(sampler_model, {"recipe": recipe, "quantized": quantized, "tensors": tensors})
 

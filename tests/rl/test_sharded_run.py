@@ -3,6 +3,7 @@
 sharded learner against one process (tests/learner/fsdp_worker.py)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,15 +23,19 @@ ARGS = [a for a in TINY if "threads" not in a] + [
 NLL_RTOL = 1e-5
 
 
+# the processes import this checkout (and `tests`) whether or not it is installed
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
 def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=ENV)
 
 
 def train(*args: str, nproc: int | None = None) -> subprocess.CompletedProcess:
     if nproc is None:
         out = subprocess.run([sys.executable, "-m", "minite.cli", "train", *args], cwd=REPO,
-                             capture_output=True, text=True, timeout=300)
+                             capture_output=True, text=True, timeout=300, env=ENV)
     else:
         out = torchrun(nproc, "-m", "minite.cli", "train", *args)
     assert out.returncode == 0, (args, _errors(out.stderr))
