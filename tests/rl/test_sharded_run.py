@@ -24,7 +24,8 @@ NLL_RTOL = 1e-5
 
 
 # the processes import this checkout (and `tests`) whether or not it is installed
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+ENV = {**os.environ,
+       "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
 def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
