@@ -160,7 +160,7 @@ def load_latest_checkpoint(ckpt_dir: str | Path, recipe, dtype: torch.dtype, dev
         try:
             models, state = load_checkpoint(path, recipe, dtype, device, required)
         except Exception as e:  # whatever a damaged file raises (safetensors, pickle, zip, OS errors)
-            failures.append((path, _reason(e)))
+            failures.append((path, _reason(e, 1000)))  # ours name the file and hold a foreign reason
             warn(f"checkpoint {path} cannot be loaded ({failures[-1][1]}); trying the previous one")
             continue
         if failures:
@@ -176,9 +176,9 @@ def load_latest_checkpoint(ckpt_dir: str | Path, recipe, dtype: torch.dtype, dev
     return None
 
 
-def _reason(e: BaseException) -> str:
+def _reason(e: BaseException, limit: int = 200) -> str:
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
+    return f"{type(e).__name__}: {text[:limit]}" if text else type(e).__name__
 
 
 def _set_aside(paths: list[Path]) -> None:
