@@ -29,6 +29,7 @@ CHAINS = ("te", "vllm", "torchao")
 EPILOGUES = ("sdec", "alpha", "bf16_scalar")
 BACKWARDS = ("dequantized", "nvfp4")
 BACKENDS = ("auto", "ref", "triton")
+FUSED_SCALES = ("separate", "shared")
 
 
 def _check(what: str, value, allowed) -> None:
@@ -68,9 +69,13 @@ class Recipe:
     backend: str = "auto"
     bf16_first_layers: int = 0
     bf16_last_layers: int = 0
+    # "shared": q/k/v and gate/up quantize with one weight global scale per group, as serving engines
+    # run them (`minite.nn.shared_scale`); "separate": each projection its own
+    fused_scale: str = "separate"
 
     def __post_init__(self):
         _check("epilogue", self.epilogue, EPILOGUES)
+        _check("fused_scale", self.fused_scale, FUSED_SCALES)
         _check("backward", self.backward, BACKWARDS)
         _check("backend", self.backend, BACKENDS)
         if self.bf16_first_layers < 0 or self.bf16_last_layers < 0:

@@ -34,6 +34,7 @@ from minite.nn.fused_projections import project
 from minite.nn.linear import Linear
 from minite.nn.moe import MoEExperts
 from minite.nn.norm import RMSNorm
+from minite.nn.shared_scale import link_scale_groups
 from minite.nn.swiglu import swiglu
 from minite.recipe import Recipe, get_recipe
 
@@ -110,6 +111,7 @@ class Qwen3(nn.Module):
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        link_scale_groups(self)
 
     def layer_recipe(self, layer: int, recipe: Recipe | None = None) -> Recipe:
         """The recipe decoder layer `layer` runs under: bf16 in the first/last N layers the recipe exempts."""

@@ -43,6 +43,7 @@ from torch import nn
 
 from minite.nn.nvfp4_matmul import LinearMatmul, StaticScale, static_scale, use_kernels
 from minite.nn.quantized_weight import QuantizedWeight, quantize_weight, weight_key
+from minite.nn.shared_scale import refresh_group, shares_scale
 from minite.recipe import Recipe, get_recipe
 
 TE_AMAX_TO_SCALE = 2688.0  # 6 * 448: calibrated input_scale = amax / 2688 (ModelOpt's convention)
@@ -72,6 +73,7 @@ class Linear(nn.Module):
         self._qweight: QuantizedWeight | None = None
         self._calib_amax: torch.Tensor | None = None
         self._static: StaticScale | None = None
+        self.scale_group: tuple | None = None  # its fused group (`minite.nn.shared_scale`)
         self.set_recipe(recipe)
         self.reset_parameters()
 
@@ -95,14 +97,24 @@ class Linear(nn.Module):
         if not self.recipe.fp4:
             raise RuntimeError(f"recipe {self.recipe.name!r} does not quantize weights")
         if qw is None or qw.key != weight_key(w, spec):
-            self._qweight = quantize_weight(w, spec)
+            if shares_scale(self):
+                refresh_group(self.scale_group)
+            else:
+                self._qweight = quantize_weight(w, spec)
         return self._qweight
 
     def refresh_quantized_weight(self, qweight: QuantizedWeight | None = None) -> None:
-        """Re-quantize the weight now, or install `qweight` (made from it by `quantize_weights`)."""
+        """Re-quantize the weight now (with its whole group where it shares the group's scale), or
+        install `qweight` (made from it by `quantize_weights`)."""
         self._qweight = qweight
-        if self.recipe.fp4 and qweight is None:
+        if self.shares_scale() and qweight is None:
+            refresh_group(self.scale_group)
+        elif self.recipe.fp4 and qweight is None:
             self.quantized_weight()
+
+    def shares_scale(self) -> bool:
+        """Whether the weight is quantized with its fused group's one global scale."""
+        return shares_scale(self)
 
     def set_quantized_weight(self, qw: QuantizedWeight) -> None:
         """Install a quantized weight made elsewhere (weight sync); used until `weight` changes."""

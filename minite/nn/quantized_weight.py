@@ -232,6 +232,10 @@ def refresh_quantized_weights(model: torch.nn.Module) -> int:
             if not hasattr(m, "refresh_quantized_weight"):
                 continue
             n += 1
+            if getattr(m, "shares_scale", lambda: False)():  # its group's first member quantizes them all
+                if m is m.scale_group[0]:
+                    m.refresh_quantized_weight()
+                continue
             w, recipe = getattr(m, "weight", None), getattr(m, "recipe", None)
             spec = getattr(recipe, "weight", None)
             if (getattr(recipe, "fp4", False) and isinstance(w, torch.Tensor) and w.ndim == 2
