@@ -1,7 +1,7 @@
 """Hugging Face checkpoints (config.json + safetensors, single file or sharded) to and from `Qwen3`.
 
-Tensor names map one to one (`model.` + our name, `lm_head.weight` as is) except the MoE experts:
-Hugging Face stores each expert's `gate_proj`, `up_proj`, `down_proj` weights
+Tensor names map one to one (`model.` + our name, `lm_head.weight` as is; `minite.models.hf_layout`)
+except the MoE experts: Hugging Face stores each expert's `gate_proj`, `up_proj`, `down_proj` weights
 (`model.layers.{l}.mlp.experts.{e}.gate_proj.weight` [I, H], ...), we keep them fused per layer as
 `gate_up_proj` [E, 2I, H] (gate rows, then up rows) and `down_proj` [E, H, I]. Loading also accepts
 the fused names transformers 5 uses in memory (`model.layers.{l}.mlp.experts.gate_up_proj`); saving
@@ -26,41 +26,13 @@ from safetensors.torch import save_file
 
 from minite.files import WriteError, writing
 from minite.models.config import ModelConfig, UnsupportedConfigError
+from minite.models.hf_layout import EXPERT_PARAM, CheckpointError, expert_pieces, fused_expert_name, hf_name
+from minite.models.import_nvfp4 import NVFP4Checkpoint
 from minite.models.qwen3 import Qwen3
 from minite.recipe import Recipe
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-EXPERT_PARAM = re.compile(r"^layers\.(\d+)\.mlp\.(gate_up_proj|down_proj)$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint does not match the model its config.json describes."""
-
-
-def hf_name(name: str) -> str:
-    """Our parameter name -> the Hugging Face tensor name (for non-expert tensors)."""
-    return name if name.startswith("lm_head.") else f"model.{name}"
-
-
-def expert_pieces(name: str, shape: torch.Size) -> list[tuple[str, tuple[int, ...]]]:
-    """The per-expert Hugging Face tensors `(name, shape)` that make up our fused expert tensor `name`."""
-    layer, kind = EXPERT_PARAM.match(name).groups()
-    prefix = f"model.layers.{layer}.mlp.experts"
-    if kind == "gate_up_proj":
-        E, I2, H = shape
-        return [(f"{prefix}.{e}.{proj}.weight", (I2 // 2, H))
-                for e in range(E) for proj in ("gate_proj", "up_proj")]
-    E, H, I = shape
-    return [(f"{prefix}.{e}.down_proj.weight", (H, I)) for e in range(E)]
-
-
-def fused_expert_name(name: str) -> str:
-    """Our fused expert tensor name -> transformers 5's in-memory name for it."""
-    layer, kind = EXPERT_PARAM.match(name).groups()
-    return f"model.layers.{layer}.mlp.experts.{kind}"
-
-
 def to_hf_tensors(model: Qwen3, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The model's weights under Hugging Face names (experts split per expert), contiguous, on CPU."""
     out = {}
@@ -126,7 +98,9 @@ def _model_config(hf_config: dict, file: Path) -> ModelConfig:
 
 def load_pretrained(path: str | Path, recipe: str | Recipe = "aligned", dtype: torch.dtype | None = None,
                     device: str | torch.device = "cpu") -> Qwen3:
-    """Build a `Qwen3` from a Hugging Face model directory; `dtype` defaults to config.json's (else bf16)."""
+    """Build a `Qwen3` from a Hugging Face model directory; `dtype` defaults to config.json's (else bf16).
+    A ModelOpt or compressed-tensors NVFP4 checkpoint keeps its codes and scales as they are
+    (`minite.models.import_nvfp4`)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a model folder (config.json and safetensors)"
@@ -138,8 +112,16 @@ def load_pretrained(path: str | Path, recipe: str | Recipe = "aligned", dtype: t
     with torch.device("meta"):
         model = Qwen3(config, recipe)
     expected = model.state_dict()
+    nvfp4 = NVFP4Checkpoint.open(path, hf_config, model, files)  # None: not an NVFP4 checkpoint
+    if nvfp4 is not None:  # its quantized modules are read apart, the rest as usual
+        files = {k: f for k, f in files.items() if k not in nvfp4.tensors}
+        expected = {k: v for k, v in expected.items() if k not in nvfp4.params}
     state = _read_state(path, files, expected, config, dtype, device)
+    if nvfp4 is not None:
+        state.update(nvfp4.read(_Reader(_tensor_files(path)), dtype, device))
     model.load_state_dict(state, strict=True, assign=True)
+    if nvfp4 is not None:
+        nvfp4.install(model)
     return model
 
 
@@ -150,13 +132,21 @@ def save_pretrained(model: Qwen3, path: str | Path, max_shard_size: int | str = 
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
     tensors = to_hf_tensors(model, dtype)
+    config = model.config.to_hf(dtype or next(iter(tensors.values())).dtype)
+    write_checkpoint(path, tensors, config, max_shard_size=max_shard_size)
+
+
+def write_checkpoint(path: Path, tensors: dict[str, torch.Tensor], config: dict,
+                     json_files: dict | None = None, max_shard_size: int | str = "5GB") -> None:
+    """config.json, the safetensors (sharded above `max_shard_size`, with an index) and further JSON
+    files {name: object} written into a temporary sibling directory, then renamed to `path`."""
     shards = _shard(tensors, _parse_size(max_shard_size))
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     with writing(path):
         tmp.mkdir(parents=True)
     try:
-        config = model.config.to_hf(dtype or next(iter(tensors.values())).dtype)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for name, obj in {"config.json": config, **(json_files or {})}.items():
+            (tmp / name).write_text(json.dumps(obj, indent=2) + "\n")
         if len(shards) == 1:
             _save_file(shards[0], tmp / SINGLE, path)
         else:
@@ -249,7 +239,7 @@ class _Reader:
     def __init__(self, files: dict[str, Path]):
         self.files, self.open = files, {}
 
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def get(self, name: str, shape: tuple[int, ...] | None) -> torch.Tensor:
         file = self.files[name]
         if file not in self.open:
             self.open[file] = open_safetensors(file)
@@ -257,7 +247,7 @@ class _Reader:
         if name not in handle.keys():  # noqa: SIM118
             raise CheckpointError(f"tensor {name} is listed in {INDEX} but missing from {file.name}")
         tensor = handle.get_tensor(name)
-        if tuple(tensor.shape) != tuple(shape):
+        if shape is not None and tuple(tensor.shape) != tuple(shape):
             raise CheckpointError(f"tensor {name} has shape {list(tensor.shape)} in {file}, expected "
                                   f"{list(shape)}")
         return tensor

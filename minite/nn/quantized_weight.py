@@ -11,6 +11,9 @@ made once per quantized weight, i.e. once per update. The decode GEMM (few rows,
 reads `decode_weight(dtype)`: the codes in its decode layout with 16-bit block scales, also made
 once per update (0.625 more bytes per weight, on the device that samples).
 
+A weight read from an NVFP4 checkpoint carries its container (`minite.nn.pinned_weights`):
+`quantize_weight` takes it as it is instead of quantizing.
+
 Invalidation: a module caches its `QuantizedWeight` keyed on the parameter's autograd version
 counter (`weight._version`, bumped by every in-place update: optimizer steps, `copy_`,
 `load_state_dict`), its storage, dtype and the recipe's weight spec. Writes through `.data` bypass
@@ -26,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from minite import nvfp4
+from minite.nn.pinned_weights import pinned
 from minite.nvfp4 import NVFP4Tensor, quantize
 from minite.recipe import QuantSpec
 
@@ -164,7 +168,10 @@ def quantize_weight(weight: torch.Tensor, spec: QuantSpec, backend: str = "auto"
     key = weight_key(weight, spec)
     w = weight.detach()
     n, k = weight.shape[-2:]
-    if _one_launch(w, spec, backend):
+    q = pinned(weight, spec)  # a checkpoint's codes and scales, used as they are
+    if q is not None:
+        unscaled = q.unscaled()[..., :n, :].to(torch.bfloat16)
+    elif _one_launch(w, spec, backend):
         if not _DEFERRED:
             nvfp4._check_finite(w)
         q, unscaled = _quantize_at_once(w, spec)
@@ -239,7 +246,7 @@ def refresh_quantized_weights(model: torch.nn.Module) -> int:
             w, recipe = getattr(m, "weight", None), getattr(m, "recipe", None)
             spec = getattr(recipe, "weight", None)
             if (getattr(recipe, "fp4", False) and isinstance(w, torch.Tensor) and w.ndim == 2
-                    and _one_launch(w.detach(), spec, "auto")):
+                    and _one_launch(w.detach(), spec, "auto") and pinned(w, spec) is None):
                 groups.setdefault((tuple(w.shape), w.dtype, w.device, spec, id(m) in fused), []).append(m)
             else:
                 m.refresh_quantized_weight()

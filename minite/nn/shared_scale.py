@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minite.nn.pinned_weights import pinned
 from minite.nn.quantized_weight import QuantizedWeight, quantize_weight, weight_key
 from minite.nvfp4 import NVFP4Tensor
 
@@ -49,6 +50,8 @@ def quantize_group(linears: tuple) -> list[QuantizedWeight]:
     if tuple(spec.block) == (16, 16) and any(n % 16 for n in rows):
         raise ValueError(f"fused_scale='shared' with 16x16 weight blocks needs each member's rows to be a "
                          f"multiple of 16, got {rows}")
+    if all(pinned(lin.weight, spec) is not None for lin in linears):  # a checkpoint's, as they are
+        return [quantize_weight(lin.weight, spec) for lin in linears]
     whole = quantize_weight(torch.cat([lin.weight.detach() for lin in linears]), spec)
     q, out, start = whole.q, [], 0
     for lin, n in zip(linears, rows):
