@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 
 from minite import __version__
-from minite.commands import agreement_cmd, diagnose_cmd, experiment_cmd, quantize_cmd, train_cmd
+from minite.commands import agreement_cmd, diagnose_cmd, experiment_cmd, export_cmd, quantize_cmd, train_cmd
 from minite.files import describe_os_error
 
 COMMANDS = {
@@ -19,6 +19,7 @@ COMMANDS = {
     "diagnose": diagnose_cmd,
     "train": train_cmd,
     "experiment": experiment_cmd,
+    "export": export_cmd,
 }
 PACKAGE_DIR = str(Path(__file__).resolve().parent)
 INTERRUPTED = 130  # the shell's status for a process ended by SIGINT

@@ -72,7 +72,6 @@ def nvfp4_tensors(model, fmt: str) -> tuple[dict[str, torch.Tensor], list[str], 
             side["input_scale"] = hex_floats(scale)[0]
             static = True
         modules[e.name] = side
-    _warn_separate_fused_scales(model, fmt)
     recipe = getattr(model, "recipe", None)
     sidecar = {"producer": f"minite {__version__}", "format": fmt,
                "recipe": getattr(recipe, "name", None), "fused_scale": getattr(recipe, "fused_scale", None),
@@ -90,6 +89,7 @@ def export_nvfp4(model, path: str | Path, fmt: str, overwrite: bool = False,
     if not any(is_quantized(e) for e in checkpoint_modules(model)):
         raise ValueError(f"recipe {model.recipe.name!r} quantizes no weight: export under an NVFP4 recipe")
     tensors, ignore, sidecar, static = nvfp4_tensors(model, fmt)
+    _warn_separate_fused_scales(model, fmt)
     config = model.config.to_hf(torch.bfloat16)
     config["quantization_config"] = quantization_config(fmt, ignore, static)
     files = {SIDECAR: sidecar}
