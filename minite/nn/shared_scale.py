@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from minite.nn.pinned_weights import pinned
-from minite.nn.quantized_weight import QuantizedWeight, quantize_weight, weight_key
+from minite.nn.quantized_weight import _DEFERRED, QuantizedWeight, _defer, quantize_weight, weight_key
 from minite.nvfp4 import NVFP4Tensor
 
 
@@ -60,6 +60,9 @@ def quantize_group(linears: tuple) -> list[QuantizedWeight]:
                              (n, q.shape[-1]), q.block, q.scaling, q.chain, q.hadamard)
         out.append(QuantizedWeight(member, whole.unscaled[part], spec, weight_key(lin.weight, spec)))
         start += n
+    if _DEFERRED:  # the members get their host S_dec from the refresh's one sync too
+        _defer([(tuple(lin.weight.shape), qw) for lin, qw in zip(linears, out)],
+               q.global_scale.reshape(1).expand(len(out)), q.amax.reshape(1).expand(len(out)))
     return out
 
 

@@ -197,3 +197,16 @@ def test_bad_checkpoints_are_named(tmp_path):
         export_nvfp4(model, tmp_path / "out2", "modelopt")
     with pytest.raises(ValueError, match="quantizes no weight"):
         export_nvfp4(Qwen3(tiny_qwen3(), "bf16"), tmp_path / "out3", "modelopt")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_an_export_from_the_gpu_imports_to_its_logits(fmt, tmp_path):
+    """On the kernels (CUDA: one-launch refresh, fused projections, decode layouts): export, import
+    onto the GPU, the same logits bit for bit."""
+    model = _model("moe", "aligned").to("cuda")
+    export_nvfp4(model, tmp_path / "out", fmt)
+    loaded = load_pretrained(tmp_path / "out", recipe=model.recipe, device="cuda")
+    ids = torch.randint(0, 128, (3, 11), device="cuda")
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))

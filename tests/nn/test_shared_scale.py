@@ -79,3 +79,34 @@ def test_sixteen_by_sixteen_blocks_need_whole_tiles_per_member():
 def test_unknown_setting_is_refused():
     with pytest.raises(ValueError, match="fused_scale"):
         get_recipe("aligned", fused_scale="max")
+
+
+def test_the_refresh_brings_each_members_scale_to_the_host():
+    from minite.nn.quantized_weight import deferred_finite_checks
+
+    model = _model("aligned", "shared")
+    a = model.layers[0].self_attn
+    with deferred_finite_checks():
+        from minite.nn.shared_scale import refresh_group
+
+        refresh_group((a.q_proj, a.k_proj, a.v_proj))
+    hosts = [lin.quantized_weight().host_global_scale() for lin in (a.q_proj, a.k_proj, a.v_proj)]
+    assert hosts[0] is not None and hosts[0] == hosts[1] == hosts[2]
+    assert hosts[0][0] == float(a.q_proj.quantized_weight().global_scale)
+
+
+@pytest.mark.gpu
+def test_shared_scales_on_the_kernels():
+    """The CUDA refresh (one launch per group, fused projections) keeps one scale per group and the
+    forward matches the CPU reference's codes."""
+    cpu = _model("aligned", "shared")
+    gpu = _model("aligned", "shared").to(device="cuda", dtype=torch.bfloat16)
+    refresh_quantized_weights(gpu)
+    for gc, gg in zip(_groups(cpu.to(torch.bfloat16)), _groups(gpu)):
+        scales = [lin.quantized_weight().global_scale for lin in gg]
+        assert all(torch.equal(s, scales[0]) for s in scales)
+        for lc, lg in zip(gc, gg):
+            assert torch.equal(lc.quantized_weight().q.codes, lg.quantized_weight().q.codes.cpu())
+    ids = torch.randint(0, 128, (2, 12), device="cuda")
+    with torch.no_grad():
+        assert torch.isfinite(gpu(ids)).all()
