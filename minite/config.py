@@ -22,7 +22,7 @@ from typing import Any
 
 from minite.models.config import ModelConfig
 from minite.models.presets import MODEL_PRESETS
-from minite.recipe import get_recipe
+from minite.recipe import Recipe, get_recipe
 from minite.rl.advantages import AdvantageConfig
 from minite.rl.corrections import CorrectionConfig
 from minite.rl.losses import LossConfig
@@ -64,7 +64,7 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class RecipeSection:
-    """A named recipe of `minite.recipe` and field overrides (e.g. `backend = "triton"`)."""
+    """A named recipe of `minite.recipe` and field overrides (e.g. `execution = {backend = "triton"}`)."""
 
     name: str = "aligned"
     overrides: dict[str, Any] = field(default_factory=dict)
@@ -99,6 +99,7 @@ class SamplingSection:
 
 
 CALIBRATIONS = ("once", "every_sync")
+ENGINES = ("aligned", "fast")
 
 
 @dataclass(frozen=True)
@@ -111,8 +112,11 @@ class SamplerSection:
     (`"every_sync"`), as a separate inference engine is deployed (`te` learner + `vllm` sampler: the
     naive setting). Sizing: sequences decoded together, and the KV cache: `kv_cache_tokens` slots, or
     (0) the share `kv_memory_fraction` of free GPU memory (the learner needs the rest; runs sharing a
-    GPU need a fixed size)."""
+    GPU need a fixed size). `engine = "fast"`: an unaligned bf16 sampler with its own model, as a
+    serving engine computes (cuBLAS GEMMs, torch SDPA attention, rows that depend on their batch): the
+    bf16 mismatch baseline; `"aligned"` (default): the learner's kernels and their bits."""
 
+    engine: str = "aligned"
     recipe: str = ""
     recipe_overrides: dict[str, Any] = field(default_factory=dict)
     calibration: str = "once"
@@ -127,10 +131,23 @@ class SamplerSection:
             raise ValueError(f"calibration={self.calibration!r}; choose one of {list(CALIBRATIONS)}")
         if self.recipe_overrides and not self.recipe:
             raise ValueError("recipe_overrides need a sampler recipe (empty: the learner's own model)")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine={self.engine!r}; choose one of {list(ENGINES)}")
+        if self.engine == "fast" and self.recipe not in ("", "bf16"):
+            raise ValueError(f"engine='fast' samples in bf16 (cuBLAS GEMMs, torch SDPA), not under recipe "
+                             f"{self.recipe!r}; leave sampler.recipe empty or 'bf16'")
 
     def separate(self) -> bool:
-        """Whether the sampler runs its own model (a recipe is named)."""
-        return bool(self.recipe)
+        """Whether the sampler runs its own model (a recipe is named, or the fast engine)."""
+        return bool(self.recipe) or self.engine == "fast"
+
+    def own_recipe(self) -> Recipe | None:
+        """The recipe of the sampler's own model (None: it runs the learner's): the fast engine's is
+        bf16 with torch SDPA attention (`execution.attention = "sdpa"`)."""
+        if not self.separate():
+            return None
+        recipe = get_recipe(self.recipe or "bf16", **self.recipe_overrides)
+        return recipe.with_execution(attention="sdpa") if self.engine == "fast" else recipe
 
 
 NONFINITE = ("stop", "skip", "warn")

@@ -2,10 +2,9 @@
 
 A `Recipe` says how each operand of a linear layer is quantized (`QuantSpec`: scaling policy, block
 shape, rounding, scale chain, Hadamard), how the GEMM epilogue applies the global scales, how the
-backward pass is computed, which layers stay bf16, and which backend executes it: `auto` (the
-default) runs the Triton kernels on CUDA where they cover the recipe and the reference elsewhere,
-`ref` forces the reference, `triton` the kernels (also on CPU tensors under TRITON_INTERPRET=1).
-Named recipes:
+backward pass is computed, which layers stay bf16, and how it executes (`execution`, a
+`minite.execution.Execution`: reference or kernels, fast paths, thresholds; by default the Triton
+kernels on CUDA where they cover the recipe and the reference elsewhere). Named recipes:
 
 - `bf16`: no quantization (the baseline).
 - `aligned` (project default for RL): per-token activation scale, 1x16 weight blocks with a per-tensor
@@ -22,13 +21,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from minite.execution import Execution
+
 SCALINGS = ("tensor", "row", "static")
 BLOCKS = ((1, 16), (16, 16))
 ROUNDINGS = ("rne", "stochastic")
 CHAINS = ("te", "vllm", "torchao")
 EPILOGUES = ("sdec", "alpha", "bf16_scalar")
 BACKWARDS = ("dequantized", "nvfp4")
-BACKENDS = ("auto", "ref", "triton")
 FUSED_SCALES = ("separate", "shared")
 
 
@@ -66,23 +66,30 @@ class Recipe:
     weight: QuantSpec = field(default_factory=lambda: QuantSpec(scaling="tensor"))
     epilogue: str = "sdec"
     backward: str = "dequantized"
-    backend: str = "auto"
+    execution: Execution = field(default_factory=Execution)
     bf16_first_layers: int = 0
     bf16_last_layers: int = 0
     # "shared": q/k/v and gate/up quantize with one weight global scale per group, as serving engines
-    # run them (`minite.nn.shared_scale`); "separate": each projection its own
+    # run them (`minite.nn.segmented_linear`); "separate": each projection its own
     fused_scale: str = "separate"
 
     def __post_init__(self):
         _check("epilogue", self.epilogue, EPILOGUES)
         _check("fused_scale", self.fused_scale, FUSED_SCALES)
         _check("backward", self.backward, BACKWARDS)
-        _check("backend", self.backend, BACKENDS)
+        if isinstance(self.execution, dict):  # a config's table
+            object.__setattr__(self, "execution", Execution(**self.execution))
+        if not isinstance(self.execution, Execution):
+            raise TypeError(f"execution must be an Execution, got {type(self.execution).__name__}")
         if self.bf16_first_layers < 0 or self.bf16_last_layers < 0:
             raise ValueError("bf16_first_layers and bf16_last_layers must be >= 0")
 
     def replace(self, **changes) -> Recipe:
         return dataclasses.replace(self, **changes)
+
+    def with_execution(self, **changes) -> Recipe:
+        """This recipe with its execution changed: `recipe.with_execution(backend="ref")`."""
+        return self.replace(execution=self.execution.replace(**changes))
 
 
 RECIPES: dict[str, Recipe] = {
@@ -110,7 +117,7 @@ RECIPES: dict[str, Recipe] = {
 
 
 def get_recipe(recipe: str | Recipe, **overrides) -> Recipe:
-    """A named recipe (or the given one) with overrides: `get_recipe("aligned", backend="ref")`."""
+    """A named recipe (or the given one) with overrides: `get_recipe("te", epilogue="sdec")`."""
     if isinstance(recipe, Recipe):
         base = recipe
     elif recipe in RECIPES:

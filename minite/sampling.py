@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minite.execution import DEFAULT, Execution
 from minite.nn import token_logprobs as kernel_path
 
 
@@ -96,10 +97,12 @@ def processed_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_k: in
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
-                   top_k: int = 0, top_p: float = 1.0, chunk: int = 1024) -> torch.Tensor:
+                   top_k: int = 0, top_p: float = 1.0, chunk: int = 1024,
+                   execution: Execution = DEFAULT) -> torch.Tensor:
     """log-probs of `tokens` [N] under the processed distribution of logits [N, V], in row chunks so
-    that no more than `chunk` rows of fp32 [., V] exist at once. Returns fp32 [N]."""
-    if kernel_path.plain_applies(logits, temperature, top_k, top_p):
+    that no more than `chunk` rows of fp32 [., V] exist at once (the plain distribution on the kernels
+    where `execution` runs the element-wise ones). Returns fp32 [N]."""
+    if kernel_path.plain_applies(logits, temperature, top_k, top_p, execution):
         return kernel_path.plain_token_logprobs(logits, tokens, temperature)
     out = torch.empty(tokens.shape, dtype=torch.float32, device=logits.device)
     for s in range(0, tokens.shape[0], chunk):

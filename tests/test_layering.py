@@ -16,7 +16,8 @@ The layers, lowest first (`LAYERS`); a module may import its own layer and the o
                its `dequantize` undoes (`ref/hadamard.py`, a leaf that ref and kernels use too);
 - ref:         the numerics contract in plain PyTorch;
 - kernels:     Triton kernels, tested against ref;
-- api:         the public `minite.nvfp4` (dispatches to ref or kernels) and `minite.recipe`;
+- api:         the public `minite.nvfp4` (dispatches to ref or kernels), `minite.recipe` and the
+               execution value it carries (`minite.execution`);
 - nn:          autograd Functions and modules;
 - models:      Qwen3 built from nn, checkpoints, presets;
 - contracts:   what the engines agree on: `sampling` (the distribution tokens are drawn from, which
@@ -43,7 +44,7 @@ LAYERS = (
     ("format", ("minite.nvfp4_format", "minite.ref.hadamard")),
     ("ref", ("minite.ref",)),
     ("kernels", ("minite.kernels",)),
-    ("api", ("minite.nvfp4", "minite.recipe")),
+    ("api", ("minite.nvfp4", "minite.recipe", "minite.execution")),
     ("nn", ("minite.nn",)),
     ("models", ("minite.models",)),
     ("contracts", ("minite.sampling", "minite.loss_batch")),
@@ -60,8 +61,6 @@ INDEPENDENT = (("minite.sampler", "minite.learner"),)
 
 # cycles still to be cut: {modules}: why it is there; remove the entry when the cycle is gone
 KNOWN_CYCLES = {
-    frozenset({"minite.nn.fused_projections", "minite.nn.nvfp4_matmul", "minite.nn.quantized_weight"}):
-        "run-time q/k/v and gate/up fusion; goes with the static segmented projections redesign",
     frozenset({"minite.kernels.nvfp4", "minite.kernels.nvfp4_pairs"}):
         "the pair kernel reuses the general kernel's jit helpers, whose launcher dispatches to it; "
         "goes when the helpers get a module of their own (kernels/nvfp4/ as a package)",

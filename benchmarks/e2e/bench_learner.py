@@ -24,8 +24,6 @@ from benchmarks.common import env_info, print_profile, profile_table, report, sy
 from minite.learner import Learner, SequenceBatch
 from minite.models import Qwen3
 from minite.models.presets import model_preset
-from minite.nn import use_grouped_mm
-from minite.nn.fused import use_fused_kernels
 from minite.recipe import get_recipe
 from minite.rl.losses import LossConfig, policy_loss
 
@@ -44,12 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
     p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--no-moe-grouped-mm", action="store_true",
-                   help="bf16 MoE experts on padded bmm, not torch._grouped_mm (the CUDA default)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--no-fused-kernels", action="store_true",
-                   help="the plain torch RMSNorm/RoPE ops, not the fused kernels (the CUDA default)")
     p.add_argument("--keep-grads", action="store_true",
                    help="Learner(release_grads=False): the grads stay allocated between steps")
     p.add_argument("--kernels", action="store_true",
@@ -72,12 +66,9 @@ def build(kind: str, recipe: str, args) -> Qwen3:
         config = model_preset("qwen3-1.7b", args.dense_layers) if kind == "dense" \
             else model_preset("qwen3-30b-a3b", args.moe_layers)
     with torch.device(device):
-        model = Qwen3(config, get_recipe(recipe, backend=args.backend) if recipe != "bf16" else recipe)
+        model = Qwen3(config, get_recipe(recipe).with_execution(backend=args.backend))
     model.init_weights(0.02, torch.Generator().manual_seed(0))  # drawn on the model's device
-    model = model.to(dtype)
-    if args.no_moe_grouped_mm:
-        use_grouped_mm(model, False)
-    return model
+    return model.to(dtype)
 
 
 def make_batch(vocab: int, args) -> SequenceBatch:
@@ -169,7 +160,6 @@ def profile_one(kind: str, recipe: str, args) -> list[dict]:
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    use_fused_kernels(False if args.no_fused_kernels else None)
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("bench_learner needs CUDA (or --tiny for a CPU smoke run)")
     rows = []
@@ -188,8 +178,8 @@ def main(argv=None) -> list[dict]:
             if base and r["model"] == kind:
                 r["vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
     setup = {k: getattr(args, k) for k in ("seqs", "seq_len", "prompt_len", "micro_batch_tokens", "backend",
-                                           "activation_checkpointing", "no_moe_grouped_mm",
-                                           "no_fused_kernels", "keep_grads", "steps", "warmup", "tiny")}
+                                           "activation_checkpointing", "keep_grads", "steps", "warmup",
+                                           "tiny")}
     table_rows = [{k: v for k, v in r.items() if k != "kernels"} for r in rows]
     report("learner train step (tokens/s)", table_rows, None)
     if args.out:

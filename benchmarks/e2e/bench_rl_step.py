@@ -22,7 +22,7 @@ from benchmarks.common import report
 
 SETTINGS = {
     "aligned": [],
-    "aligned_triton": ["--recipe.overrides={backend=\"triton\"}"],
+    "aligned_triton": ["--recipe.overrides={execution={backend=\"triton\"}}"],
     "naive": ["--recipe.name=te", "--sampler.recipe=vllm"],
     "bf16": ["--recipe.name=bf16"],
 }

@@ -29,10 +29,8 @@ import torch
 
 from benchmarks.common import ratio_stats, report, sync
 from minite.models import ModelConfig, Qwen3, tiny_qwen3, tiny_qwen3_moe
-from minite.models.checkpoint import EXPERT_PARAM, expert_pieces, fused_expert_name, hf_name
+from minite.models.checkpoint import EXPERT_PARAM, fused_expert_name, hf_tensors
 from minite.models.presets import qwen3_1_7b, qwen3_30b_a3b
-from minite.nn import nvfp4_matmul, use_grouped_mm
-from minite.nn.fused import use_fused_kernels
 from minite.recipe import get_recipe
 from minite.sampler import Sampler
 from minite.sampling import SamplingParams
@@ -55,14 +53,6 @@ def parse_args(argv=None):
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="default: enough for the workload")
     p.add_argument("--no-cuda-graphs", action="store_true")
-    p.add_argument("--no-moe-grouped-mm", action="store_true",
-                   help="bf16 MoE experts on padded bmm, not torch._grouped_mm (the CUDA default)")
-    p.add_argument("--moe-decode-rows", type=int, default=None,
-                   help="NVFP4 MoE runs the grouped decode kernel (packed expert weights) up to this many "
-                        "rows per expert (minite.nn.nvfp4_matmul.DECODE_MAX_ROWS_PER_EXPERT; 0: always the "
-                        "aligned tile on the bf16 copy)")
-    p.add_argument("--no-fused-kernels", action="store_true",
-                   help="the plain torch RMSNorm/RoPE ops, not the fused kernels (the CUDA default)")
     p.add_argument("--sync-recipes", default="",
                    help="recipes also run without lookahead decode (Sampler(async_decode=False)), e.g. bf16")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
@@ -95,8 +85,7 @@ def build_model(config: ModelConfig, device, dtype, seed: int) -> Qwen3:
 
 
 def run_ours(model, recipe: str, prompts, args, device, async_decode: bool | None = None) -> dict:
-    use_fused_kernels(False if args.no_fused_kernels else None)
-    model.set_recipe(get_recipe(recipe, backend=args.backend))
+    model.set_recipe(get_recipe(recipe).with_execution(backend=args.backend))
     params = SamplingParams(n=args.samples, max_tokens=args.new_tokens, seed=args.seed)
     seqs = len(prompts) * args.samples
     kv_tokens = args.kv_cache_tokens or (seqs + 16) * (args.prompt_len + args.new_tokens + 16)
@@ -115,7 +104,6 @@ def run_ours(model, recipe: str, prompts, args, device, async_decode: bool | Non
                preemptions=sampler.num_preemptions,
                steps=sampler.stats["steps"])
     del sampler, out
-    use_fused_kernels(None)
     model.set_recipe("bf16")  # drops the quantized weight copies before the next engine runs
     gc.collect()
     if device.type == "cuda":
@@ -135,14 +123,8 @@ def hf_model_from(model: Qwen3, device, dtype):
     hf_keys = set(hf.state_dict())
     state = {}
     for name, tensor in model.state_dict().items():
-        if EXPERT_PARAM.match(name) and fused_expert_name(name) in hf_keys:
-            state[fused_expert_name(name)] = tensor
-        elif EXPERT_PARAM.match(name):
-            split = tensor.chunk(2, dim=1) if "gate_up" in name else (tensor,)
-            per_expert = [t for e in range(tensor.shape[0]) for t in (s[e] for s in split)]
-            state.update({hf: t for (hf, _), t in zip(expert_pieces(name, tensor.shape), per_expert)})
-        else:
-            state[hf_name(name)] = tensor
+        fused = bool(EXPERT_PARAM.match(name)) and fused_expert_name(name) in hf_keys
+        state.update(hf_tensors(name, tensor, cfg, fused_experts=fused))
     missing, unexpected = hf.load_state_dict(state, strict=False)
     allowed = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     if set(missing) - allowed or unexpected:
@@ -179,16 +161,12 @@ def run_hf(model: Qwen3, prompts, args, device, dtype) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.moe_decode_rows is not None:
-        nvfp4_matmul.DECODE_MAX_ROWS_PER_EXPERT = args.moe_decode_rows
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     rows = []
     for kind in args.models.split(","):
         config = model_config(kind, args)
         model = build_model(config, device, dtype, args.seed)
-        if args.no_moe_grouped_mm:
-            use_grouped_mm(model, False)
         g = torch.Generator().manual_seed(args.seed + 1)
         prompts = torch.randint(0, config.vocab_size, (args.prompts, args.prompt_len), generator=g).tolist()
         shape = dict(model=kind, layers=config.num_hidden_layers)
@@ -214,10 +192,7 @@ def main(argv=None):
             torch.cuda.empty_cache()
     workload = dict(prompts=args.prompts, samples=args.samples, new_tokens=args.new_tokens,
                     prompt_len=args.prompt_len, device=str(device), dtype=str(dtype), backend=args.backend,
-                    moe_layers_of_48=args.moe_layers, dense_layers_of_28=args.dense_layers, tiny=args.tiny,
-                    moe_grouped_mm=not args.no_moe_grouped_mm,
-                    moe_decode_max_rows_per_expert=nvfp4_matmul.DECODE_MAX_ROWS_PER_EXPERT,
-                    fused_kernels=not args.no_fused_kernels)
+                    moe_layers_of_48=args.moe_layers, dense_layers_of_28=args.dense_layers, tiny=args.tiny)
     report("rollout", rows, args.out, extra=dict(workload=workload, vs_bf16=paired_vs_bf16(rows)))
     return rows
 

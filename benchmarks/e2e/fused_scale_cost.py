@@ -31,6 +31,7 @@ from minite.diagnostics.metrics import mismatch_metrics
 from minite.learner import SequenceBatch, batch_logprobs
 from minite.models import Qwen3, tiny_qwen3, tiny_qwen3_moe
 from minite.nn.pinned_weights import pin
+from minite.nn.segmented_linear import SegmentedLinear
 from minite.recipe import get_recipe
 from minite.sampler import Sampler
 from minite.sampling import SamplingParams
@@ -45,25 +46,24 @@ def model_of(config, recipe, seed: int, spread: bool) -> Qwen3:
     if spread:
         with torch.no_grad():
             for layer in model.layers:
-                layer.self_attn.k_proj.weight.mul_(3.0)
-                layer.self_attn.v_proj.weight.mul_(0.5)
+                _, k, v = layer.self_attn.qkv_proj.segments()
+                k.mul_(3.0)
+                v.mul_(0.5)
                 if not layer.is_moe:
-                    layer.mlp.up_proj.weight.mul_(0.5)
+                    layer.mlp.gate_up_proj.segments()[1].mul_(0.5)
     return model.eval()
 
 
 def served_by_vllm(model: Qwen3) -> Qwen3:
-    """A copy whose fused groups decode each member's codes with the group's largest S_dec."""
+    """A copy whose fused groups decode each segment's codes with the group's largest S_dec."""
     served = copy.deepcopy(model)
     for module in served.modules():
-        group = getattr(module, "scale_group", None)
-        if not group or module is not group[0] or not module.recipe.fp4:
+        if not isinstance(module, SegmentedLinear) or not module.recipe.fp4:
             continue
-        qs = [lin.quantized_weight().q for lin in group]
+        qs = [qw.q for qw in module.quantized_weights()]
         top = max(qs, key=lambda q: float(q.global_scale))
-        for lin, q in zip(group, qs):
-            pin(lin.weight, replace(q, global_scale=top.global_scale, amax=top.amax))
-            lin.refresh_quantized_weight()
+        pin(module.weight, [replace(q, global_scale=top.global_scale, amax=top.amax) for q in qs])
+        module.refresh_quantized_weight()
     return served
 
 

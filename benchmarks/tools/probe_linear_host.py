@@ -89,7 +89,7 @@ def main():
     dev = "cuda"
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
-    recipes = {"bf16": "bf16", "aligned": get_recipe("aligned", backend="triton")}
+    recipes = {"bf16": "bf16", "aligned": get_recipe("aligned").with_execution(backend="triton")}
     lins = {name: Linear(K, N, recipe=r, dtype=torch.bfloat16, device=dev) for name, r in recipes.items()}
     xq = x.detach()
     a, sa = kq.quantize_unscaled(xq)

@@ -22,7 +22,6 @@ import torch
 import minite.sampler.engine as engine
 from benchmarks.common import print_profile, profile_table, write_json
 from benchmarks.e2e import bench_rollout
-from minite.nn.fused import use_fused_kernels
 from minite.recipe import get_recipe
 from minite.sampler import Sampler
 from minite.sampling import SamplingParams
@@ -65,17 +64,14 @@ def main():
     p.add_argument("--recipe", default="bf16")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--kernels", type=int, default=0, help="profile this many eager decode steps")
-    p.add_argument("--no-fused-kernels", action="store_true",
-                   help="the plain torch RMSNorm/RoPE ops, not the fused kernels (the CUDA default)")
     p.add_argument("--model", choices=["dense", "moe"], default="dense")
     p.add_argument("--moe-layers", type=int, default=4)
     args = p.parse_args()
-    use_fused_kernels(False if args.no_fused_kernels else None)
     bargs = bench_rollout.parse_args(["--backend", "triton", "--moe-layers", str(args.moe_layers)])
     device = torch.device("cuda")
     config = bench_rollout.model_config(args.model, bargs)
     model = bench_rollout.build_model(config, device, torch.bfloat16, 0)
-    model.set_recipe(get_recipe(args.recipe, backend="triton"))
+    model.set_recipe(get_recipe(args.recipe).with_execution(backend="triton"))
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, config.vocab_size, (bargs.prompts, bargs.prompt_len), generator=g).tolist()
     seqs = bargs.prompts * bargs.samples
@@ -118,7 +114,7 @@ def main():
     steps = torch.zeros(512, dtype=torch.int64, device=device)
     sample_ms = cuda_ms(lambda: engine.sample(logits, [params] * 512, keys, steps))
     result = dict(model=args.model, layers=config.num_hidden_layers, recipe=args.recipe,
-                  fused_kernels=not args.no_fused_kernels, steps=n,
+                  steps=n,
                   decode_steps=len(decode), wall_s=wall,
                   tokens=tokens, tokens_per_s=tokens / wall,
                   decode_step_ms_mean=1e3 * sum(decode) / max(len(decode), 1),

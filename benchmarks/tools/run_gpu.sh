@@ -46,9 +46,7 @@ for part in "$@"; do
     rollout) py 170 benchmarks.e2e.bench_rollout --models dense --out "$x/rollout_dense.json" ;;
     rollout_moe)
       moe="--models moe --moe-layers 24 --new-tokens 256 --no-hf"
-      py 150 benchmarks.e2e.bench_rollout $moe --rounds 3 --out "$x/rollout_moe24.json"
-      py 60 benchmarks.e2e.bench_rollout $moe --recipes aligned --moe-decode-rows 0 \
-        --out "$x/rollout_moe24_bf16_copy.json" ;;
+      py 150 benchmarks.e2e.bench_rollout $moe --rounds 3 --out "$x/rollout_moe24.json" ;;
     learner) py 160 benchmarks.e2e.bench_learner --kernels --out "$x/learner.json" ;;
     rl_step) py 400 benchmarks.e2e.bench_rl_step --out "$x/rl_step.json" ;;
     profile_rollout)

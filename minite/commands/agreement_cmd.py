@@ -67,8 +67,8 @@ def run(args) -> int:
     prompts = random_prompts(args.num_prompts, args.prompt_len, vocab, args.seed)
     kw = {k: v for k, v in (("kv_cache_tokens", args.kv_cache_tokens), ("max_num_seqs", args.max_num_seqs))
           if v is not None}
-    learner = get_recipe(args.learner_recipe, backend=args.backend)
-    sampler = get_recipe(args.sampler_recipe or args.learner_recipe, backend=args.backend)
+    learner = get_recipe(args.learner_recipe).with_execution(backend=args.backend)
+    sampler = get_recipe(args.sampler_recipe or args.learner_recipe).with_execution(backend=args.backend)
     report = measure_agreement(source, prompts, params, learner, sampler,
                                init_std=args.init_std, seed=args.seed, dtype=dtype, device=args.device,
                                sampler_kwargs=kw)
@@ -95,8 +95,8 @@ def _run_rollouts(args, source, dtype) -> int:
         source = model.to(device=args.device, dtype=dtype)
     check_vocab(rollouts, source.config.vocab_size, args.rollouts)
     temperature = temperature_of(rollouts, args.temperature)
-    report = rollout_agreement(source, rollouts, get_recipe(args.learner_recipe, backend=args.backend),
-                               temperature, args.top_k, args.top_p)
+    learner = get_recipe(args.learner_recipe).with_execution(backend=args.backend)
+    report = rollout_agreement(source, rollouts, learner, temperature, args.top_k, args.top_p)
     report["model"] = args.model or args.preset
     report["rollouts"] = args.rollouts
     if args.json:

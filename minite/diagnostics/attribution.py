@@ -16,7 +16,7 @@ the gap is a mismatch metric of (pi, mu) over the response tokens (`k3_kl` by de
     weight_block      recipe.weight.block (16x16 / 1x16)
     scale_chain       recipe.activation.chain and recipe.weight.chain (te / vllm / torchao)
     gemm_epilogue     recipe.epilogue (sdec / alpha / bf16_scalar)
-    gemm_kernel       recipe.backend (ref / triton)
+    gemm_kernel       recipe.execution.backend (ref / triton)
     batch_composition Side.batching (packed with the other sequences / each sequence alone)
     other_recipe      the remaining forward fields: fp4, rounding, hadamard, bf16 first/last layers,
                       fused-group scales
@@ -92,7 +92,7 @@ KNOBS = (
     Knob("gemm_epilogue", "GEMM epilogue (sdec / alpha / bf16_scalar)", lambda a, b: a.replace(
         recipe=a.recipe.replace(epilogue=b.recipe.epilogue))),
     Knob("gemm_kernel", "GEMM kernel (ref / triton backend)", lambda a, b: a.replace(
-        recipe=a.recipe.replace(backend=b.recipe.backend)), _kernel_reason),
+        recipe=a.recipe.with_execution(backend=b.recipe.execution.backend)), _kernel_reason),
     Knob("batch_composition", "token computed with its batch (packed) or alone",
          lambda a, b: a.replace(batching=b.batching)),
     Knob("other_recipe", "fp4 on/off, rounding, Hadamard, bf16 first/last layers", _other),
@@ -177,7 +177,7 @@ def _setting(knob: Knob, side: Side) -> str:
         "weight_block": "x".join(map(str, r.weight.block)),
         "scale_chain": f"{r.activation.chain}/{r.weight.chain}",
         "gemm_epilogue": r.epilogue,
-        "gemm_kernel": r.backend,
+        "gemm_kernel": r.execution.backend,
         "batch_composition": side.batching,
         "other_recipe": f"fp4={r.fp4} rounding={r.activation.rounding}/{r.weight.rounding} "
                         f"hadamard={r.activation.hadamard}/{r.weight.hadamard} "

@@ -38,12 +38,15 @@ BATCHINGS = ("packed", "alone")
 # A layer without the module (a dense layer has no router) has no such op.
 LAYER_POINTS = (
     ("input_layernorm", "input_layernorm", False),
-    ("q_proj", "self_attn.q_proj", False), ("k_proj", "self_attn.k_proj", False),
-    ("v_proj", "self_attn.v_proj", False),
+    ("q_proj", "self_attn.qkv_proj", False), ("k_proj", "self_attn.qkv_proj", False),
+    ("v_proj", "self_attn.qkv_proj", False),
     ("attn", "self_attn.o_proj", True), ("o_proj", "self_attn.o_proj", False),
     ("post_attention_layernorm", "post_attention_layernorm", False),
     ("router", "mlp.gate", False), ("mlp", "mlp", False), ("output", "", False),
 )
+# which element of a module's tuple output an op is: a segmented projection's segment (else the first:
+# a norm's output, before the quantization it hands over)
+OUTPUT_PART = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 
 
 @dataclass(frozen=True)
@@ -135,22 +138,23 @@ def side_logprobs(model, side: Side, seqs: Sequences, temperature: float = 1.0) 
     out = torch.zeros(targets.shape)
     with recipe_of(model, side):
         logits = _forward_logits(model, seqs, side.batching)
+        execution = model.recipe.execution
     for i, (lg, s) in enumerate(zip(logits, seqs.tokens)):
         out[i, : len(s) - 1] = token_logprobs(lg[:-1], torch.tensor(s[1:], device=lg.device),
-                                              temperature).cpu()
+                                              temperature, execution=execution).cpu()
     return out
 
 
-def _hook_points(model) -> list[tuple[str, nn.Module, bool]]:
-    """(op name, module, capture its input instead of its output) for every op of `LAYER_POINTS` the
-    model's layers have, then the final norm and the logits (the model's own output)."""
+def _hook_points(model) -> list[tuple[str, nn.Module, bool, int]]:
+    """(op name, module, capture its input instead of its output, element of a tuple) for every op of
+    `LAYER_POINTS` the model's layers have, then the final norm and the logits (the model's output)."""
     points = []
     for i, layer in enumerate(model.layers):
         for kind, path, use_input in LAYER_POINTS:
             module = _submodule(layer, path)
             if module is not None:
-                points.append((f"layers.{i}.{kind}", module, use_input))
-    return points + [("norm", model.norm, False), ("lm_head", model, False)]
+                points.append((f"layers.{i}.{kind}", module, use_input, OUTPUT_PART.get(kind, 0)))
+    return points + [("norm", model.norm, False, 0), ("lm_head", model, False, 0)]
 
 
 def _submodule(module: nn.Module, path: str) -> nn.Module | None:
@@ -165,10 +169,14 @@ def _on_every_op(model, fn):
     """Inside the block, fn(op name, its tensor as detached `[tokens, features]` rows) on each call
     of every hook point."""
     handles = []
-    for name, module, use_input in _hook_points(model):
-        def hook(mod, args, out, name=name, use_input=use_input):
-            t = args[0] if use_input else (out[0] if isinstance(out, tuple) else out)
-            fn(name, t.detach().reshape(-1, t.shape[-1]))
+    by_module: dict[nn.Module, list] = {}
+    for name, module, use_input, part in _hook_points(model):
+        by_module.setdefault(module, []).append((name, use_input, part))
+    for module, ops in by_module.items():  # one hook per module, its ops in LAYER_POINTS order
+        def hook(mod, args, out, ops=ops):
+            for name, use_input, part in ops:
+                t = args[0] if use_input else (out[part] if isinstance(out, tuple) else out)
+                fn(name, t.detach().reshape(-1, t.shape[-1]))
         handles.append(module.register_forward_hook(hook))
     try:
         yield
@@ -235,7 +243,7 @@ def compare(model, reference: dict[str, list[torch.Tensor]]):
     by row; yields {op: _Compare}."""
     cmp = {name: _Compare(reference[name][0], model.layers[int(name.split(".")[1])].mlp.top_k
                           if name.endswith(".router") else None)
-           for name, _, _ in _hook_points(model)}
+           for name, _, _, _ in _hook_points(model)}
     with _on_every_op(model, lambda name, t: cmp[name].add(t)):
         yield cmp
 
@@ -266,7 +274,7 @@ def localize(model, side_a: Side, side_b: Side, seqs: Sequences, tol: float = 0.
         _forward_logits(model, seqs, side_b.batching)
     del reference
     ops = []
-    for name, _, _ in _hook_points(model):
+    for name, _, _, _ in _hook_points(model):
         parts = name.split(".")
         layer = int(parts[1]) if parts[0] == "layers" else None
         ops.append({"op": name, "layer": layer, "kind": parts[-1], **cmp[name].result()})

@@ -18,12 +18,13 @@ from minite.experiment.spec import Experiment
 # (metric key of the rl records, panel title, log scale)
 CURVES = [("reward", "rollout reward (moving mean)", False),
           ("eval/accuracy", "held-out greedy accuracy", False),
+          ("eval/accuracy_gain", "held-out accuracy gain since the first evaluation", False),
           ("mismatch/k3_kl", "k3_kl (sampler vs learner)", True),
           ("mismatch/logprob_abs_diff_p99", "|delta log-prob| p99", True),
           ("mismatch/logprob_abs_diff_mean", "|delta log-prob| mean", True),
           ("triage/mass_amp_neg", "amplifying mass (A<0, g<0)", True),
           ("triage/mass_amp_pos", "amplifying mass (A>0, g>0)", True),
-          ("triage/imbalance", "imbalance M- / M+", True),
+          ("triage/imbalance", "imbalance M- / M+ (steps with M+ > 0)", True),
           ("triage/tail_concentration", "tail concentration", False)]
 SMOOTH = 10  # steps in the reward's moving mean
 THROUGHPUT = {"rollout_tokens_per_s": "rollout/tokens_per_s", "learner_tokens_per_s": "learner/tokens_per_s",
@@ -39,6 +40,12 @@ def _stats(values: list[float]) -> dict:
 
 
 def _series(records: list[dict], key: str) -> dict[int, float]:
+    if key == "eval/accuracy_gain":  # the warm start differs by seed and learner recipe: gain, paired per run
+        acc = _series(records, "eval/accuracy")
+        return {s: v - acc[min(acc)] for s, v in acc.items()}
+    if key == "triage/imbalance":  # a step with an empty positive side has no finite ratio: left out
+        return {r["step"]: imbalance([r]) for r in records
+                if r.get("kind") == "rl" and "triage/mass_amp_neg" in r and math.isfinite(imbalance([r]))}
     kind = "eval" if key.startswith("eval/") else "rl"
     out = {r["step"]: float(r[key]) for r in records if r.get("kind") == kind and key in r}
     if key == "reward":
@@ -78,15 +85,28 @@ def collect(exp: Experiment, out: Path) -> dict:
     return arms
 
 
+def imbalance(rl: list[dict]) -> float | None:
+    """M- / M+ of a run: the amplifying masses summed over its steps (a per-step ratio is unbounded
+    where one side is empty); inf where only the negative side has mass."""
+    neg = sum(r.get("triage/mass_amp_neg", 0.0) for r in rl)
+    pos = sum(r.get("triage/mass_amp_pos", 0.0) for r in rl)
+    if not any("triage/mass_amp_neg" in r for r in rl):
+        return None
+    if pos <= 1e-12:
+        return 1.0 if neg <= 1e-12 else math.inf
+    return neg / pos
+
+
 def summarize_arm(runs: dict[int, list[dict]]) -> dict:
-    finals, rewards, steps = [], [], []
-    means = {k: [] for k in (*THROUGHPUT, "k3_kl", "logprob_abs_diff_p99", "imbalance")}
+    finals, gains, rewards, steps, imbalances = [], [], [], [], []
+    means = {k: [] for k in (*THROUGHPUT, "k3_kl", "logprob_abs_diff_p99", "bitwise_equal_frac")}
     for records in runs.values():
         rl = [r for r in records if r.get("kind") == "rl"]
         ev = [r for r in records if r.get("kind") == "eval"]
         steps.append(rl[-1]["step"] if rl else 0)
         if ev:
             finals.append(ev[-1]["eval/accuracy"])
+            gains.append(ev[-1]["eval/accuracy"] - ev[0]["eval/accuracy"])
         if rl:
             tail = rl[-max(1, len(rl) // 5):]
             rewards.append(statistics.fmean(r["reward"] for r in tail))
@@ -94,12 +114,15 @@ def summarize_arm(runs: dict[int, list[dict]]) -> dict:
                 # the first step compiles kernels and captures graphs: leave it out where there are more
                 values = [r[key] for r in (rl[1:] or rl) if key in r]
                 means[name].append(statistics.fmean(values) if values else None)
-            for name, key in (("k3_kl", "mismatch/k3_kl"), ("imbalance", "triage/imbalance"),
-                              ("logprob_abs_diff_p99", "mismatch/logprob_abs_diff_p99")):
-                values = [r[key] for r in rl if key in r]
+            for name in ("k3_kl", "logprob_abs_diff_p99", "bitwise_equal_frac"):
+                values = [r[f"mismatch/{name}"] for r in rl if f"mismatch/{name}" in r]
                 means[name].append(statistics.fmean(values) if values else None)
+            imbalances.append(imbalance(rl))
+    finite = [v for v in imbalances if v is not None]
     return {"seeds": sorted(runs), "steps": steps, "final_accuracy": _stats(finals),
-            "reward_last_fifth": _stats(rewards), **{k: _stats(v) for k, v in means.items()}}
+            "accuracy_gain": _stats(gains), "reward_last_fifth": _stats(rewards),
+            "imbalance": {**_stats(finite), "inf": any(math.isinf(v) for v in finite)},
+            **{k: _stats(v) for k, v in means.items()}}
 
 
 def write_report(exp: Experiment, out: str | Path) -> dict:
@@ -119,24 +142,36 @@ def write_report(exp: Experiment, out: str | Path) -> dict:
     return report
 
 
-def _fmt(s: dict, digits: int = 3, scale: float = 1.0) -> str:
+def _fmt(s: dict, digits: int = 3, scale: float = 1.0, signed: bool = False) -> str:
     if s["mean"] is None:
         return "-"
+    sign = "+" if signed else ""
     if s["n"] > 1:
-        return f"{s['mean'] * scale:.{digits}f} ± {s['std'] * scale:.{digits}f}"
-    return f"{s['mean'] * scale:.{digits}f}"
+        return f"{s['mean'] * scale:{sign}.{digits}f} ± {s['std'] * scale:.{digits}f}"
+    return f"{s['mean'] * scale:{sign}.{digits}f}"
+
+
+def _pct(s: dict) -> str:
+    if s["mean"] is None:
+        return "-"
+    return "100 %" if s["mean"] == 1 else f"{100 * s['mean']:.3f} %"
 
 
 def markdown_table(report: dict) -> str:
     lines = [f"# {report['experiment']}", "", report["description"], "",
-             f"Seeds {report['seeds']}; mean ± std over seeds.", "",
-             "| arm | steps | final held-out accuracy | reward, last fifth | k3_kl | abs dlogp p99 "
-             "| imbalance M-/M+ | rollout tok/s | learner tok/s | step s | weight sync s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"Seeds {report['seeds']}; mean ± std over seeds. Accuracy gain: final minus first held-out "
+             "evaluation of each run (the warm start differs by seed and learner recipe). Mismatch columns: "
+             "means over steps; M-/M+: the amplifying masses summed over steps.", "",
+             "| arm | steps | final held-out accuracy | accuracy gain | reward, last fifth | k3_kl "
+             "| abs dlogp p99 | bitwise-equal tokens | M-/M+ | rollout tok/s | learner tok/s | step s "
+             "| weight sync s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for a in report["arms"].values():
         cells = [a["label"], str(min(a["steps"], default=0)), _fmt(a["final_accuracy"]),
-                 _fmt(a["reward_last_fifth"]), _sci(a["k3_kl"]), _sci(a["logprob_abs_diff_p99"]),
-                 _fmt(a["imbalance"], 2), _fmt(a["rollout_tokens_per_s"], 0),
+                 _fmt(a["accuracy_gain"], signed=True), _fmt(a["reward_last_fifth"]), _sci(a["k3_kl"]),
+                 _sci(a["logprob_abs_diff_p99"]), _pct(a["bitwise_equal_frac"]),
+                 "M+ = 0" if a["imbalance"]["inf"] else _fmt(a["imbalance"], 2),
+                 _fmt(a["rollout_tokens_per_s"], 0),
                  _fmt(a["learner_tokens_per_s"], 0), _fmt(a["step_s"], 2), _fmt(a["weight_sync_s"], 3)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

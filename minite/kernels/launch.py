@@ -15,7 +15,7 @@ covers everything Triton specializes on: each tensor's dtype and 16-byte alignme
 `== 1`, divisibility by 16 and 32/64-bit range, the other arguments' types, `meta`, the device.
 Triton's own path runs under the interpreter, while launch hooks are installed (profilers), for
 grids given as functions, argument types the key does not know, kernels that are not plain
-`@triton.jit` functions, and when `ENABLED` is off. The launcher arguments are those of Triton 3.6
+`@triton.jit` functions. The launcher arguments are those of Triton 3.6
 (`tests/kernels/test_launch.py` checks the results against Triton's own path on the GPU).
 """
 
@@ -26,7 +26,6 @@ import triton
 
 from minite.kernels import interpreted
 
-ENABLED = True
 _COMPILED: dict = {}  # key -> (launch function, the constexpr values in signature order)
 _I32 = (-(2**31), 2**31)
 _CONSTANT_TYPES = (int, bool, float, str)
@@ -93,7 +92,7 @@ def _direct(compiled):
 
 def launch(kernel, grid: tuple, args: tuple, **meta) -> None:
     """`kernel[grid](*args, **meta)`, the binding skipped after the first launch of a specialization."""
-    if not ENABLED or interpreted() or _hooks_installed() or callable(grid):
+    if interpreted() or _hooks_installed() or callable(grid):
         kernel[grid](*args, **meta)
         return
     device = torch._C._cuda_getDevice()

@@ -29,7 +29,6 @@ from minite.kernels.rounding import round_to
 WORDS = 2048  # int32 words per program (at least one row)
 WORDS_PER_THREAD = 16
 MAX_WORDS = 8192  # rows of up to 2 * MAX_WORDS elements
-ENABLED = True  # False: every row takes norm._rms_norm_kernel
 
 
 @triton.jit
@@ -71,7 +70,7 @@ def applies(x2: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x2 [R, D] and weight [D] take this kernel: both bf16 or both fp16, D even and at most
     2 * MAX_WORDS, unit column stride, words aligned."""
     d = x2.shape[-1]
-    return (ENABLED and x2.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x2.dtype
+    return (x2.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x2.dtype
             and d % 2 == 0 and d // 2 <= MAX_WORDS and x2.stride(-1) == 1 and x2.stride(0) % 2 == 0
             and x2.data_ptr() % 4 == 0 and weight.is_contiguous() and weight.data_ptr() % 4 == 0)
 

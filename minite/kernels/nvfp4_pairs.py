@@ -31,7 +31,6 @@ from minite.kernels.nvfp4 import (
 # 16384 x 4096, codes 0.856 of the copy at 32 words a thread (16: 0.835, 8: 0.735), fused values 0.908
 # at 16 (32: 0.862, 8: 0.830).
 CONFIG = dict(WORDS=2048, MAX_WORDS=8192, CHUNK_WORDS=1024, WORDS_PER_THREAD=32, VALUES_WORDS_PER_THREAD=16)
-ENABLED = True  # False: every input takes the general kernel
 
 
 @triton.jit
@@ -151,7 +150,7 @@ def launch(x2, codes, scales, vals, sdec, amx, gs, gs_mode, chain_id, write_code
     kw = k // 2
     aligned = x2.data_ptr() % 4 == 0 and x2.stride(0) % 2 == 0
     out_ok = vals is None or (vals.dtype in (torch.bfloat16, torch.float16) and vals.data_ptr() % 4 == 0)
-    if not ENABLED or not aligned or not out_ok or x2.dtype not in (torch.bfloat16, torch.float16):
+    if not aligned or not out_ok or x2.dtype not in (torch.bfloat16, torch.float16):
         return False
     w_p2 = max(8, next_power_of_2(kw))
     if w_p2 <= CONFIG["MAX_WORDS"]:

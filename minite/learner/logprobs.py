@@ -69,7 +69,8 @@ def chunked_token_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, t
         raise ValueError(f"chunk_rows={chunk_rows} must be >= 1")
 
     def head(h, t):
-        return token_logprobs(model.logits(h), t, temperature, top_k, top_p, chunk=h.shape[0])
+        return token_logprobs(model.logits(h), t, temperature, top_k, top_p, chunk=h.shape[0],
+                              execution=model.recipe.execution)
 
     grad = torch.is_grad_enabled()
     outs = []

@@ -18,7 +18,8 @@ weight is set to the dequantized values, and the `QuantizedWeight` is pinned to 
 version. Forward outputs of the two models are then bitwise equal.
 
 Payload layout: {"recipe": name, "quantized": {"<module>.<weight>": {codes, block_scales,
-global_scale, amax, shape, block, scaling, chain, hadamard}}, "tensors": {name: tensor}}.
+global_scale, amax, shape, block, scaling, chain, hadamard}}, "tensors": {name: tensor}}; a segmented
+projection's segments as "<module>.weight.<segment>" (each quantized as its own tensor).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from torch import nn
 from minite.nn.calibrate import STATIC_SCALE_BUFFERS
 from minite.nn.linear import Linear
 from minite.nn.moe import EXPERT_WEIGHTS, MoEExperts
-from minite.nn.quantized_weight import QuantizedWeight, refresh_quantized_weights
+from minite.nn.quantized_weight import QuantizedWeight
+from minite.nn.refresh import refresh_quantized_weights
+from minite.nn.segmented_linear import SegmentedLinear
 from minite.nvfp4 import NVFP4Tensor
 
 CONTAINER_TENSORS = ("codes", "block_scales", "global_scale", "amax")
@@ -61,8 +64,13 @@ def sync_sampler_model(sampler_model: nn.Module, learner_model: nn.Module) -> No
 def quantized_weights(model: nn.Module) -> dict[str, QuantizedWeight]:
     """The `QuantizedWeight` objects the model's forward uses now, by "<module>.<weight>" name
     (quantizing only those whose cache is stale)."""
-    return {name: module.quantized_weight() if leaf == "weight" else module.quantized_weight(leaf)
-            for name, (module, leaf) in _quantized_targets(model).items()}
+    out = {}
+    for name, (module, leaf) in _quantized_targets(model).items():
+        if isinstance(leaf, int):
+            out[name] = module.quantized_weights()[leaf]
+        else:
+            out[name] = module.quantized_weight() if leaf == "weight" else module.quantized_weight(leaf)
+    return out
 
 
 @torch.no_grad()
@@ -73,7 +81,10 @@ def export_quantized_weights(model: nn.Module) -> dict:
         q = qw.q
         quantized[name] = {**{k: getattr(q, k).detach().clone() for k in CONTAINER_TENSORS},
                            **{k: getattr(q, k) for k in CONTAINER_META}}
-    tensors = {name: p.detach().clone() for name, p in model.named_parameters() if name not in quantized}
+    segmented = {_join(prefix, "weight") for prefix, m in model.named_modules()
+                 if isinstance(m, SegmentedLinear) and m.recipe.fp4}
+    tensors = {name: p.detach().clone() for name, p in model.named_parameters()
+               if name not in quantized and name not in segmented}
     for name, b in model.named_buffers():
         if name.rsplit(".", 1)[-1] in STATIC_SCALE_BUFFERS:
             tensors[name] = b.detach().clone()
@@ -98,9 +109,10 @@ def load_quantized_weights(model: nn.Module, payload: dict) -> None:
             prefix, _, leaf = name.rpartition(".")
             module = model.get_submodule(prefix)
             setattr(module, leaf, t.to(_device(model)).clone())
+    segments: dict[SegmentedLinear, dict[int, QuantizedWeight]] = {}
     for name, fields in payload["quantized"].items():
         module, leaf = targets[name]
-        param = getattr(module, leaf)
+        param = module.segments()[leaf] if isinstance(leaf, int) else getattr(module, leaf)
         spec = module.recipe.weight
         q = NVFP4Tensor(**{k: fields[k].to(param.device) for k in CONTAINER_TENSORS},
                         **{k: fields[k] for k in CONTAINER_META})
@@ -112,16 +124,24 @@ def load_quantized_weights(model: nn.Module, payload: dict) -> None:
         unscaled = q.unscaled()[..., :n, :].to(torch.bfloat16)  # drop rows padded to a 16x16 tile
         qw = QuantizedWeight(q, unscaled, spec, key=())
         param.copy_(qw.dequantize())
-        if leaf == "weight":
+        if isinstance(leaf, int):
+            segments.setdefault(module, {})[leaf] = qw
+        elif leaf == "weight":
             module.set_quantized_weight(qw)
         else:
             module.set_quantized_weight(leaf, qw)
+    for module, qws in segments.items():
+        module.set_quantized_weights([qws[j] for j in range(len(module.widths))])
 
 
-def _quantized_targets(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+def _quantized_targets(model: nn.Module) -> dict[str, tuple[nn.Module, str | int]]:
+    """{payload name: (module, its weight's name, or the segment of a segmented projection)}."""
     out = {}
     for prefix, module in model.named_modules():
-        if isinstance(module, Linear) and module.recipe.fp4:
+        if isinstance(module, SegmentedLinear) and module.recipe.fp4:
+            for j in range(len(module.widths)):
+                out[_join(prefix, f"weight.{j}")] = (module, j)
+        elif isinstance(module, Linear) and module.recipe.fp4:
             out[_join(prefix, "weight")] = (module, "weight")
         elif isinstance(module, MoEExperts) and module.recipe.fp4:
             for name in EXPERT_WEIGHTS:

@@ -1,11 +1,17 @@
 """Hugging Face checkpoints (config.json + safetensors, single file or sharded) to and from `Qwen3`.
 
-Tensor names map one to one (`model.` + our name, `lm_head.weight` as is; `minite.models.hf_layout`)
-except the MoE experts: Hugging Face stores each expert's `gate_proj`, `up_proj`, `down_proj` weights
-(`model.layers.{l}.mlp.experts.{e}.gate_proj.weight` [I, H], ...), we keep them fused per layer as
-`gate_up_proj` [E, 2I, H] (gate rows, then up rows) and `down_proj` [E, H, I]. Loading also accepts
-the fused names transformers 5 uses in memory (`model.layers.{l}.mlp.experts.gate_up_proj`); saving
-writes per-expert tensors, the format of published Qwen3-MoE checkpoints.
+Tensor names map one to one (`model.` + our name, `lm_head.weight` as is) except two kinds, and
+`minite.models.hf_layout` (`hf_tensors` / `hf_pieces`) is the one place that maps them (the NVFP4
+export and import reuse it):
+
+- the segmented projections: our `layers.{l}.self_attn.qkv_proj.weight` [Nq + 2 Nkv, H] is Hugging
+  Face's `q_proj`, `k_proj`, `v_proj` weights one after the other, `layers.{l}.mlp.gate_up_proj.weight`
+  [2I, H] its `gate_proj` and `up_proj` (`SEGMENTS`);
+- the MoE experts: Hugging Face stores each expert's `gate_proj`, `up_proj`, `down_proj` weights
+  (`model.layers.{l}.mlp.experts.{e}.gate_proj.weight` [I, H], ...), we keep them fused per layer as
+  `gate_up_proj` [E, 2I, H] (gate rows, then up rows) and `down_proj` [E, H, I]. Loading also accepts
+  the fused names transformers 5 uses in memory (`model.layers.{l}.mlp.experts.gate_up_proj`); saving
+  writes per-expert tensors, the format of published Qwen3-MoE checkpoints.
 
 Saving writes into a temporary sibling directory and renames it into place, so a crash never leaves
 a half-written checkpoint at `path`.
@@ -26,7 +32,20 @@ from safetensors.torch import save_file
 
 from minite.files import WriteError, writing
 from minite.models.config import ModelConfig, UnsupportedConfigError
-from minite.models.hf_layout import EXPERT_PARAM, CheckpointError, expert_pieces, fused_expert_name, hf_name
+from minite.models.hf_layout import (  # noqa: F401 (re-exported: the mapping's historical home)
+    EXPERT_PARAM,
+    SEGMENTED_PARAM,
+    SEGMENTS,
+    CheckpointError,
+    expert_pieces,
+    from_hf_pieces,
+    fused_expert_name,
+    hf_name,
+    hf_pieces,
+    hf_tensors,
+    segment_pieces,
+    segment_widths,
+)
 from minite.models.import_nvfp4 import NVFP4Checkpoint
 from minite.models.qwen3 import Qwen3
 from minite.recipe import Recipe
@@ -34,17 +53,14 @@ from minite.recipe import Recipe
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 def to_hf_tensors(model: Qwen3, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The model's weights under Hugging Face names (experts split per expert), contiguous, on CPU."""
+    """The model's weights under Hugging Face names (segmented projections and experts split),
+    contiguous, on CPU."""
     out = {}
     for name, tensor in model.state_dict().items():
         tensor = tensor.detach().to("cpu", dtype or tensor.dtype)
-        if EXPERT_PARAM.match(name):
-            pieces = expert_pieces(name, tensor.shape)
-            split = (lambda t: t.chunk(2, dim=0)) if "gate_up" in name else (lambda t: (t,))
-            flat = [t for expert in tensor for t in split(expert)]
-            out.update({piece: t.clone() for (piece, _), t in zip(pieces, flat)})
-        else:
-            out[hf_name(name)] = tensor.contiguous()
+        pieces = hf_tensors(name, tensor, model.config)
+        # pieces of one tensor are views of it: each its own copy (safetensors shares no storage)
+        out.update({hf: t.clone() if len(pieces) > 1 else t.contiguous() for hf, t in pieces.items()})
     return out
 
 
@@ -113,12 +129,12 @@ def load_pretrained(path: str | Path, recipe: str | Recipe = "aligned", dtype: t
         model = Qwen3(config, recipe)
     expected = model.state_dict()
     nvfp4 = NVFP4Checkpoint.open(path, hf_config, model, files)  # None: not an NVFP4 checkpoint
+    quantized = {}
     if nvfp4 is not None:  # its quantized modules are read apart, the rest as usual
+        quantized = nvfp4.read(_Reader(files), dtype, device)
         files = {k: f for k, f in files.items() if k not in nvfp4.tensors}
         expected = {k: v for k, v in expected.items() if k not in nvfp4.params}
-    state = _read_state(path, files, expected, config, dtype, device)
-    if nvfp4 is not None:
-        state.update(nvfp4.read(_Reader(_tensor_files(path)), dtype, device))
+    state = {**_read_state(path, files, expected, config, dtype, device), **quantized}
     model.load_state_dict(state, strict=True, assign=True)
     if nvfp4 is not None:
         nvfp4.install(model)
@@ -199,12 +215,8 @@ def _read_state(path: Path, files: dict[str, Path], expected: dict, config: Mode
     """Read, check and assemble every tensor of `expected` (our names) from the checkpoint `files`."""
     plan = {}  # our name -> list of (hf name, expected shape)
     for name, meta in expected.items():
-        if EXPERT_PARAM.match(name) and fused_expert_name(name) in files:
-            plan[name] = [(fused_expert_name(name), tuple(meta.shape))]
-        elif EXPERT_PARAM.match(name):
-            plan[name] = expert_pieces(name, meta.shape)
-        else:
-            plan[name] = [(hf_name(name), tuple(meta.shape))]
+        fused = bool(EXPERT_PARAM.match(name)) and fused_expert_name(name) in files
+        plan[name] = hf_pieces(name, meta.shape, config, fused_experts=fused)
     wanted = {hf for pieces in plan.values() for hf, _ in pieces}
     tied_head = config.tie_word_embeddings and "lm_head.weight" in files
     missing = sorted(wanted - files.keys())
@@ -218,11 +230,7 @@ def _read_state(path: Path, files: dict[str, Path], expected: dict, config: Mode
         state = {}
         for name, pieces in plan.items():
             parts = [reader.get(hf, shape) for hf, shape in pieces]
-            if len(parts) > 1:
-                per_expert = 2 if name.endswith("gate_up_proj") else 1
-                experts = [torch.cat(parts[e:e + per_expert]) for e in range(0, len(parts), per_expert)]
-                parts = [torch.stack(experts)]
-            state[name] = parts[0].to(device=device, dtype=dtype)
+            state[name] = from_hf_pieces(name, parts).to(device=device, dtype=dtype)
         if tied_head:
             head = reader.get("lm_head.weight", tuple(expected["embed_tokens.weight"].shape))
             if not torch.equal(head.to(dtype), state["embed_tokens.weight"].cpu()):

@@ -36,6 +36,7 @@ from minite.models.nvfp4_formats import (
     quantization_config,
 )
 from minite.models.nvfp4_layout import checkpoint_modules, is_quantized
+from minite.nn.segmented_linear import SegmentedLinear
 from minite.ref.nvfp4 import global_scales
 
 
@@ -51,12 +52,11 @@ def nvfp4_tensors(model, fmt: str) -> tuple[dict[str, torch.Tensor], list[str], 
     modules, static = {}, False
     entries = [e for e in checkpoint_modules(model) if is_quantized(e)]
     for e in entries:
-        leaf = e.leaf
-        qw = e.module.quantized_weight() if leaf == "weight" else e.module.quantized_weight(leaf)
-        q = qw.q
-        index = () if e.expert is None else (e.expert,)
+        q = e.quantized_weight().q
+        expert = e.part if q.global_scale.ndim else None  # experts: one global scale each
+        index = () if expert is None else (expert,)
         codes, sb = q.codes[index][e.rows], q.block_scales[index][e.rows]
-        s_dec, amax = q.global_scale.reshape(-1)[e.expert or 0], q.amax.reshape(-1)[e.expert or 0]
+        s_dec, amax = q.global_scale.reshape(-1)[expert or 0], q.amax.reshape(-1)[expert or 0]
         s_enc, chain_dec = global_scales(amax, q.chain)
         if not torch.equal(chain_dec, s_dec):  # a container not from our chain (an imported one)
             s_enc = 1.0 / s_dec
@@ -108,10 +108,9 @@ def _is_linear(hf_tensor: str, model) -> bool:
 
 def _warn_separate_fused_scales(model, fmt: str) -> None:
     for module in model.modules():
-        group = getattr(module, "scale_group", None)
-        if not group or module is not group[0] or not module.recipe.fp4:
+        if not isinstance(module, SegmentedLinear) or not module.recipe.fp4:
             continue
-        scales = [lin.quantized_weight().global_scale for lin in group]
+        scales = [qw.global_scale for qw in module.quantized_weights()]
         if not all(torch.equal(s, scales[0]) for s in scales):
             warnings.warn(f"fused projections carry separate weight global scales ({fmt} readers such as "
                           "vLLM decode a fused group with its largest): this export will not serve the "

@@ -2,13 +2,14 @@
 
 `minite.models.load_pretrained` opens it like any Hugging Face directory; the quantized linears
 (`minite.models.nvfp4_formats`: codes, block scales, global scales, static input scales) are read
-here, per checkpoint module (`minite.models.nvfp4_layout`), into one container per parameter (an MoE
-layer's experts stacked, each expert's gate and up rows together, one global scale per expert). The
-parameter is set to the dequantized values (e2m1 * s_b * S_dec, in the load dtype) and carries the
-container (`minite.nn.pinned_weights`): every recipe with the checkpoint's block shape then computes
-with the checkpoint's codes and scales as they are (the sampler, `minite agreement`, `minite
-diagnose`), until the weights are updated. Static input scales go to the modules' `input_scale`
-buffers (an MoE projection takes the largest over its experts, as vLLM does).
+here, per checkpoint module (`minite.models.nvfp4_layout`), into containers: one per parameter (an
+MoE layer's experts stacked, each expert's gate and up rows together, one global scale per expert),
+one per segment of a segmented projection (q|k|v, gate|up). The parameter is set to the dequantized
+values (e2m1 * s_b * S_dec, in the load dtype) and carries the containers
+(`minite.nn.pinned_weights`): every recipe with the checkpoint's block shape then computes with the
+checkpoint's codes and scales as they are (the sampler, `minite agreement`, `minite diagnose`), until
+the weights are updated. Static input scales go to the modules' `input_scale` buffers (a segmented
+projection or an MoE projection takes the largest over its pieces, as vLLM does).
 
 The block shape is 1x16 unless `minite_nvfp4.json` (written by our export) records the exporting
 recipe's (16x16 for `te`); that file also restores what the format rounds (S_dec from 1 / S_enc, the
@@ -61,40 +62,41 @@ class NVFP4Checkpoint:
         side = path / SIDECAR
         self.sidecar = json.loads(side.read_text()) if side.is_file() else {}
         self.block = tuple(self.sidecar.get("weight_block", (1, 16)))
-        self.containers: dict[str, NVFP4Tensor] = {}
+        self.containers: dict[str, list[NVFP4Tensor]] = {}
         self.input_scales: dict[tuple[int, str], tuple] = {}  # (id(module), buffer) -> (module, scales)
 
     def read(self, reader, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
-        """The dequantized parameters {our name: tensor}, keeping each one's container."""
+        """The dequantized parameters {our name: tensor}, keeping each one's containers."""
         state = {}
         for param, entries in self.by_param.items():
-            q = self._container(reader, param, entries)
-            self.containers[param] = q
-            state[param] = q.dequantize().to(device=device, dtype=dtype)
+            qs = self._containers(reader, param, entries)
+            self.containers[param] = qs
+            state[param] = torch.cat([q.dequantize() for q in qs], dim=-2).to(device=device, dtype=dtype)
         return state
 
     def install(self, model) -> None:
         """Pin the containers to the loaded model's parameters; set the static input scales."""
         params = dict(model.named_parameters())
-        for name, q in self.containers.items():
-            pin(params[name], q.to(params[name].device))
+        for name, qs in self.containers.items():
+            pin(params[name], [q.to(params[name].device) for q in qs])
         for module, buffer, scales in self.input_scales.values():
             device = getattr(module, "weight", next(module.parameters())).device
             setattr(module, buffer, torch.stack(scales).amax().to(device))
 
-    def _container(self, reader, param: str, entries: list[CheckpointModule]) -> NVFP4Tensor:
+    def _containers(self, reader, param: str, entries: list[CheckpointModule]) -> list[NVFP4Tensor]:
+        """One container per segment of a `SegmentedLinear`, else one (an MoE layer's experts stacked)."""
         codes_f, scales_f, glob_f, inp_f = FIELDS[self.fmt]
         module = entries[0].module
         shape = tuple(getattr(module, entries[0].leaf).shape)
         k = shape[-1]
-        experts: dict[int | None, list] = {}
+        experts: dict[int | None, list] = {}  # part (segment or expert) -> its rows' pieces
         for e in entries:
             n = e.rows.stop - e.rows.start
             codes = self._tensor(reader, f"{e.name}.{codes_f}", (n, k // 2), torch.uint8)
             sb = self._tensor(reader, f"{e.name}.{scales_f}", (n, k // 16), torch.float8_e4m3fn)
             file_g = self._tensor(reader, f"{e.name}.{glob_f}", None, torch.float32)
             s_dec, amax = self._global(e.name, file_g)
-            experts.setdefault(e.expert, []).append((codes, sb, s_dec, amax, e.name))
+            experts.setdefault(e.part, []).append((codes, sb, s_dec, amax, e.name))
             if f"{e.name}.{inp_f}" in reader.files:
                 scale = self._input(e.name, self._tensor(reader, f"{e.name}.{inp_f}", None, torch.float32))
                 key = (id(module), e.input_scale_buffer)
@@ -102,18 +104,18 @@ class NVFP4Checkpoint:
         parts = []
         for rows in experts.values():
             s_decs = torch.stack([r[2] for r in rows])
-            if not torch.equal(s_decs, s_decs[:1].expand_as(s_decs)):
+            if not torch.equal(s_decs, s_decs[:1].expand_as(s_decs)):  # an expert's gate and up
                 raise CheckpointError(f"{rows[0][4]} and {rows[1][4]} have different global scales; "
                                       f"{param} holds one per expert")
             codes, sb = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
             parts.append((codes, sb, rows[0][2], rows[0][3]))
-        if len(shape) == 2:
-            codes, sb, s_dec, amax = parts[0]
-        else:
-            codes, sb = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
-            s_dec = torch.stack([p[2] for p in parts]).reshape(-1, 1, 1)
-            amax = torch.stack([p[3] for p in parts]).reshape(-1, 1, 1)
-        return NVFP4Tensor(codes, sb, s_dec, amax, shape, self.block, "tensor", "te", False)
+        if len(shape) == 2:  # a Linear, or a SegmentedLinear's segments
+            return [NVFP4Tensor(c, sb, s_dec, amax, (c.shape[0], k), self.block, "tensor", "te", False)
+                    for c, sb, s_dec, amax in parts]
+        codes, sb = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+        s_dec = torch.stack([p[2] for p in parts]).reshape(-1, 1, 1)
+        amax = torch.stack([p[3] for p in parts]).reshape(-1, 1, 1)
+        return [NVFP4Tensor(codes, sb, s_dec, amax, shape, self.block, "tensor", "te", False)]
 
     def _tensor(self, reader, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
         t = reader.get(name, shape)

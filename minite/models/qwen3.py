@@ -12,11 +12,15 @@ the rows to output). Without one it makes the full-sequence context of `input_id
 passes its cached step's. `activation_checkpointing=True` keeps only each layer's input under
 autograd and recomputes the layer in the backward.
 
-Numerics: every projection of attention, MLP and experts is a recipe-driven `minite.nn.Linear` (or
-the experts' grouped equivalent); embedding, LM head, router and norms are never quantized. The
-recipe's `bf16_first_layers` / `bf16_last_layers` keep those decoder layers unquantized.
-`set_recipe` switches every layer. Parameter names follow Hugging Face's (without the `model.`
-prefix), so checkpoints map one to one except the experts' fused 3D tensors.
+Numerics: every projection of attention, MLP and experts is a recipe-driven `minite.nn.Linear`:
+q|k|v and gate|up as one `SegmentedLinear` each (each segment quantized as its own tensor, the outputs
+of separate linears), the experts their grouped equivalent; embedding, LM head, router and norms are
+never quantized. The recipe's `bf16_first_layers` / `bf16_last_layers` keep those decoder layers
+unquantized. `set_recipe` switches every layer. How everything executes (kernels or reference, fast
+paths) is the recipe's `execution` (`minite.execution`), read by every op of the forward. Parameter
+names follow Hugging Face's (without the `model.` prefix) except the segmented projections
+(`self_attn.qkv_proj`, `mlp.gate_up_proj`) and the experts' fused 3D tensors, which
+`minite.models.checkpoint` maps to Hugging Face's tensors.
 """
 
 from __future__ import annotations
@@ -30,31 +34,28 @@ from minite.models.config import ModelConfig
 from minite.nn.attention import Attention
 from minite.nn.context import ForwardContext, sequence_context
 from minite.nn.forward_scope import forward_scope, in_scope
-from minite.nn.fused_projections import project
 from minite.nn.linear import Linear
 from minite.nn.moe import MoEExperts
 from minite.nn.norm import RMSNorm
-from minite.nn.shared_scale import link_scale_groups
-from minite.nn.swiglu import swiglu
+from minite.nn.segmented_linear import SegmentedLinear
+from minite.nn.swiglu import swiglu_quantized
 from minite.recipe import Recipe, get_recipe
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward block: `down(silu(gate(x)) * up(x))`."""
+    """SwiGLU feed-forward block: `down(silu(gate(x)) * up(x))`, gate|up one segmented projection."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, recipe):
         super().__init__()
-        self.gate_proj = Linear(hidden_size, intermediate_size, recipe=recipe)
-        self.up_proj = Linear(hidden_size, intermediate_size, recipe=recipe)
+        widths = (intermediate_size, intermediate_size)
+        self.gate_up_proj = SegmentedLinear(hidden_size, widths, recipe=recipe)
         self.down_proj = Linear(intermediate_size, hidden_size, recipe=recipe)
 
-    def fused_projection_groups(self) -> list[tuple]:
-        """The linears run as one GEMM where they can (`minite.nn.fused_projections`)."""
-        return [(self.gate_proj, self.up_proj)]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = project(x, self.fused_projection_groups()[0], self)
-        return self.down_proj(swiglu(gate, up, self.down_proj.recipe))
+    def forward(self, x: torch.Tensor, quantized=None) -> torch.Tensor:
+        """`quantized`: x's quantization, handed over by the norm before."""
+        gate, up = self.gate_up_proj(x, quantized)
+        h, hq = swiglu_quantized(gate, up, self.down_proj.recipe)  # h quantized for down in the same launch
+        return self.down_proj(h, hq)
 
 
 class DecoderLayer(nn.Module):
@@ -78,23 +79,23 @@ class DecoderLayer(nn.Module):
         """The modules that follow the recipe: attention and MLP projections, or the MoE experts
         (whose router stays bf16)."""
         attn = self.self_attn
-        mlp = [self.mlp] if self.is_moe else [self.mlp.gate_proj, self.mlp.up_proj, self.mlp.down_proj]
-        return [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, *mlp]
-
-    # the norms also quantize their output for the NVFP4 projections that read it (`nn.norm.rms_norm`);
-    # not in MoE layers, where the router reads it in bf16 and the experts their own rows
-    def attn_input(self, x: torch.Tensor) -> torch.Tensor:
-        return self.input_layernorm(x, self.self_attn.q_proj.recipe)
-
-    def mlp_input(self, h: torch.Tensor) -> torch.Tensor:
-        return self.post_attention_layernorm(h, None if self.is_moe else self.mlp.gate_proj.recipe)
+        mlp = [self.mlp] if self.is_moe else [self.mlp.gate_up_proj, self.mlp.down_proj]
+        return [attn.qkv_proj, attn.o_proj, *mlp]
 
     def forward(self, x: torch.Tensor, context: ForwardContext) -> torch.Tensor:
-        """x `[B, T, H]` (or `[N, H]`, a cached step's new tokens) -> the same shape."""
-        h = x + self.self_attn(self.attn_input(x), context)
-        y = self.mlp_input(h)
-        y = self.mlp(y.reshape(-1, y.shape[-1])).view_as(y) if self.is_moe else self.mlp(y)
-        return h + y
+        """x `[B, T, H]` (or `[N, H]`, a cached step's new tokens) -> the same shape. The norms also
+        quantize their output for the NVFP4 projection that reads it and hand it over (`xq`, `yq`; None
+        where they do not); not in MoE layers, where the router reads it in bf16 and the experts their
+        own rows."""
+        qkv = self.self_attn.qkv_proj.recipe
+        xn, xq = self.input_layernorm(x, qkv.execution, quantize_for=qkv)
+        h = x + self.self_attn(xn, context, xq)
+        if self.is_moe:
+            y = self.post_attention_layernorm(h, self.mlp.recipe.execution)
+            return h + self.mlp(y.reshape(-1, y.shape[-1])).view_as(y)
+        gate_up = self.mlp.gate_up_proj.recipe
+        y, yq = self.post_attention_layernorm(h, gate_up.execution, quantize_for=gate_up)
+        return h + self.mlp(y, yq)
 
 
 class Qwen3(nn.Module):
@@ -111,14 +112,13 @@ class Qwen3(nn.Module):
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        link_scale_groups(self)
 
     def layer_recipe(self, layer: int, recipe: Recipe | None = None) -> Recipe:
         """The recipe decoder layer `layer` runs under: bf16 in the first/last N layers the recipe exempts."""
         recipe = self.recipe if recipe is None else recipe
         n = self.config.num_hidden_layers
         if layer < recipe.bf16_first_layers or layer >= n - recipe.bf16_last_layers:
-            return get_recipe("bf16", backend=recipe.backend)
+            return get_recipe("bf16", execution=recipe.execution)
         return recipe
 
     def set_recipe(self, recipe: str | Recipe) -> None:
@@ -136,12 +136,12 @@ class Qwen3(nn.Module):
         Without `context`: the forward over whole sequences of `minite.nn.context.sequence_context`
         (`[B, T]`, or `[1, N]` packed with `cu_seqlens`; `check` as there)."""
         if context is None:
-            context = sequence_context(input_ids, position_ids, cu_seqlens, check)
+            context = sequence_context(input_ids, position_ids, cu_seqlens, check, self.recipe.execution)
         elif position_ids is not None or cu_seqlens is not None:
             raise ValueError("position_ids / cu_seqlens make a full-sequence context: give them or `context`")
         checkpointed = activation_checkpointing and torch.is_grad_enabled()
         x = self.embed_tokens(input_ids)  # [B, T, H] ([N, H] for a cached step)
-        with forward_scope():  # one cos/sin table, one quantization of q/k/v's input, ...
+        with forward_scope():  # one cos/sin table per positions tensor for every layer
             for layer in self.layers:
                 if checkpointed:
                     x = checkpoint(_layer_in_scope, layer, x, context, use_reentrant=False)
@@ -149,7 +149,7 @@ class Qwen3(nn.Module):
                     x = layer(x, context)
         if context.output_rows is not None:
             x = x[context.output_rows]
-        return self.norm(x)
+        return self.norm(x, self.recipe.execution)
 
     def lm_head_weight(self) -> torch.Tensor:
         """The `[V, H]` output projection (the embedding matrix when tied)."""
@@ -169,10 +169,13 @@ class Qwen3(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
-        """Random weights for tests and benchmarks: N(0, std) matrices, ones for the norms. Draws run on
-        each parameter's device; a generator on another device seeds one there (so a GPU model never
+        """Random weights for tests and benchmarks: N(0, std) matrices, ones for the norms; a segmented
+        projection's segments drawn one after the other (the draws of separate projections). Draws run
+        on each parameter's device; a generator on another device seeds one there (so a GPU model never
         draws its billions of values on the CPU)."""
         local = {}
+        segments = {f"{name}.weight": m.segments() for name, m in self.named_modules()
+                    if isinstance(m, SegmentedLinear)}
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
@@ -182,7 +185,8 @@ class Qwen3(nn.Module):
                 if param.device not in local:
                     local[param.device] = torch.Generator(param.device).manual_seed(g.initial_seed())
                 g = local[param.device]
-            param.copy_(torch.randn(param.shape, generator=g, device=param.device) * std)
+            for part in segments.get(name, [param]):
+                part.copy_(torch.randn(part.shape, generator=g, device=part.device) * std)
 
 
 def _layer_in_scope(layer: DecoderLayer, x: torch.Tensor, context: ForwardContext) -> torch.Tensor:

@@ -9,19 +9,20 @@ negative key position marks an empty (padding) slot. A query that sees no key ge
 Packed variable-length input (`cu_seqlens`) runs `attention` per group of sequences
 (`varlen_attention`).
 
-`Attention` is the layer: q/k/v projections (recipe-driven `Linear`), RMSNorm of each q and k head,
-RoPE, then, per the forward's context (`minite.nn.context`), the KV cache write (a cached step's new
-keys join the cache before any query reads it) and the context's attention backend
+`Attention` is the layer: the q|k|v projection (one recipe-driven `SegmentedLinear`), RMSNorm of each q
+and k head, RoPE, then, per the forward's context (`minite.nn.context`), the KV cache write (a cached
+step's new keys join the cache before any query reads it) and the context's attention backend
 (`minite.nn.attention_backends`), then the output projection.
 
-On CUDA (with Triton, and `use_kernel(True)`, the default: `kernel_enabled`) the backends run the
-paged attention kernel (`minite.kernels.attention`, math in `minite.ref.attention`): the same kernel
+Where the execution runs the attention kernel (`Execution.attention`: on CUDA by default) the backends
+run the paged attention kernel (`minite.kernels.attention`, math in `minite.ref.attention`): the same kernel
 and launch configuration over the learner's packed k/v (`KernelAttention`, `PackedLayout`) as over
 the sampler's KV cache, so a token's attention output is the same bits in the learner's
 full-sequence forward as in the sampler's decode step. The kernel reads key slot j of a sequence as
 position j, so it is taken only when the positions are 0, 1, ... within each sequence (the models'
-default); its backward is the Triton backward (`minite.kernels.attention_backward`), or the reference
-math recomputed under autograd. The CPU always runs the reference functions above.
+default); its backward is the Triton backward (`minite.kernels.attention_backward`), or, with
+`Execution.attention_backward = "reference"`, the reference math recomputed under autograd. The CPU
+runs the reference functions above (the kernel only under the interpreter, `attention = "triton"`).
 """
 
 from __future__ import annotations
@@ -29,44 +30,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minite import kernels
+from minite.execution import DEFAULT, Execution
 from minite.kernels import lazy
-from minite.nn.fused_projections import project
 from minite.nn.linear import Linear
 from minite.nn.norm import RMSNorm
 from minite.nn.rope import apply_rope, rope_cos_sin
-
-_USE_KERNEL = True
-_USE_KERNEL_BACKWARD = True
+from minite.nn.segmented_linear import SegmentedLinear
 
 
-def use_kernel(enabled: bool) -> bool:
-    """Switch the CUDA attention kernel on or off (for tests and benchmarks); -> the previous setting."""
-    global _USE_KERNEL
-    previous, _USE_KERNEL = _USE_KERNEL, bool(enabled)
-    return previous
-
-
-def use_kernel_backward(enabled: bool) -> bool:
-    """Switch the kernel attention's Triton backward on or off (off: the reference math under autograd,
-    for tests and benchmarks); -> the previous setting."""
-    global _USE_KERNEL_BACKWARD
-    previous, _USE_KERNEL_BACKWARD = _USE_KERNEL_BACKWARD, bool(enabled)
-    return previous
-
-
-def kernel_enabled(device: torch.device) -> bool:
-    """Whether attention on `device` runs the Triton kernel: CUDA, Triton importable, switched on."""
-    if not _USE_KERNEL or device.type != "cuda":
-        return False
-    return kernels.available()
-
-
-def kernel_applies(q: torch.Tensor) -> bool:
-    """Whether the kernel runs attention for queries `q [..., D]`: enabled on q's device, a 16- or
-    32-bit dtype and a power-of-two head dimension of at least 16."""
+def kernel_applies(q: torch.Tensor, execution: Execution = DEFAULT) -> bool:
+    """Whether the kernel runs attention for queries `q [..., D]`: `execution` runs it on q's device,
+    a 16- or 32-bit dtype and a power-of-two head dimension of at least 16."""
     D = q.shape[-1]
-    return (kernel_enabled(q.device) and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    return (execution.attention_kernel(q.device) and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and D >= 16 and D & (D - 1) == 0)
 
 
@@ -144,9 +120,11 @@ class PackedLayout:
     [S + 1] int64, the sequences' `lengths` [S], each row's sequence `seq` [N], whether positions run
     0, 1, ... per sequence (the kernel's layout; one host sync), and, made on first use and then
     shared, the kernel's query tiles and the reference backward's `varlen_plan` (from the bounds,
-    read at construction when grad is enabled so that the backward never waits on the host)."""
+    read at construction when grad is enabled so that the backward never waits on the host).
+    `kernel_backward`: the kernel's backward is the Triton one (else the reference math)."""
 
-    def __init__(self, positions: torch.Tensor, cu: torch.Tensor, kernel_ok: bool | None = None):
+    def __init__(self, positions: torch.Tensor, cu: torch.Tensor, kernel_ok: bool | None = None,
+                 kernel_backward: bool = True):
         n, dev = positions.numel(), positions.device
         self.positions = positions.reshape(n).to(torch.int64).contiguous()
         self.cu = cu.to(dev, torch.int64)
@@ -154,12 +132,12 @@ class PackedLayout:
         self.seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=dev), lengths, output_size=n)
         if kernel_ok is None:  # unless the caller made the positions that way (`sequence_context`)
             kernel_ok = torch.equal(self.positions, torch.arange(n, device=dev) - self.cu[:-1][self.seq])
-        self.kernel_ok = kernel_ok
+        self.kernel_ok, self.kernel_backward = kernel_ok, kernel_backward
         self._tiles: dict[tuple, torch.Tensor] = {}
         self._plans: dict[int, list] = {}
         # the reference backward will need the bounds: read them now, beside the sync above, not
         # mid-backward (the kernel backward needs none)
-        self._bounds = self.cu.tolist() if torch.is_grad_enabled() and not _USE_KERNEL_BACKWARD else None
+        self._bounds = self.cu.tolist() if torch.is_grad_enabled() and not kernel_backward else None
 
     def tiles(self, group: int, block_m: int | None = None) -> torch.Tensor:
         """The kernels' query tiles of `group` heads (`plan_tiles`; block_m None: the forward's)."""
@@ -189,32 +167,29 @@ class Attention(nn.Module):
         self.layer_index = layer_index  # which layer of the KV cache this layer reads and writes
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.rope_theta = rope_theta
-        self.q_proj = Linear(hidden_size, num_heads * head_dim, recipe=recipe)
-        self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, recipe=recipe)
-        self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, recipe=recipe)
+        kv = num_kv_heads * head_dim
+        self.qkv_proj = SegmentedLinear(hidden_size, (num_heads * head_dim, kv, kv), recipe=recipe)
         self.o_proj = Linear(num_heads * head_dim, hidden_size, recipe=recipe)
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
 
-    def fused_projection_groups(self) -> list[tuple]:
-        """The linears `project_qkv` runs as one GEMM where it can (`minite.nn.fused_projections`)."""
-        return [(self.q_proj, self.k_proj, self.v_proj)]
-
-    def project_qkv(self, x: torch.Tensor, positions: torch.Tensor):
-        """x `[..., T, H]`, positions `[..., T]` -> q `[..., T, Hq, D]`, k and v `[..., T, Hkv, D]`;
-        q and k are normed per head and rotated."""
+    def project_qkv(self, x: torch.Tensor, positions: torch.Tensor, quantized=None):
+        """x `[..., T, H]` (`quantized`: its quantization, handed over by the norm before), positions
+        `[..., T]` -> q `[..., T, Hq, D]`, k and v `[..., T, Hkv, D]`; q and k are normed per head and
+        rotated."""
         lead = x.shape[:-1]
-        q, k, v = project(x, self.fused_projection_groups()[0], self)
-        q = self.q_norm(q.view(*lead, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(*lead, self.num_kv_heads, self.head_dim))
+        q, k, v = self.qkv_proj(x, quantized)
+        execution = self.qkv_proj.recipe.execution
+        q = self.q_norm(q.view(*lead, self.num_heads, self.head_dim), execution)
+        k = self.k_norm(k.view(*lead, self.num_kv_heads, self.head_dim), execution)
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return apply_rope(q, cos, sin, execution), apply_rope(k, cos, sin, execution), v
 
-    def forward(self, x: torch.Tensor, context) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context, quantized=None) -> torch.Tensor:
         """x `[..., T, H]` -> `[..., T, H]` under the forward's `minite.nn.context.ForwardContext`
         (positions `[..., T]`; not imported here: the context's backends import this module)."""
-        q, k, v = self.project_qkv(x, context.positions)
+        q, k, v = self.project_qkv(x, context.positions, quantized)
         if context.kv_cache is not None:
             # the new tokens' keys join the cache before any query reads it: fresh and cached keys alike
             context.kv_cache.write(self.layer_index, context.slots, k, v)
@@ -222,25 +197,26 @@ class Attention(nn.Module):
 
 
 def packed_kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                            cu_seqlens: torch.Tensor) -> torch.Tensor | None:
+                            cu_seqlens: torch.Tensor, execution: Execution = DEFAULT) -> torch.Tensor | None:
     """`varlen_attention` by the kernel: q `[N, Hq, D]`, k/v `[N, Hkv, D]`, positions `[N]`,
     cu_seqlens `[S + 1]` -> `[N, Hq, D]`; None when the positions are not 0, 1, ... per sequence
     (the kernel's layout), so the caller runs the reference instead."""
-    layout = PackedLayout(positions, cu_seqlens)
+    layout = PackedLayout(positions, cu_seqlens, kernel_backward=execution.attention_backward == "kernel")
     return KernelAttention.apply(q, k, v, layout) if layout.kernel_ok else None
 
 
 class KernelAttention(torch.autograd.Function):
     """Forward: the kernel over contiguous packed k/v (with each row's log-sum-exp when a gradient is
-    needed). Backward: the Triton backward (`minite.kernels.attention_backward`), or with
-    `use_kernel_backward(False)` the reference math (`varlen_attention`, fp32, padded groups of
-    sequences) recomputed under autograd. The layout (tiles, backward plan) is shared by every layer."""
+    needed). Backward: the Triton backward (`minite.kernels.attention_backward`), or where the layout
+    says so (`Execution.attention_backward = "reference"`) the reference math (`varlen_attention`, fp32,
+    padded groups of sequences) recomputed under autograd. The layout (tiles, backward plan) is shared
+    by every layer."""
 
     @staticmethod
     def forward(ctx, q, k, v, layout: PackedLayout):
         cu = layout.cu
         ctx.layout = layout
-        ctx.kernel_backward = _USE_KERNEL_BACKWARD and any(ctx.needs_input_grad)
+        ctx.kernel_backward = layout.kernel_backward and any(ctx.needs_input_grad)
         lse = q.new_empty(q.shape[:2], dtype=torch.float32) if ctx.kernel_backward else None
         tiles = layout.tiles(q.shape[1] // k.shape[1])
         out = lazy.attention.contiguous_attention(q, k, v, layout.seq, layout.positions, cu[:-1],

@@ -8,12 +8,16 @@ which is what makes a token's attention output the same bits in the learner's fu
 and in the sampler's decode step.
 
 - `SequenceAttention`: full sequences, the keys computed in this forward. The packed kernel on CUDA
-  where the positions are 0, 1, ... per sequence (`minite.nn.attention.kernel_applies`), else the
+  where the execution runs it and the positions are 0, 1, ... per sequence
+  (`minite.nn.attention.kernel_applies`), else the
   reference (`attention` on padded rows, `varlen_attention` on packed ones).
 - `PagedKernelAttention`: a cached step on CUDA: the new tokens' queries over their sequences' keys,
   read in place from the cache blocks (prefill and decode alike).
 - `PagedReferenceAttention`: a cached step on the CPU: the queries padded to `[B, Tq]` (pad queries
   at position -1) over the keys gathered from the cache in position order.
+- `PagedSDPAAttention`: the same layout through torch's `scaled_dot_product_attention` (its fused
+  kernels on CUDA, chosen by shape) where the recipe's execution says `attention = "sdpa"`: a serving
+  engine's arithmetic, not the learner's bits.
 
 None of them synchronizes with the host per layer (the decode step is captured in CUDA graphs).
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from minite.execution import DEFAULT, Execution
 from minite.kernels import lazy
 from minite.nn.attention import KernelAttention, PackedLayout, attention, kernel_applies, varlen_attention
 
@@ -30,25 +35,29 @@ class SequenceAttention:
     """Attention among the tokens of this forward: q/k/v `[B, T, H, D]` (one packed row when
     `cu_seqlens` is given). The packed kernel's layout is made once and shared by every layer and
     recompute: at construction when `kernel_layout` says the positions are the kernel's (no check),
-    otherwise on the first kernel call (one host sync to check the positions)."""
+    otherwise on the first kernel call (one host sync to check the positions). `execution` picks
+    the kernel or the reference, and the kernel's backward."""
 
-    def __init__(self, positions: torch.Tensor, cu_seqlens: torch.Tensor | None, kernel_layout: bool = False):
+    def __init__(self, positions: torch.Tensor, cu_seqlens: torch.Tensor | None, kernel_layout: bool = False,
+                 execution: Execution = DEFAULT):
         self.positions, self.cu_seqlens = positions, cu_seqlens  # [B, T], [S + 1] or None
+        self.execution = execution
+        self._kernel_backward = execution.attention_backward == "kernel"
         self._layout = None
         if kernel_layout:
-            self._layout = PackedLayout(positions, cu_seqlens, True)
+            self._layout = PackedLayout(positions, cu_seqlens, True, self._kernel_backward)
 
     def layout(self, B: int, T: int) -> PackedLayout:
         if self._layout is None:
             cu = self.cu_seqlens
             if cu is None:
                 cu = torch.arange(0, B * T + 1, T, device=self.positions.device)
-            self._layout = PackedLayout(self.positions, cu)
+            self._layout = PackedLayout(self.positions, cu, None, self._kernel_backward)
         return self._layout
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         B, T = q.shape[:2]
-        if kernel_applies(q):
+        if kernel_applies(q, self.execution):
             layout = self.layout(B, T)
             if layout.kernel_ok:
                 flat = [t.reshape(B * T, *t.shape[2:]) for t in (q, k, v)]
@@ -97,3 +106,24 @@ class PagedReferenceAttention:
         keys, values = self.cache.gather(layer, self.block_tables)  # [B, Tk, Hkv, D]
         out = attention(q[self.query_rows], keys, values, self.query_pos, self.key_pos)
         return out.reshape(B * Tq, -1)[self.unpad]  # [N, Hq * D]
+
+
+class PagedSDPAAttention(PagedReferenceAttention):
+    """`PagedReferenceAttention`'s gather through torch SDPA: a boolean mask of the visible keys
+    (key position <= query position; a padding query sees key 0 so that no row is empty), bf16 in,
+    the kernel's own accumulation and reduction order."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        visible = (self.key_pos[:, None, :] <= self.query_pos[:, :, None]) & (self.key_pos[:, None, :] >= 0)
+        first = torch.zeros_like(visible)
+        first[..., 0] = True
+        self.mask = torch.where((self.query_pos < 0)[:, :, None], first, visible)[:, None]  # [B, 1, Tq, Tk]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        B, Tq = self.query_pos.shape
+        keys, values = self.cache.gather(layer, self.block_tables)  # [B, Tk, Hkv, D]
+        qb = q[self.query_rows].transpose(1, 2)  # [B, Hq, Tq, D]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qb, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=self.mask, enable_gqa=True)
+        return out.transpose(1, 2).reshape(B * Tq, -1)[self.unpad]  # [N, Hq * D]

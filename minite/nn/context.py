@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
+from minite.execution import DEFAULT, Execution
 from minite.nn.attention_backends import SequenceAttention
 
 
@@ -51,11 +52,12 @@ def default_positions(input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None) 
 
 
 def sequence_context(input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                     cu_seqlens: torch.Tensor | None = None, check: bool = True) -> ForwardContext:
+                     cu_seqlens: torch.Tensor | None = None, check: bool = True,
+                     execution: Execution = DEFAULT) -> ForwardContext:
     """The context of a forward over whole sequences: input_ids `[B, T]`, or with `cu_seqlens`
     `[S + 1]` one row `[1, N]` of S sequences packed back to back, attending only within themselves.
     `check=False` skips the check that cu_seqlens runs from 0 to N (a host sync on the GPU) for
-    callers that built it (the learner's packing)."""
+    callers that built it (the learner's packing). `execution`: the model's (which attention runs)."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
     if cu_seqlens is not None and input_ids.shape[0] != 1:
@@ -69,5 +71,6 @@ def sequence_context(input_ids: torch.Tensor, position_ids: torch.Tensor | None 
         position_ids = default_positions(input_ids, cu_seqlens)
     position_ids = position_ids.expand(input_ids.shape)
     # positions the model made are 0, 1, ... per sequence: the kernel's layout, known without a check
-    backend = SequenceAttention(position_ids, cu_seqlens, kernel_layout=default and cu_seqlens is not None)
+    backend = SequenceAttention(position_ids, cu_seqlens, kernel_layout=default and cu_seqlens is not None,
+                                execution=execution)
     return ForwardContext(position_ids, backend)

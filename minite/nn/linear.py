@@ -24,11 +24,11 @@ Which operand is quantized how:
 
 The quantized weight is computed once per weight update and cached (see `quantized_weight`).
 
-Execution: `recipe.backend == "triton"` runs the forward on the Triton kernels on CUDA (fused row
-quantizer + W4A4 GEMM in the batch-invariant 'aligned' config at every M, so the learner's and the
-sampler's rows agree bit for bit); recipes the kernels do not cover fall back to the reference GEMM
-(`minite.nn.nvfp4_matmul` lists them). `fast = True` on a module trades that alignment for speed
-(the 'decode' config on packed weights for M <= 64, 'prefill' above). On CUDA the forward never
+Execution (`recipe.execution`): on the Triton kernels (on CUDA by default) the forward is the fused
+row quantizer + W4A4 GEMM in the batch-invariant 'aligned' config at every M, so the learner's and
+the sampler's rows agree bit for bit; recipes the kernels do not cover fall back to the reference
+GEMM (`minite.nn.nvfp4_matmul` lists them). `execution.fast` trades that alignment for speed (the
+'decode' config on packed weights for M <= 64, 'prefill' above). On CUDA the forward never
 synchronizes with the host: a non-finite input gives NaN outputs instead of the CPU's ValueError.
 """
 
@@ -41,9 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minite.nn.nvfp4_matmul import LinearMatmul, StaticScale, static_scale, use_kernels
+from minite.nn.nvfp4_matmul import LinearMatmul, QuantizedActivation, StaticScale, static_scale, use_kernels
 from minite.nn.quantized_weight import QuantizedWeight, quantize_weight, weight_key
-from minite.nn.shared_scale import refresh_group, shares_scale
 from minite.recipe import Recipe, get_recipe
 
 TE_AMAX_TO_SCALE = 2688.0  # 6 * 448: calibrated input_scale = amax / 2688 (ModelOpt's convention)
@@ -54,10 +53,7 @@ class Linear(nn.Module):
 
     `input_scale` (fp32 [], non-persistent buffer, None until `minite.nn.calibrate` sets it) is the
     static activation decode scale used by recipes with `activation.scaling == "static"`.
-    `fast` (default False) lets the Triton backend pick faster, M-dependent GEMM configs.
     """
-
-    fast: bool = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  recipe: str | Recipe = "aligned", dtype=None, device=None):
@@ -73,7 +69,6 @@ class Linear(nn.Module):
         self._qweight: QuantizedWeight | None = None
         self._calib_amax: torch.Tensor | None = None
         self._static: StaticScale | None = None
-        self.scale_group: tuple | None = None  # its fused group (`minite.nn.shared_scale`)
         self.set_recipe(recipe)
         self.reset_parameters()
 
@@ -97,24 +92,14 @@ class Linear(nn.Module):
         if not self.recipe.fp4:
             raise RuntimeError(f"recipe {self.recipe.name!r} does not quantize weights")
         if qw is None or qw.key != weight_key(w, spec):
-            if shares_scale(self):
-                refresh_group(self.scale_group)
-            else:
-                self._qweight = quantize_weight(w, spec)
+            self._qweight = quantize_weight(w, spec)
         return self._qweight
 
     def refresh_quantized_weight(self, qweight: QuantizedWeight | None = None) -> None:
-        """Re-quantize the weight now (with its whole group where it shares the group's scale), or
-        install `qweight` (made from it by `quantize_weights`)."""
+        """Re-quantize the weight now, or install `qweight` (made from it by `quantize_weights`)."""
         self._qweight = qweight
-        if self.shares_scale() and qweight is None:
-            refresh_group(self.scale_group)
-        elif self.recipe.fp4 and qweight is None:
+        if self.recipe.fp4 and qweight is None:
             self.quantized_weight()
-
-    def shares_scale(self) -> bool:
-        """Whether the weight is quantized with its fused group's one global scale."""
-        return shares_scale(self)
 
     def set_quantized_weight(self, qw: QuantizedWeight) -> None:
         """Install a quantized weight made elsewhere (weight sync); used until `weight` changes."""
@@ -122,7 +107,8 @@ class Linear(nn.Module):
             raise ValueError(f"quantized weight {tuple(qw.unscaled.shape)} / {qw.spec} does not fit {self!r}")
         self._qweight = dataclasses.replace(qw, key=weight_key(self.weight, self.recipe.weight))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, quantized: QuantizedActivation | None = None) -> torch.Tensor:
+        """`quantized`: x's quantization, where the op before made it (`nvfp4_matmul.QuantizedActivation`)."""
         if self._calib_amax is not None:
             self._calib_amax = torch.maximum(self._calib_amax, x.detach().abs().amax().float())
             return F.linear(x, self.weight, self.bias)
@@ -131,7 +117,7 @@ class Linear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{self!r} expects in_features={self.in_features}, got x {tuple(x.shape)}")
         y = LinearMatmul.apply(x, self.weight, self.quantized_weight(), self.recipe, self._static_scale(),
-                               self.fast)
+                               quantized)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def graph_safe(self) -> bool:

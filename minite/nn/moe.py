@@ -11,7 +11,7 @@ assignments are sorted by expert (stable; `sort_by_expert`, computed on the devi
   `minite.nn.nvfp4_matmul`): the sorted rows [T*k, H] and the per-expert row offsets [E + 1] go to one
   grouped W4A4 launch per projection (`grouped_nvfp4_matmul`, 'aligned' config). Nothing in the
   forward synchronizes with the host, so a decode step can be captured in a CUDA graph.
-- bf16 experts with `grouped_mm` on (the default on CUDA; `use_grouped_mm(model, on)` sets it): the
+- bf16 experts with `execution.grouped_mm` on (the default on CUDA, `minite.execution`): the
   same sorted rows and offsets go to `torch._grouped_mm`, one call per projection, with autograd; no
   host sync, no copy of the expert weights (the padded path below gathers `w[experts]` per call).
   On the H200 this made bf16 MoE rollout 1.75x faster (41.7k -> 72.9k tokens/s, 4 layers).
@@ -46,7 +46,7 @@ from minite.nn.linear import TE_AMAX_TO_SCALE, Linear
 from minite.nn.moe_combine import combine
 from minite.nn.nvfp4_matmul import grouped_nvfp4_matmul, nvfp4_matmul, use_grouped_kernels
 from minite.nn.quantized_weight import QuantizedWeight, quantize_weight, weight_key
-from minite.nn.swiglu import swiglu
+from minite.nn.swiglu import swiglu, swiglu_quantized
 from minite.recipe import Recipe, get_recipe
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
@@ -105,14 +105,11 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int) -> Grouping:
 
 class MoEExperts(nn.Module):
     """Router `gate` [E, H] plus experts `gate_up_proj` [E, 2I, H] (gate rows, then up) and
-    `down_proj` [E, H, I]; `forward(x [..., H]) -> [..., H]`. `fast` (default False) lets the Triton
-    backend use its faster grouped config instead of the aligned one; `grouped_mm` (None: on for CUDA
-    weights, off on the CPU) runs bf16 experts through `torch._grouped_mm` where it applies
+    `down_proj` [E, H, I]; `forward(x [..., H]) -> [..., H]`. The recipe's execution picks the paths:
+    `fast` the faster grouped config instead of the aligned one; `grouped_mm` (None: on for CUDA
+    weights, off on the CPU) bf16 experts through `torch._grouped_mm` where it applies
     (`grouped_mm_applies`), and the 'dequantized' backward of NVFP4 experts (bf16 models, Triton
     backend) too."""
-
-    fast: bool = False
-    grouped_mm: bool | None = None
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, top_k: int,
                  recipe: str | Recipe = "aligned", norm_topk_prob: bool = True, dtype=None, device=None):
@@ -185,7 +182,7 @@ class MoEExperts(nn.Module):
         if self._calib_amax is None and self.graph_safe():
             s = sort_by_expert(r.experts, self.num_experts)
             ys = self.sorted_experts_forward(x2[s.tokens], s)  # [R, H]
-            out = combine(ys, s.inverse, r.weights)  # [T, H]
+            out = combine(ys, s.inverse, r.weights, self.recipe.execution)  # [T, H]
         else:
             g = group_by_expert(r.experts, self.num_experts)
             xg = x2.new_zeros(len(g.experts), g.capacity, self.hidden_size).index_put(
@@ -205,8 +202,8 @@ class MoEExperts(nn.Module):
         return use_grouped_kernels(self.recipe, self.down_proj.device)
 
     def grouped_mm_on(self) -> bool:
-        """`grouped_mm`, with None resolved: on for CUDA weights."""
-        return self.down_proj.is_cuda if self.grouped_mm is None else self.grouped_mm
+        """`execution.grouped_mm`, with None resolved: on for CUDA weights."""
+        return self.recipe.execution.grouped_mm_on(self.down_proj.device)
 
     def grouped_mm_applies(self) -> bool:
         """`grouped_mm` is on and torch can run it here: `torch._grouped_mm` exists; on CUDA bf16
@@ -224,18 +221,19 @@ class MoEExperts(nn.Module):
         if not self.recipe.fp4:
             offs = s.offsets[1:].to(torch.int32)  # group ends
             gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-            return torch._grouped_mm(swiglu(gate, up), self.down_proj.transpose(1, 2), offs=offs)
+            h = swiglu(gate, up, self.recipe.execution)
+            return torch._grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs)
         gate_up = grouped_nvfp4_matmul(xs, self.gate_up_proj, self.quantized_weight("gate_up_proj"),
-                                       self.recipe, s.offsets, s.experts, self.fast, self.grouped_mm_on())
+                                       self.recipe, s.offsets, s.experts)
         gate, up = gate_up.chunk(2, dim=-1)  # [R, I] each
-        h = swiglu(gate, up, self.recipe)  # quantized for down in the same launch
+        h, hq = swiglu_quantized(gate, up, self.recipe)  # quantized for down in the same launch
         return grouped_nvfp4_matmul(h, self.down_proj, self.quantized_weight("down_proj"), self.recipe,
-                                    s.offsets, s.experts, self.fast, self.grouped_mm_on())
+                                    s.offsets, s.experts, hq)
 
     def experts_forward(self, xg: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """SwiGLU experts on grouped tokens: xg [A, C, H], experts [A] -> [A, C, H]."""
         gate, up = self.expert_matmul(xg, "gate_up_proj", experts).chunk(2, dim=-1)  # [A, C, I] each
-        return self.expert_matmul(swiglu(gate, up), "down_proj", experts)
+        return self.expert_matmul(swiglu(gate, up, self.recipe.execution), "down_proj", experts)
 
     def expert_matmul(self, xg: torch.Tensor, name: str, experts: torch.Tensor) -> torch.Tensor:
         """xg [A, C, K] times expert weight `name` [E, N, K] of `experts` [A] -> [A, C, N]."""
@@ -245,7 +243,7 @@ class MoEExperts(nn.Module):
         if self._calib_amax is not None or not self.recipe.fp4:
             return torch.bmm(xg, w[experts].transpose(1, 2))
         return nvfp4_matmul(xg, w, self.quantized_weight(name), self.recipe,
-                            self._static_scale(name, len(experts)), experts, self.fast)
+                            self._static_scale(name, len(experts)), experts)
 
     def _static_scale(self, name: str, n: int) -> torch.Tensor | None:
         if self.recipe.activation.scaling != "static":
@@ -272,15 +270,6 @@ class MoEExperts(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, top_k={self.top_k}, recipe={self.recipe.name}")
-
-
-def use_grouped_mm(model: nn.Module, on: bool | None = True) -> int:
-    """Switch every MoEExperts of `model` to (True), off (False) or back to the default (None: on for
-    CUDA weights) the `torch._grouped_mm` path for bf16 experts; returns how many modules it applies to."""
-    mods = [m for m in model.modules() if isinstance(m, MoEExperts)]
-    for m in mods:
-        m.grouped_mm = on
-    return sum(m.grouped_mm_applies() for m in mods)
 
 
 def moe_reference(moe: MoEExperts, x: torch.Tensor) -> torch.Tensor:

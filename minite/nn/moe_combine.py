@@ -1,21 +1,19 @@
 """The MoE combine as an autograd op: out[t] = sum_j ys[inverse[t * k + j]] * w[t, j]
 (`minite.ref.moe_combine`).
 
-Where the fused kernels run (`minite.nn.fused.fused_applies`: CUDA by default) the forward is one
+Where the execution runs the element-wise kernels (on CUDA by default) the forward is one
 launch (`minite.kernels.moe_combine`), for learner and sampler alike, so both get its bits; elsewhere
 torch's gather, multiply and sum over k. The backward is torch's, the gradients autograd gives the
 torch form: d ys[inverse[t * k + j]] = g[t] * w[t, j] (bf16 products), d w[t, j] = sum_h g[t, h] *
-ys[inverse[t * k + j], h]. `USE_KERNEL = False` keeps torch's forward everywhere.
+ys[inverse[t * k + j], h].
 """
 
 from __future__ import annotations
 
 import torch
 
+from minite.execution import DEFAULT, Execution
 from minite.kernels import lazy
-from minite.nn.fused import fused_applies
-
-USE_KERNEL = True
 
 
 class _Combine(torch.autograd.Function):
@@ -38,9 +36,10 @@ class _Combine(torch.autograd.Function):
         return d_ys, None, d_w
 
 
-def combine(ys: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def combine(ys: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor,
+            execution: Execution = DEFAULT) -> torch.Tensor:
     """ys [R, H] expert outputs in sorted order, inverse [R], weights [T, k] -> [T, H]."""
-    if USE_KERNEL and fused_applies(ys):
+    if execution.elementwise_kernels(ys):
         return _Combine.apply(ys, inverse, weights)
     t, k = weights.shape
     return (ys[inverse].reshape(t, k, -1) * weights.unsqueeze(-1)).sum(dim=1)

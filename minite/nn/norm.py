@@ -6,9 +6,11 @@ Norms are never quantized. The reduction is over the last dimension of one row, 
 output does not depend on the other rows of the batch (torch's own reduction kernels do not promise
 the same bits for every batch size on the GPU; the Triton kernel does).
 
-On CUDA (by default; `minite.nn.fused.use_fused_kernels`) `rms_norm` runs the one-launch Triton
-kernel `minite.kernels.norm.rms_norm` instead; told the recipe of the NVFP4 linears that read its
-output (`quantize_for`), the same launch also quantizes the output for them.
+Where the execution runs the element-wise kernels (`Execution.elementwise`: on CUDA by default)
+`rms_norm` runs the one-launch Triton kernel `minite.kernels.norm.rms_norm` instead;
+`rms_norm_quantized` also quantizes the output for the NVFP4 linear that reads it, in the same
+launch, and hands that quantization over explicitly (the decoder layer passes it to q|k|v and
+gate|up).
 """
 
 from __future__ import annotations
@@ -16,36 +18,35 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minite.execution import DEFAULT, Execution
 from minite.kernels import lazy
 from minite.nn import nvfp4_matmul
-from minite.nn.fused import fused_applies
+from minite.nn.nvfp4_matmul import QuantizedActivation
 from minite.recipe import Recipe
+from minite.ref.norm import rms_norm as rms_norm_reference
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize_for: Recipe | None = None
-             ) -> torch.Tensor:
-    """RMS-normalize `x [..., D]` over its last dimension and scale by `weight [D]`. `quantize_for`: the
-    recipe of the linears that read the output next; where they run the NVFP4 kernels inside a forward
-    scope, the kernel also quantizes the output for them (`kernels.norm.rms_norm_quantize`, the same
-    bits as their own quantizer): one launch and one pass over the rows less."""
-    if fused_applies(x):
-        kernel = lazy.norm
-        if x.shape[-1] <= kernel.MAX_D:
-            if quantize_for is not None and nvfp4_matmul.can_seed_quantized_input(x, quantize_for):
-                def produce(dtype, chain):
-                    return kernel.rms_norm_quantize(x, weight, eps, dtype, chain)
-                return nvfp4_matmul.produce_quantized(quantize_for, x.device, produce)
-            return kernel.rms_norm(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             execution: Execution = DEFAULT) -> torch.Tensor:
+    """RMS-normalize `x [..., D]` over its last dimension and scale by `weight [D]`."""
+    if execution.elementwise_kernels(x) and x.shape[-1] <= lazy.norm.MAX_D:
+        return lazy.norm.rms_norm(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The reference: eight torch ops, fp32 statistics."""
-    if x.shape[-1] != weight.shape[0]:
-        raise ValueError(f"rms_norm: x has last dimension {x.shape[-1]}, weight has {weight.shape[0]}")
-    xf = x.float()
-    inv_rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1] fp32
-    return weight * (xf * inv_rms).to(x.dtype)
+def rms_norm_quantized(x: torch.Tensor, weight: torch.Tensor, eps: float, recipe: Recipe
+                       ) -> tuple[torch.Tensor, QuantizedActivation | None]:
+    """`rms_norm` under `recipe.execution`, and the output's quantization for the NVFP4 linear that
+    reads it next under `recipe`, where the kernel makes it in the same launch
+    (`kernels.norm.rms_norm_quantize`, the bits of the linear's own quantizer: one launch and one pass
+    over the rows less); else None (the linear quantizes)."""
+    execution = recipe.execution
+    if (execution.elementwise_kernels(x) and x.shape[-1] <= lazy.norm.MAX_D
+            and nvfp4_matmul.hands_over(x, recipe)):
+        def produce(dtype, chain):
+            return lazy.norm.rms_norm_quantize(x, weight, eps, dtype, chain)
+        return nvfp4_matmul.handed_over(recipe, x.device, produce)
+    return rms_norm(x, weight, eps, execution), None
 
 
 class RMSNorm(nn.Module):
@@ -56,8 +57,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, quantize_for: Recipe | None = None) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, quantize_for)
+    def forward(self, x: torch.Tensor, execution: Execution = DEFAULT, quantize_for: Recipe | None = None):
+        """The normed x; with `quantize_for` (the next linear's recipe, whose execution it runs under)
+        the pair `rms_norm_quantized` gives."""
+        if quantize_for is not None:
+            return rms_norm_quantized(x, self.weight, self.eps, quantize_for)
+        return rms_norm(x, self.weight, self.eps, execution)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -8,7 +8,8 @@ Forward (the contract of `minite.ref.gemm`): activations quantized with `recipe.
 one call; 'tensor'/'static': one global scale per batch entry, like one tensor per expert), weights
 from the shared `QuantizedWeight`; acc = unscaled_x @ unscaled_w^T in fp32, then `recipe.epilogue`.
 
-Execution (`recipe.backend`; 'auto', the default, is 'triton' for CUDA tensors and 'ref' elsewhere):
+Execution (`recipe.execution`, `minite.execution.Execution`; its `backend` 'auto', the default, is
+'triton' for CUDA tensors and 'ref' elsewhere):
 - 'ref': plain PyTorch on any device (the reference quantizer and fp32 GEMMs).
 - 'triton': on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1) with Triton available, and
   when the activations are quantized the way the fused kernels do it (1x16 blocks, RNE, no RHT; any
@@ -18,11 +19,11 @@ Execution (`recipe.backend`; 'auto', the default, is 'triton' for CUDA tensors a
   `kernels.gemm.w4a4_gemm` (dense) or `kernels.grouped_gemm.grouped_w4a4_gemm` (experts, one launch,
   row-scaled recipes only) in the batch-invariant 'aligned' configuration on the weight's unscaled
   copy, whatever M is. Few rows read the packed weights in a decode layout instead, in the same K
-  order (the same bits): M <= `ALIGNED_DECODE_MAX_M` through `kernels.decode_gemm.aligned_decode_config`,
-  MoE experts at <= `DECODE_MAX_ROWS_PER_EXPERT` rows per expert on average through
+  order (the same bits): M <= `execution.decode_max_m` through `kernels.decode_gemm.aligned_decode_config`,
+  MoE experts at <= `execution.decode_max_rows_per_expert` rows per expert on average through
   `kernels.grouped_decode`. MoE experts under a per-tensor or static activation scale (one scale per
   expert), stochastic rounding or RHT on activations run the reference GEMM, with activations and
-  weights quantized by the kernels on CUDA (bitwise the same codes and scales). `fast=True` gives up
+  weights quantized by the kernels on CUDA (bitwise the same codes and scales). `execution.fast` gives up
   the alignment for speed: M <= 64 runs the decode GEMM on the weight's decode layout (K a multiple
   of 32, split-K where N is small), larger M 'prefill'.
   Kernel outputs equal the reference wherever the fp32 accumulation across 16-blocks is exact (nearly
@@ -39,7 +40,8 @@ scales applied around them; fp32 models: fp32 GEMMs); 'nvfp4' quantizes dY for d
 stochastic rounding, per-tensor scale) and dY^T, X^T for wgrad (1x16 along the tokens M, zero-padded
 to 16, RHT on both, stochastic rounding on dY^T, RNE on X^T), its GEMMs in fp32 on dequantized
 values. The grouped form pads its rows to [E, C, *] first (one host sync, C = the largest
-expert's row count), or, opted in (`grouped_mm`), runs bf16 rows on `torch._grouped_mm` unpadded.
+expert's row count), or, where `execution.grouped_mm` is on, runs bf16 rows on `torch._grouped_mm`
+unpadded.
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ import torch
 import torch.nn.functional as F
 
 from minite import nvfp4
+from minite.execution import runs_kernels
 from minite.kernels import lazy
-from minite.nn.forward_scope import scope_memo
 from minite.nn.quantized_weight import QuantizedWeight
 from minite.nvfp4 import quantize
 from minite.recipe import QuantSpec, Recipe
@@ -61,15 +63,10 @@ DGRAD_DY_SPEC = QuantSpec(scaling="tensor", block=(1, 16), rounding="stochastic"
 WGRAD_DY_SPEC = QuantSpec(scaling="tensor", block=(1, 16), rounding="stochastic", hadamard=True)
 WGRAD_X_SPEC = QuantSpec(scaling="tensor", block=(1, 16), rounding="rne", hadamard=True)
 FAST_DECODE_MAX_M = 64  # the kernels' 'decode' config serves M <= 64
-# at most this many rows, the aligned path reads the packed weight (decode layout, aligned K order:
-# `kernels.decode_gemm.aligned_decode_config`) instead of the bf16 copy: the same bits; 0 turns it off.
-# H200, Qwen3-8B shapes (benchmarks/results/h200/decode_gemm.json): 1.9-3.3x the aligned tile on the copy
-# at M <= 32, 1.3-1.7x at 64
-ALIGNED_DECODE_MAX_M = 64
-# MoE: at most this many rows per expert on average (a decode step), the experts run on the grouped
-# decode kernel (`kernels.grouped_decode`: the packed weights in the decode layout, 0.625 bytes per
-# weight, dequantized in registers) instead of the aligned tile on the bf16 copy: the same bits.
-DECODE_MAX_ROWS_PER_EXPERT = 64
+# `execution.decode_max_m` (64): on the H200 at Qwen3-8B shapes the aligned decode layout ran 1.9-3.3x
+# the aligned tile on the copy at M <= 32, 1.3-1.7x at 64 (benchmarks/results/h200/decode_gemm.json).
+# `execution.decode_max_rows_per_expert` (64): MoE experts of a decode step read the packed weights
+# (0.625 bytes per weight, dequantized in registers) on `kernels.grouped_decode`.
 
 
 class Operand(NamedTuple):
@@ -86,7 +83,7 @@ class Operand(NamedTuple):
 def quantize_backend(recipe: Recipe) -> str:
     """The `minite.nvfp4.quantize` backend a recipe's quantizations use: the kernels on CUDA unless
     the recipe forces the reference."""
-    return "ref" if recipe.backend == "ref" else "auto"
+    return "ref" if recipe.execution.backend == "ref" else "auto"
 
 
 def kernels_cover(recipe: Recipe) -> bool:
@@ -123,15 +120,7 @@ def use_kernels(recipe: Recipe, device: torch.device) -> bool:
 
 
 def _use_kernels(recipe: Recipe, device_type: str) -> bool:
-    if recipe.backend == "ref" or not kernels_cover(recipe):
-        return False
-    from minite import kernels
-
-    if not kernels.available():
-        return False
-    if recipe.backend == "auto":
-        return device_type == "cuda"
-    return device_type == "cuda" or kernels.interpreted()
+    return kernels_cover(recipe) and runs_kernels(recipe.execution.backend, device_type)
 
 
 def use_grouped_kernels(recipe: Recipe, device: torch.device) -> bool:
@@ -204,56 +193,34 @@ class _Scales(NamedTuple):
     amax: torch.Tensor
 
 
-def _kernel_rows(x2: torch.Tensor, recipe: Recipe, static: StaticScale | None = None):
-    """x2 [R, K] -> (a [R, K] e2m1 * s_b in the kernels' operand dtype, S_dec fp32 [R, 1], the
-    epilogue's row factor fp32 [R, 1]: S_dec, or amax for 'alpha'; with 'tensor' / 'static' scaling
-    every row holds the one global value).
+class QuantizedActivation(NamedTuple):
+    """A GEMM input quantized on the kernels, as its rows: what an op that quantizes its output (a
+    norm, SwiGLU) hands the linear that reads it, and what a segmented linear shares among its
+    segments. Bitwise what the linear's own quantizer would give."""
 
-    Within a forward scope (`minite.nn.forward_scope`), consecutive GEMMs on the same input (q/k/v,
-    gate/up) quantize it once: the last input's quantization is kept, with a reference to the input,
-    and handed out again while the input is unchanged (same storage, shape, strides and version) and
-    the quantization asked for is the same."""
-    memo = scope_memo("quantized_input")
-    if memo is None:
-        return _quantize_rows(x2, recipe, static)
-    key = _memo_key(x2, recipe, static)
-    if memo.get("key") != key:
-        memo.update(key=key, x=x2, rows=_quantize_rows(x2, recipe, static))
-    return memo["rows"]
+    values: torch.Tensor  # [R, K] e2m1 * s_b in the kernels' operand dtype
+    sdec: torch.Tensor  # [R, 1] fp32 S_dec (with 'tensor' / 'static' scaling every row the one value)
+    row_factor: torch.Tensor  # [R, 1] fp32, the epilogue's row factor: S_dec, or amax for 'alpha'
 
 
-def _memo_key(x2: torch.Tensor, recipe: Recipe, static: StaticScale | None = None) -> tuple:
-    return (x2.data_ptr(), x2.device, x2.dtype, tuple(x2.shape), x2.stride(), x2._version,
-            recipe.activation.chain, recipe.activation.scaling, recipe.epilogue == "alpha",
-            None if static is None else static.key)
+def quantize_input(x: torch.Tensor, recipe: Recipe, static: StaticScale | None = None) -> QuantizedActivation:
+    """x [..., K] quantized on the kernels for a dense linear under `recipe` (`use_kernels`)."""
+    return QuantizedActivation(*_quantize_rows(x.reshape(-1, x.shape[-1]), recipe, static))
 
 
-def can_seed_quantized_input(x: torch.Tensor, recipe: Recipe) -> bool:
-    """Whether the op producing x can hand its row quantization to the linears that read x next
-    (`seed_quantized_input`): they run the kernels, inside a forward scope."""
-    return (x.shape[-1] % 16 == 0 and use_kernels(recipe, x.device) and row_scaled(recipe)
-            and scope_memo("quantized_input") is not None)
+def hands_over(x: torch.Tensor, recipe: Recipe) -> bool:
+    """Whether the op producing x quantizes it for the NVFP4 linear that reads it next (`handed_over`):
+    that linear runs the kernels with per-row scales, and K is a multiple of 16."""
+    return x.shape[-1] % 16 == 0 and use_kernels(recipe, x.device) and row_scaled(recipe)
 
 
-def seed_quantized_input(x: torch.Tensor, recipe: Recipe, values: torch.Tensor, sdec: torch.Tensor,
-                         amax: torch.Tensor) -> None:
-    """Record x [..., K]'s row quantization (values e2m1 * s_b [..., K] in the kernels' operand dtype,
-    S_dec and amax fp32 [..., 1], bitwise `_quantize_rows`') as the one the next linears on x use in
-    this forward scope: they skip their quantizer launch."""
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    factor = amax if recipe.epilogue == "alpha" else sdec
-    rows = (values.reshape(-1, k), sdec.reshape(-1, 1), factor.reshape(-1, 1))
-    scope_memo("quantized_input").update(key=_memo_key(x2, recipe), x=x2, rows=rows)
-
-
-def produce_quantized(recipe: Recipe, device: torch.device, produce) -> torch.Tensor:
-    """Run an op that also quantizes its output for the NVFP4 linears reading it next (where
-    `can_seed_quantized_input`): `produce(operand dtype, chain)` -> (out, values e2m1 * s_b, S_dec,
-    amax); the quantization is handed to those linears (`seed_quantized_input`); returns out."""
+def handed_over(recipe: Recipe, device: torch.device, produce) -> tuple[torch.Tensor, QuantizedActivation]:
+    """Run an op that also quantizes its output for the linear reading it next (where `hands_over`):
+    `produce(operand dtype, chain)` -> (out, values e2m1 * s_b, S_dec, amax) -> (out, its quantization)."""
     out, values, sdec, amax = produce(lazy.gemm.operand_dtype(device), recipe.activation.chain)
-    seed_quantized_input(out, recipe, values, sdec, amax)
-    return out
+    k = out.shape[-1]
+    factor = amax if recipe.epilogue == "alpha" else sdec
+    return out, QuantizedActivation(values.reshape(-1, k), sdec.reshape(-1, 1), factor.reshape(-1, 1))
 
 
 def _quantize_rows(x2: torch.Tensor, recipe: Recipe, static: StaticScale | None = None):
@@ -286,21 +253,21 @@ def _pad_k(a: torch.Tensor, k: int) -> torch.Tensor:
 
 def _weight_scale(qweight: QuantizedWeight, recipe: Recipe) -> torch.Tensor:
     """The weight's epilogue factor, fp32 flat: [] (a Linear) or [E] (experts); made once per weight."""
-    s = qweight.amax if recipe.epilogue == "alpha" else qweight.global_scale
-    return qweight.cached(("epilogue scale", recipe.epilogue == "alpha"),
-                          lambda: s.reshape(-1 if s.ndim else ()).float())
+    return qweight.epilogue_scale(recipe.epilogue == "alpha")
 
 
-def _dense_kernel(x2: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe, fast: bool,
-                  static: StaticScale | None = None):
-    """x2 [M, K] times a 2D weight on the kernels -> (out [M, N] in x2.dtype, a, S_dec)."""
+def _dense_kernel(x2: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe,
+                  static: StaticScale | None = None, quantized: QuantizedActivation | None = None):
+    """x2 [M, K] times a 2D weight on the kernels -> (out [M, N] in x2.dtype, a, S_dec); `quantized`:
+    x2's quantization, made by the op before (else quantized here)."""
     kd, kg = lazy.decode_gemm, lazy.gemm
-    a, sdec, row_factor = _kernel_rows(x2, recipe, static)
+    a, sdec, row_factor = quantized if quantized is not None else _quantize_rows(x2, recipe, static)
     m, k = a.shape
     n = qweight.unscaled.shape[-2]
     sw = _weight_scale(qweight, recipe)
+    fast = recipe.execution.fast
     config = "prefill" if fast else "aligned"
-    if m <= (FAST_DECODE_MAX_M if fast else ALIGNED_DECODE_MAX_M) and k % kd.KGROUP == 0:
+    if m <= (FAST_DECODE_MAX_M if fast else recipe.execution.decode_max_m) and k % kd.KGROUP == 0:
         # few rows: the weight read packed (decode layout), in the aligned K order unless `fast`
         out = kd.decode_gemm(a, row_factor, qweight.decode_weight(a.dtype), sw, recipe.epilogue,
                              x2.dtype, None if fast else kd.aligned_decode_config(m, k))
@@ -313,18 +280,18 @@ def _dense_kernel(x2: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe, fa
 
 
 def _grouped_kernel(xs: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe, offsets: torch.Tensor,
-                    fast: bool):
+                    quantized: QuantizedActivation | None = None):
     """xs [R, K] sorted by expert, offsets [E + 1] -> (out [R, N] in xs.dtype, a, S_dec); one launch."""
     from minite import kernels
     from minite.kernels import grouped_decode as gd
     from minite.kernels import grouped_gemm as gg
 
-    a, sdec, row_factor = _kernel_rows(xs, recipe)
-    config = "prefill" if fast else "aligned"
+    a, sdec, row_factor = quantized if quantized is not None else _quantize_rows(xs, recipe)
+    config = "prefill" if recipe.execution.fast else "aligned"
     bk = gg.CONFIGS["interpret" if kernels.interpreted() else config]["BK"]
     e, n, k = qweight.unscaled.shape
     sw = _weight_scale(qweight, recipe)
-    if xs.shape[0] <= DECODE_MAX_ROWS_PER_EXPERT * e and k % gd.KGROUP == 0:
+    if xs.shape[0] <= recipe.execution.decode_max_rows_per_expert * e and k % gd.KGROUP == 0:
         # few rows per expert (decode): read the 4-bit codes, not the bf16 copy
         out = gd.grouped_decode_gemm(a, row_factor, qweight.decode_weight(a.dtype), sw, offsets,
                                      recipe.epilogue, xs.dtype)
@@ -343,7 +310,8 @@ def _expert_offsets(experts: torch.Tensor, rows: int, num_experts: int) -> torch
 
 class NVFP4Matmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, qweight: QuantizedWeight, recipe: Recipe, static_scale, experts, fast):
+    def forward(ctx, x, weight, qweight: QuantizedWeight, recipe: Recipe, static_scale, experts,
+                quantized=None):
         b, m, k = x.shape
         static = static_scale if isinstance(static_scale, StaticScale) else None
         if static is not None:
@@ -352,11 +320,11 @@ class NVFP4Matmul(torch.autograd.Function):
         if use_kernels(recipe, x.device) and x.numel() and (row_scaled(recipe) or (dense and b == 1)):
             x2 = x.reshape(b * m, k)
             if dense:
-                out, a, sdec = _dense_kernel(x2, qweight, recipe, fast, static)
+                out, a, sdec = _dense_kernel(x2, qweight, recipe, static, quantized)
             else:
                 e = qweight.unscaled.shape[0]
                 ids = torch.arange(e, device=x.device) if experts is None else experts
-                out, a, sdec = _grouped_kernel(x2, qweight, recipe, _expert_offsets(ids, m, e), fast)
+                out, a, sdec = _grouped_kernel(x2, qweight, recipe, _expert_offsets(ids, m, e))
             out = out.reshape(b, m, -1)
             xu, xs = a.reshape(b, m, k), sdec.reshape(b, m, 1)
         else:
@@ -395,11 +363,11 @@ class NVFP4Matmul(torch.autograd.Function):
 
 class GroupedNVFP4Matmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, xs, weight, qweight: QuantizedWeight, recipe: Recipe, offsets, row_experts, fast,
-                grouped_mm=False):
-        out, a, sdec = _grouped_kernel(xs, qweight, recipe, offsets, fast)
+    def forward(ctx, xs, weight, qweight: QuantizedWeight, recipe: Recipe, offsets, row_experts,
+                quantized=None):
+        out, a, sdec = _grouped_kernel(xs, qweight, recipe, offsets, quantized)
         ctx.mode, ctx.qweight, ctx.x_dtype, ctx.w_dtype = recipe.backward, qweight, xs.dtype, weight.dtype
-        ctx.backend, ctx.grouped_mm = quantize_backend(recipe), grouped_mm
+        ctx.backend, ctx.grouped_mm = quantize_backend(recipe), recipe.execution.grouped_mm_on(weight.device)
         saved = (a, sdec) if recipe.backward == "dequantized" else (xs,)
         ctx.save_for_backward(offsets, row_experts, *saved)
         return out
@@ -410,7 +378,7 @@ class GroupedNVFP4Matmul(torch.autograd.Function):
         if ctx.grouped_mm and ctx.mode == "dequantized" and dy.dtype == torch.bfloat16 and \
                 grouped_mm_applies(dy, ctx.qweight.unscaled):
             return (*_grouped_mm_grads(ctx, dy.contiguous(), offsets, row_experts, *saved), None, None, None,
-                    None, None, None)
+                    None, None)
         num_experts = offsets.numel() - 1
         # the padded [E, C, *] layout of the reference path; C costs one host sync (backward only)
         cap = int((offsets[1:] - offsets[:-1]).max())
@@ -425,7 +393,7 @@ class GroupedNVFP4Matmul(torch.autograd.Function):
             dx = dx[row_experts, rank].to(ctx.x_dtype)
         if dw is not None:
             dw = dw.to(ctx.w_dtype)
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
 def grouped_mm_applies(t: torch.Tensor, w: torch.Tensor) -> bool:
@@ -456,14 +424,15 @@ def _grouped_mm_grads(ctx, dy, offsets, row_experts, a, sdec):
 
 
 class LinearMatmul(NVFP4Matmul):
-    """`NVFP4Matmul` for a Linear: x [..., K] as one batch entry -> [..., N]. The reshapes happen
-    inside, so autograd records no view nodes around the GEMM (host time on every call)."""
+    """`NVFP4Matmul` for a Linear: x [..., K] as one batch entry -> [..., N] (`quantized`: x's
+    `QuantizedActivation` where the op before made it). The reshapes happen inside, so autograd
+    records no view nodes around the GEMM (host time on every call)."""
 
     @staticmethod
-    def forward(ctx, x, weight, qweight: QuantizedWeight, recipe: Recipe, static_scale, fast):
+    def forward(ctx, x, weight, qweight: QuantizedWeight, recipe: Recipe, static_scale, quantized=None):
         ctx.x_shape = x.shape
         out = NVFP4Matmul.forward(ctx, x.reshape(1, -1, x.shape[-1]), weight, qweight, recipe, static_scale,
-                                  None, fast)
+                                  None, quantized)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -566,28 +535,30 @@ def _scatter_experts(dw: torch.Tensor, experts: torch.Tensor | None, shape: torc
 
 
 def nvfp4_matmul(x: torch.Tensor, weight: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe,
-                 static_scale: torch.Tensor | None = None, experts: torch.Tensor | None = None,
-                 fast: bool = False) -> torch.Tensor:
+                 static_scale: torch.Tensor | None = None, experts: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """x [B, M, K], weight [N, K] or [E, N, K] (the parameter, for its gradient) -> [B, M, N] in x.dtype.
     On the kernels, `experts` must be ascending and distinct (as `moe.group_by_expert` gives them)."""
     if x.ndim != 3:
         raise ValueError(f"nvfp4_matmul expects x [B, M, K]; got shape {tuple(x.shape)}")
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"in_features mismatch: x has {x.shape[-1]}, weight has {weight.shape[-1]}")
-    return NVFP4Matmul.apply(x, weight, qweight, recipe, static_scale, experts, fast)
+    return NVFP4Matmul.apply(x, weight, qweight, recipe, static_scale, experts)
 
 
 def grouped_nvfp4_matmul(xs: torch.Tensor, weight: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe,
                          offsets: torch.Tensor, row_experts: torch.Tensor,
-                         fast: bool = False, grouped_mm: bool = False) -> torch.Tensor:
+                         quantized: QuantizedActivation | None = None) -> torch.Tensor:
     """xs [R, K] sorted by expert (expert e owns rows offsets[e] .. offsets[e + 1]; row_experts [R] the
-    expert of each row), weight [E, N, K] -> [R, N] in xs.dtype, on the kernels only (`use_kernels`)
-    and without any host synchronization in the forward. `grouped_mm`: the 'dequantized' backward of
-    bf16 rows runs on `torch._grouped_mm` (where `grouped_mm_applies`) instead of the padded layout."""
+    expert of each row), weight [E, N, K] -> [R, N] in xs.dtype (`quantized`: xs's quantization where
+    the op before made it), on the kernels only (`use_kernels`)
+    and without any host synchronization in the forward. With `execution.grouped_mm` on, the
+    'dequantized' backward of bf16 rows runs on `torch._grouped_mm` (where `grouped_mm_applies`)
+    instead of the padded layout."""
     if xs.ndim != 2 or weight.ndim != 3 or xs.shape[-1] != weight.shape[-1]:
         raise ValueError(f"grouped_nvfp4_matmul expects xs [R, K] and weight [E, N, K]; got "
                          f"{tuple(xs.shape)} and {tuple(weight.shape)}")
     if not use_grouped_kernels(recipe, xs.device):
-        raise ValueError(f"recipe {recipe.name!r} (backend {recipe.backend!r}) on {xs.device} does not run "
-                         "on the grouped Triton kernels; use nvfp4_matmul on the padded layout")
-    return GroupedNVFP4Matmul.apply(xs, weight, qweight, recipe, offsets, row_experts, fast, grouped_mm)
+        raise ValueError(f"recipe {recipe.name!r} (backend {recipe.execution.backend!r}) on {xs.device} "
+                         "does not run on the grouped Triton kernels; use nvfp4_matmul on the padded layout")
+    return GroupedNVFP4Matmul.apply(xs, weight, qweight, recipe, offsets, row_experts, quantized)

@@ -17,7 +17,7 @@ A weight read from an NVFP4 checkpoint carries its container (`minite.nn.pinned_
 Invalidation: a module caches its `QuantizedWeight` keyed on the parameter's autograd version
 counter (`weight._version`, bumped by every in-place update: optimizer steps, `copy_`,
 `load_state_dict`), its storage, dtype and the recipe's weight spec. Writes through `.data` bypass
-the version counter: after those call `refresh_quantized_weights(model)`.
+the version counter: after those call `minite.nn.refresh.refresh_quantized_weights(model)`.
 """
 
 from __future__ import annotations
@@ -34,13 +34,26 @@ from minite.nvfp4 import NVFP4Tensor, quantize
 from minite.recipe import QuantSpec
 
 
+class _Derived:
+    """What the GEMMs make from one quantized weight, once per update, on first use; written only by
+    `QuantizedWeight`'s own methods."""
+
+    __slots__ = ("operands", "decode", "epilogue_scales", "host_global_scale")
+
+    def __init__(self):
+        self.operands: dict[tuple[torch.dtype, int], torch.Tensor] = {}  # (dtype, K multiple) -> copy
+        self.decode: dict[torch.dtype, object] = {}  # activation dtype -> decode layout
+        self.epilogue_scales: dict[bool, torch.Tensor] = {}  # 'alpha' epilogue? -> fp32 flat factor
+        self.host_global_scale: tuple[float, ...] | None = None
+
+
 @dataclass(frozen=True)
 class QuantizedWeight:
     q: NVFP4Tensor  # codes [..., N, K // 2], block scales [..., N, K // 16], global [] or [E, 1, 1]
     unscaled: torch.Tensor  # [..., N, K] bf16, e2m1 * s_b (exact)
     spec: QuantSpec
     key: tuple  # what the cache was keyed on
-    _operands: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _derived: _Derived = field(default_factory=_Derived, init=False, repr=False, compare=False)
 
     @property
     def global_scale(self) -> torch.Tensor:
@@ -61,49 +74,61 @@ class QuantizedWeight:
         """S_dec as host floats (one per expert), where the refresh that made this weight brought them
         over with its one sync (`deferred_finite_checks`: every weight after an optimizer step); None
         otherwise (reading them now would synchronize)."""
-        return self._operands.get("host_global_scale")
+        return self._derived.host_global_scale
 
-    def cached(self, key, make):
-        """`make()` computed once per quantized weight (i.e. once per update) under `key`."""
-        if key not in self._operands:
-            self._operands[key] = make()
-        return self._operands[key]
+    def record_host_global_scale(self, values: tuple[float, ...]) -> None:
+        """S_dec as host floats, read by the sync that checked this weight (`deferred_finite_checks`)."""
+        if len(values) != self.global_scale.numel():
+            raise ValueError(f"{len(values)} host scales for a weight with {self.global_scale.numel()}")
+        self._derived.host_global_scale = tuple(values)
+
+    def epilogue_scale(self, alpha: bool) -> torch.Tensor:
+        """The GEMM epilogue's weight factor, fp32 flat: [] (a Linear) or [E] (experts): amax for the
+        'alpha' epilogue, S_dec otherwise; made once."""
+        scales = self._derived.epilogue_scales
+        if alpha not in scales:
+            s = self.amax if alpha else self.global_scale
+            scales[alpha] = s.reshape(-1 if s.ndim else ()).float()
+        return scales[alpha]
 
     def with_unscaled(self, unscaled: torch.Tensor) -> QuantizedWeight:
         """This weight with `unscaled` (the same values stored elsewhere: a view into a fused group's
-        concatenated copy, `minite.nn.fused_projections`) as its copy. The new object shares this one's
-        caches, less those made from the old copy, so what arrives later (the host S_dec at the end of
-        `deferred_finite_checks`) reaches both; this one is meant to be dropped."""
+        concatenated copy, `minite.nn.segmented_matmul`) as its copy. The new object shares this one's
+        derived values, less the operand copies made from the old copy, so what arrives later (the
+        host S_dec at the end of `deferred_finite_checks`) reaches both; this one is meant to be dropped."""
         if unscaled.shape != self.unscaled.shape or unscaled.dtype != self.unscaled.dtype:
             raise ValueError(f"with_unscaled needs {tuple(self.unscaled.shape)} {self.unscaled.dtype}, got "
                              f"{tuple(unscaled.shape)} {unscaled.dtype}")
-        for k in [k for k in self._operands if isinstance(k, tuple) and isinstance(k[0], torch.dtype)]:
-            del self._operands[k]
+        self._derived.operands.clear()
         new = replace(self, unscaled=unscaled)
-        object.__setattr__(new, "_operands", self._operands)
+        object.__setattr__(new, "_derived", self._derived)
         return new
 
     def operand(self, dtype: torch.dtype, k_multiple: int = 1) -> torch.Tensor:
         """The unscaled copy as a GEMM kernel operand: [..., N, Kp] in dtype (exact in bf16 and fp16),
         K zero-padded to a multiple of k_multiple, contiguous; made once and cached."""
-        key = (dtype, k_multiple)
-        if key not in self._operands:
+        key, operands = (dtype, k_multiple), self._derived.operands
+        if key not in operands:
             t = self.unscaled.to(dtype)
             pad = -t.shape[-1] % k_multiple
-            self._operands[key] = (F.pad(t, (0, pad)) if pad else t).contiguous()
-        return self._operands[key]
+            operands[key] = (F.pad(t, (0, pad)) if pad else t).contiguous()
+        return operands[key]
 
     def decode_weight(self, dtype: torch.dtype):
         """The codes and block scales ([N, K] or experts [E, N, K]) in the decode GEMMs' layout for
         `dtype` activations (`kernels.decode_gemm.pack_weight`); made once and cached."""
         from minite.kernels.decode_gemm import pack_weight
 
-        key = ("decode", dtype)
-        if key not in self._operands:
+        decode = self._derived.decode
+        if dtype not in decode:
             n = self.unscaled.shape[-2]
             q = self.q
-            self._operands[key] = pack_weight(q.codes[..., :n, :], q.block_scales[..., :n, :], dtype)
-        return self._operands[key]
+            decode[dtype] = pack_weight(q.codes[..., :n, :], q.block_scales[..., :n, :], dtype)
+        return decode[dtype]
+
+    def decode_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The activation dtypes whose decode layout was made (`decode_weight`)."""
+        return tuple(self._derived.decode)
 
     def dequantize(self) -> torch.Tensor:
         """fp32 e2m1 * s_b * S_dec, the weight's shape."""
@@ -151,7 +176,7 @@ def deferred_finite_checks():
                 n = qw.global_scale.numel()
                 if not all(host[at:at + n]):
                     bad.append(shape)
-                qw._operands["host_global_scale"] = tuple(host[total + at:total + at + n])
+                qw.record_host_global_scale(tuple(host[total + at:total + at + n]))
                 at += n
         if bad:
             raise ValueError(f"{len(bad)} weight(s) hold inf or NaN (shapes {bad[:4]}); not quantizable")
@@ -168,8 +193,9 @@ def quantize_weight(weight: torch.Tensor, spec: QuantSpec, backend: str = "auto"
     key = weight_key(weight, spec)
     w = weight.detach()
     n, k = weight.shape[-2:]
-    q = pinned(weight, spec)  # a checkpoint's codes and scales, used as they are
-    if q is not None:
+    pins = pinned(weight, spec)
+    if pins is not None and len(pins) == 1:  # a checkpoint's codes and scales, used as they are
+        q = pins[0]
         unscaled = q.unscaled()[..., :n, :].to(torch.bfloat16)
     elif _one_launch(w, spec, backend):
         if not _DEFERRED:
@@ -188,6 +214,13 @@ def quantize_weight(weight: torch.Tensor, spec: QuantSpec, backend: str = "auto"
     if _DEFERRED:
         _defer([(tuple(weight.shape), qw)], qw.global_scale, qw.amax)
     return qw
+
+
+def from_container(q: NVFP4Tensor, spec: QuantSpec, key: tuple) -> QuantizedWeight:
+    """A `QuantizedWeight` of an existing container (a checkpoint's, a share of a bigger one): its
+    exact bf16 copy made from the codes and scales, nothing quantized."""
+    n = q.shape[-2]
+    return QuantizedWeight(q, q.unscaled()[..., :n, :].to(torch.bfloat16), spec, key)
 
 
 def _one_launch(w: torch.Tensor, spec: QuantSpec, backend: str) -> bool:
@@ -212,54 +245,6 @@ def _quantize_at_once(w: torch.Tensor, spec: QuantSpec) -> tuple[NVFP4Tensor, to
         sdec, amax = sdec.reshape(-1, 1, 1), amax.reshape(-1, 1, 1)
     q = NVFP4Tensor(codes, sb, sdec, amax, tuple(w.shape), tuple(spec.block), "tensor", spec.chain, False)
     return q, vals
-
-
-# bytes of weights stacked for one `quantize_weights` launch (the stack is a transient copy)
-STACK_BYTES = 1 << 29
-# fused-projection members stack in multiples of this (groups of 2 or 3 same-shape members, in
-# module order, are then never split: their copies are views of the stack, `fused_projections`)
-FUSED_STACK_MULTIPLE = 6
-
-
-def refresh_quantized_weights(model: torch.nn.Module) -> int:
-    """Re-quantize every cached weight in `model` now (checking them all for inf/NaN with one host
-    sync); returns how many modules were refreshed. 2D weights of one shape, dtype and spec are
-    quantized together (`quantize_weights`: a launch per group, not per weight; the same bits). The
-    members of fused projections (`minite.nn.fused_projections`) stack apart from the others: their
-    copies move into the concatenated ones (or, for same-shape members such as gate and up, lying
-    back to back in their stack, become that stack's views), and a stack shared with another weight
-    would stay allocated for it."""
-    from minite.nn.fused_projections import fused_members, prepare_model
-
-    groups: dict[tuple, list] = {}
-    n = 0
-    fused = fused_members(model)
-    with deferred_finite_checks():
-        for m in model.modules():
-            if not hasattr(m, "refresh_quantized_weight"):
-                continue
-            n += 1
-            if getattr(m, "shares_scale", lambda: False)():  # its group's first member quantizes them all
-                if m is m.scale_group[0]:
-                    m.refresh_quantized_weight()
-                continue
-            w, recipe = getattr(m, "weight", None), getattr(m, "recipe", None)
-            spec = getattr(recipe, "weight", None)
-            if (getattr(recipe, "fp4", False) and isinstance(w, torch.Tensor) and w.ndim == 2
-                    and _one_launch(w.detach(), spec, "auto") and pinned(w, spec) is None):
-                groups.setdefault((tuple(w.shape), w.dtype, w.device, spec, id(m) in fused), []).append(m)
-            else:
-                m.refresh_quantized_weight()
-        for (_, _, _, spec, is_fused), mods in groups.items():
-            per = max(1, STACK_BYTES // (mods[0].weight.numel() * mods[0].weight.element_size()))
-            if is_fused:  # whole groups of 2 or 3 per stack: same-shape members stay back to back there
-                per = max(FUSED_STACK_MULTIPLE, per - per % FUSED_STACK_MULTIPLE)
-            for i in range(0, len(mods), per):
-                chunk = mods[i:i + per]
-                for m, qw in zip(chunk, quantize_weights([m.weight for m in chunk], spec)):
-                    m.refresh_quantized_weight(qw)
-        prepare_model(model)  # the fused projections' concatenated copies, queued before the one sync
-    return n
 
 
 @torch.no_grad()

@@ -8,8 +8,8 @@ rotation depends only on its own position (the same for a cached key and a fresh
 
 Inside one model forward (`minite.nn.forward_scope`), every layer asking for the tables of the same
 positions tensor gets the ones the first layer computed: the same values, about a dozen kernel
-launches fewer per layer (a decode step is launch-bound in its small ops). On CUDA (by default;
-`minite.nn.fused.use_fused_kernels`), `apply_rope` runs the one-launch Triton kernel
+launches fewer per layer (a decode step is launch-bound in its small ops). Where the execution runs
+the element-wise kernels (on CUDA by default), `apply_rope` runs the one-launch Triton kernel
 `minite.kernels.rope.apply_rope` (bitwise the same values).
 """
 
@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import torch
 
+from minite.execution import DEFAULT, Execution
 from minite.kernels import lazy
 from minite.nn.forward_scope import scope_memo
-from minite.nn.fused import fused_applies
+from minite.ref.rope import apply_rope as apply_rope_reference
 
 
 def rope_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
@@ -52,10 +53,12 @@ def _rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               execution: Execution = DEFAULT) -> torch.Tensor:
     """Rotate `x [..., T, H, D]` by `cos`/`sin [..., T, D]` (broadcast over the heads)."""
     d = x.shape[-1]
-    if fused_applies(x) and d & (d - 1) == 0 and cos.shape == (*x.shape[:-2], d) and cos.dtype == x.dtype:
+    if (execution.elementwise_kernels(x) and d & (d - 1) == 0 and cos.shape == (*x.shape[:-2], d)
+            and cos.dtype == x.dtype):
         return _RoPE.apply(x, cos, sin)
     return apply_rope_reference(x, cos, sin)
 
@@ -72,11 +75,3 @@ class _RoPE(torch.autograd.Function):
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
         return lazy.rope.apply_rope(grad, cos, sin, backward=True), None, None
-
-
-def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The reference: `x * cos + rotate_half(x) * sin` in x's dtype (five torch ops)."""
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [..., T, 1, D]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

@@ -1,30 +1,38 @@
 """SwiGLU, `silu(gate) * up`, the MLP's (and the MoE experts') activation.
 
-On CUDA (by default; `minite.nn.fused.use_fused_kernels`) 16-bit rows run the one-launch Triton kernel
-`minite.kernels.swiglu` (torch's formula, element-wise) instead of torch's two kernels; told the recipe
-of the NVFP4 GEMM that reads h next (`quantize_for`), the same launch also quantizes h for it (the
-bits its own quantizer would give), handed over through the forward scope's memo.
+Where the execution runs the element-wise kernels (on CUDA by default) 16-bit rows run the one-launch
+Triton kernel `minite.kernels.swiglu` (torch's formula, element-wise) instead of torch's two kernels;
+`swiglu_quantized` also quantizes h for the NVFP4 GEMM that reads it next (the bits its own
+quantizer would give) and hands that quantization over explicitly.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from minite.execution import DEFAULT, Execution
 from minite.kernels import lazy
 from minite.nn import nvfp4_matmul
-from minite.nn.fused import fused_applies
+from minite.nn.nvfp4_matmul import QuantizedActivation
 from minite.recipe import Recipe
+from minite.ref.swiglu import swiglu as swiglu_reference
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, quantize_for: Recipe | None = None) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, execution: Execution = DEFAULT) -> torch.Tensor:
     """silu(gate) * up for gate / up [..., I]."""
-    if fused_applies(gate):
-        kernel = lazy.swiglu
-        if kernel.applies(gate, up):
-            if quantize_for is not None and nvfp4_matmul.can_seed_quantized_input(gate, quantize_for):
-                def produce(dtype, chain):
-                    return kernel.swiglu_quantize(gate, up, dtype, chain)
-                return nvfp4_matmul.produce_quantized(quantize_for, gate.device, produce)
-            return kernel.swiglu(gate, up)
-    return F.silu(gate) * up
+    if execution.elementwise_kernels(gate) and lazy.swiglu.applies(gate, up):
+        return lazy.swiglu.swiglu(gate, up)
+    return swiglu_reference(gate, up)
+
+
+def swiglu_quantized(gate: torch.Tensor, up: torch.Tensor, recipe: Recipe
+                     ) -> tuple[torch.Tensor, QuantizedActivation | None]:
+    """`swiglu` under `recipe.execution` and h's quantization for the NVFP4 GEMM that reads it next
+    under `recipe`, where the kernel makes it in the same launch; else None."""
+    execution = recipe.execution
+    if (execution.elementwise_kernels(gate) and lazy.swiglu.applies(gate, up)
+            and nvfp4_matmul.hands_over(gate, recipe)):
+        def produce(dtype, chain):
+            return lazy.swiglu.swiglu_quantize(gate, up, dtype, chain)
+        return nvfp4_matmul.handed_over(recipe, gate.device, produce)
+    return swiglu(gate, up, execution), None

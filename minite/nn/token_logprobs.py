@@ -1,8 +1,8 @@
 """Log-probs of the plain sampled distribution (temperature only) on the kernels, shared by sampler and
 learner (`minite.sampling.token_logprobs`, `minite.sampler.sample.sample`).
 
-Where the fused kernels run (`minite.nn.fused.fused_applies`: CUDA by default) and the distribution
-has no top-k / top-p cut, a token's log-prob is
+Where the execution runs the element-wise kernels (`Execution.elementwise`: CUDA by default) and the
+distribution has no top-k / top-p cut, a token's log-prob is
 
     lse = kernels.logprobs.row_lse(logits, T)           one read of the 16-bit logits per row
     log p(token) = fp32(logits[token]) / T - lse         `token_logprob`, torch, the same ops in both
@@ -11,25 +11,23 @@ instead of torch's fp32 copy of the logits and log-softmax over [R, V] (H200: ~0
 step; benchmarks/ops/bench_sample.py, benchmarks/results/h200/sample.json). Both engines run these ops on
 bitwise-equal logits rows, so they agree bitwise; against torch's log-softmax they are close (within a few
 fp32 ulps of lse), not bitwise.
-The learner's gradient is `kernels.logprobs.token_logprob_grad`. `USE_KERNEL = False` keeps torch's
-path.
+The learner's gradient is `kernels.logprobs.token_logprob_grad`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from minite.execution import Execution
 from minite.kernels import lazy
-from minite.nn.fused import fused_applies
-
-USE_KERNEL = True
 
 
-def plain_applies(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> bool:
+def plain_applies(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                  execution: Execution) -> bool:
     """Whether the kernel path computes this distribution's log-probs: no cut, T > 0, kernels on."""
     vocab = logits.shape[-1]
     plain = temperature > 0 and (top_k <= 0 or top_k >= vocab) and top_p >= 1
-    return plain and USE_KERNEL and logits.ndim == 2 and fused_applies(logits)
+    return plain and logits.ndim == 2 and execution.elementwise_kernels(logits)
 
 
 def row_lse(logits: torch.Tensor, temperature: float) -> torch.Tensor:

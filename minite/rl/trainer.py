@@ -172,8 +172,7 @@ class Trainer:
         if reward is not None:
             self.task.reward = reward  # the reward given by import path replaces the task's own
         self.recipe = get_recipe(cfg.recipe.name, **cfg.recipe.overrides)
-        self.sampler_recipe = (get_recipe(cfg.sampler.recipe, **cfg.sampler.recipe_overrides)
-                               if cfg.sampler.separate() else None)
+        self.sampler_recipe = cfg.sampler.own_recipe()
         self.dtype = getattr(torch, cfg.model.dtype)
         loaded = None
         self.ref_model = None
@@ -292,7 +291,8 @@ class Trainer:
         model = Qwen3(self.model.config, self.sampler_recipe)
         model = model.to(device=next(self.model.parameters()).device, dtype=self.dtype)
         sync_sampler_model(model, self.model)
-        self.progress.message(f"sampler: its own model under recipe {self.sampler_recipe.name!r}, "
+        engine = " (fast engine: cuBLAS, SDPA)" if self.cfg.sampler.engine == "fast" else ""
+        self.progress.message(f"sampler: its own model under recipe {self.sampler_recipe.name!r}{engine}, "
                               f"learner under {self.recipe.name!r} (weights synced after every update)")
         return model
 

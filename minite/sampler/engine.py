@@ -134,7 +134,7 @@ class Sampler:
         logits = self._forward(kind, seqs, starts)
         keys = key_tensor([s.key for s in seqs], self.device)
         steps = key_tensor([s.num_generated for s in seqs], self.device)
-        new, logprobs = sample(logits, [s.params for s in seqs], keys, steps)
+        new, logprobs = sample(logits, [s.params for s in seqs], keys, steps, self.model.recipe.execution)
         if kind == "decode" and self.async_decode:
             return finished + self._launch(seqs, new, logprobs)
         for seq, token, logprob in zip(seqs, new.tolist(), logprobs.tolist()):

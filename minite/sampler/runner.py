@@ -9,13 +9,12 @@ position order (fresh and cached keys are treated alike; the only difference fro
 trailing empty key slots), and only each sequence's last token going through the final norm and the
 LM head.
 
-The attention backend (`minite.nn.attention_backends`): on CUDA (`minite.nn.attention.kernel_enabled`)
-the paged kernel reads the keys in place from the cache blocks, for prefill and decode alike (the
-same kernel and launch configuration as the learner's forward, so a token's attention output does
-not depend on the batch it was computed in); on the CPU the reference over queries padded to
-`[B, Tq]` (pad queries have position -1, see `CachedBatch`) and keys gathered from the cache. Both
-are free of host syncs (the decode step is captured in CUDA graphs).
-"""
+The attention backend (`minite.nn.attention_backends`): where the model's execution runs the attention
+kernel (on CUDA by default, `Execution.attention`): the paged kernel reads the keys in place from the
+cache blocks, for prefill and decode alike (the same kernel and launch configuration as the learner's
+forward, so a token's attention output does not depend on the batch it was computed in); on the CPU the
+reference over queries padded to `[B, Tq]` (pad queries have position -1, see `CachedBatch`) and keys
+gathered from the cache. Both are free of host syncs (the decode step is captured in CUDA graphs). """
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from minite.nn.attention import kernel_enabled
-from minite.nn.attention_backends import PagedKernelAttention, PagedReferenceAttention
+from minite.nn.attention_backends import PagedKernelAttention, PagedReferenceAttention, PagedSDPAAttention
 from minite.nn.context import ForwardContext
 from minite.sampler.kv_cache import KVCache
 
@@ -116,9 +114,12 @@ def build_decode_batch(token_lists: list[list[int]], block_tables: list[list[int
 
 def cached_context(model, cache: KVCache, batch: CachedBatch) -> ForwardContext:
     """The step's context: positions, the cache and the slots the layers write, the attention backend
-    over the cache, each sequence's last token as the output rows."""
+    over the cache (as the recipe's execution says), each sequence's last token as the output rows."""
     Tq = batch.query_pos.shape[1]
-    if kernel_enabled(cache.k.device):
+    if model.recipe.execution.attention == "sdpa":
+        attention = PagedSDPAAttention(cache, batch.block_tables, batch.context_lens, batch.query_rows,
+                                       batch.query_pos, batch.unpad)
+    elif model.recipe.execution.attention_kernel(cache.k.device):
         query_seq = batch.unpad // Tq  # [N] sequence of each new token
         group = model.config.num_attention_heads // model.config.num_key_value_heads
         attention = PagedKernelAttention(cache, query_seq, batch.positions, batch.block_tables,

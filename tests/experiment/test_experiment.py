@@ -46,6 +46,8 @@ def test_experiment_runs_arms_side_by_side_and_reports(tmp_path, capsys):
     assert report["curves"]["naive"]["triage/mass_amp_neg"]["steps"]  # logged without TRIAGE too
     assert report["curves"]["aligned"]["triage/mass_amp_neg"]["steps"]
     assert (out / "curves.png").stat().st_size > 10_000
+    assert aligned["bitwise_equal_frac"]["mean"] > naive["bitwise_equal_frac"]["mean"]
+    assert naive["accuracy_gain"]["n"] == 2 and naive["imbalance"]["mean"] > 0
     assert "te / vllm + TRIAGE" in (out / "report.md").read_text()
     assert (out / "naive" / "seed1" / "train.log").is_file()
     capsys.readouterr()
@@ -114,3 +116,18 @@ def test_ctrl_c_stops_the_runs_at_a_step_boundary_and_a_rerun_resumes(tmp_path):
     assert main(["experiment", str(spec), "--out", str(out), "--seeds", "0"]) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["arms"]["a"]["steps"] == [40]
+
+
+def test_imbalance_sums_the_masses_over_steps():
+    from minite.experiment.report import _series, imbalance
+
+    steps = [{"kind": "rl", "step": 1, "triage/mass_amp_neg": 3.0, "triage/mass_amp_pos": 0.0},
+             {"kind": "rl", "step": 2, "triage/mass_amp_neg": 1.0, "triage/mass_amp_pos": 2.0}]
+    assert imbalance(steps) == 2.0  # (3 + 1) / (0 + 2): no unbounded per-step ratio
+    assert imbalance(steps[:1]) == float("inf")
+    empty = {"kind": "rl", "step": 1, "triage/mass_amp_neg": 0.0, "triage/mass_amp_pos": 0.0}
+    assert imbalance([empty]) == 1.0
+    assert _series(steps, "triage/imbalance") == {2: 0.5}  # the step without positive mass left out
+    evals = [{"kind": "eval", "step": 0, "eval/accuracy": 0.5},
+             {"kind": "eval", "step": 25, "eval/accuracy": 0.75}]
+    assert _series(evals, "eval/accuracy_gain") == {0: 0.0, 25: 0.25}

@@ -37,7 +37,7 @@ def model_through_fused_kernels(monkeypatch, module, name: str):
     """A tiny fp32 Qwen3's output with the fused kernels off and on, and how many times `module.name`
     ran while on: (plain, fused, calls)."""
     from minite.models import Qwen3, tiny_qwen3
-    from minite.nn.fused import use_fused_kernels
+    from minite.recipe import get_recipe
 
     model = Qwen3(tiny_qwen3(), recipe="bf16").float()
     model.init_weights(std=0.2, generator=torch.Generator().manual_seed(0))
@@ -46,11 +46,8 @@ def model_through_fused_kernels(monkeypatch, module, name: str):
     calls = []
     real = getattr(module, name)
     monkeypatch.setattr(module, name, lambda *a: calls.append(1) or real(*a))
-    use_fused_kernels(True)
-    try:
-        got = model(ids)
-    finally:
-        use_fused_kernels(None)
+    model.set_recipe(get_recipe("bf16").with_execution(elementwise="triton"))
+    got = model(ids)
     return want, got, len(calls), model.config.num_hidden_layers
 
 

@@ -178,7 +178,7 @@ def test_wiring_under_the_interpreter(monkeypatch):
     forced on (interpreter, fp32): same tokens as the reference paths, log-probs and gradients close."""
     import sys
 
-    from minite.sampler import Sampler, runner
+    from minite.sampler import Sampler
     from minite.sampling import SamplingParams
     from tests.sampler.common import full_forward_logprobs, prompts_of, tiny_model, tokens_of
 
@@ -189,8 +189,7 @@ def test_wiring_under_the_interpreter(monkeypatch):
     want = Sampler(model, max_num_seqs=4, kv_cache_tokens=48, block_size=4).generate(prompts, params)
     ids, cu = torch.tensor([prompts[0] + prompts[1]]), torch.tensor([0, 7, 26])
     hidden_ref = model.hidden_states(ids, cu_seqlens=cu)
-    monkeypatch.setattr(nn_attention, "kernel_enabled", lambda device: True)
-    monkeypatch.setattr(runner, "kernel_enabled", lambda device: True)
+    model.set_recipe(model.recipe.with_execution(attention="triton"))  # the kernel under the interpreter
     got = Sampler(model, max_num_seqs=4, kv_cache_tokens=48, block_size=4).generate(prompts, params)
     assert tokens_of(got) == tokens_of(want)
     for prompt, r in zip(prompts, got):
@@ -236,8 +235,8 @@ def test_model_forward_builds_one_packed_layout_for_all_layers(monkeypatch, kern
     real_init, real_plan = nn_attention.PackedLayout.__init__, nn_attention.varlen_plan
     monkeypatch.setattr(nn_attention.PackedLayout, "__init__", lambda *a: built.append(1) or real_init(*a))
     monkeypatch.setattr(nn_attention, "varlen_plan", lambda *a: plans.append(1) or real_plan(*a))
-    monkeypatch.setattr(nn_attention, "kernel_enabled", lambda device: True)
-    monkeypatch.setattr(nn_attention, "_USE_KERNEL_BACKWARD", kernel_backward)
+    model.set_recipe(model.recipe.with_execution(
+        attention="triton", attention_backward="kernel" if kernel_backward else "reference"))
     got = loss_and_grads()
     assert model.config.num_hidden_layers > 1 and len(built) == 1 and len(plans) == (not kernel_backward)
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=0)

@@ -110,7 +110,7 @@ def test_gpu_model_gradients_match_the_reference_backward():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from minite.models import Qwen3, tiny_qwen3
-    from minite.nn.attention import use_kernel_backward
+    from minite.recipe import get_recipe
 
     cfg = tiny_qwen3(hidden_size=256, intermediate_size=512, head_dim=64, max_position_embeddings=1024)
     model = Qwen3(cfg, recipe="bf16").to(device="cuda", dtype=torch.bfloat16)
@@ -119,13 +119,10 @@ def test_gpu_model_gradients_match_the_reference_backward():
     cu = torch.tensor([0, 300, 301, 700], device="cuda")
     probe = torch.randn(1, 700, cfg.hidden_size, generator=torch.Generator().manual_seed(2)).cuda()
     grads = []
-    for kernel in (True, False):
-        previous = use_kernel_backward(kernel)
-        try:
-            model.zero_grad(set_to_none=True)
-            (model.hidden_states(ids, cu_seqlens=cu).float() * probe).sum().backward()
-        finally:
-            use_kernel_backward(previous)
+    for backward in ("kernel", "reference"):
+        model.set_recipe(get_recipe("bf16").with_execution(attention_backward=backward))
+        model.zero_grad(set_to_none=True)
+        (model.hidden_states(ids, cu_seqlens=cu).float() * probe).sum().backward()
         grads.append([p.grad.float() for p in model.parameters() if p.grad is not None])
     errors = [rel_rms(a, b) for a, b in zip(*grads)]
     assert len(errors) > 10 and max(errors) < 3e-2, errors

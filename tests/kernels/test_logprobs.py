@@ -5,9 +5,9 @@ log-prob the learner's bit for bit (interpreter: fp32 / fp16; GPU: bf16 at Qwen3
 import pytest
 import torch
 
+from minite.execution import Execution
 from minite.kernels import logprobs as kl
 from minite.nn import token_logprobs as kp
-from minite.nn.fused import use_fused_kernels
 from minite.sampler.sample import sample
 from minite.sampling import SamplingParams, processed_logprobs, token_logprobs
 from tests.kernels.helpers import device
@@ -20,11 +20,12 @@ def _logits(r, v, dtype, seed=0, dev=None):
     return (torch.randn(r, v, generator=g) * 3).to(dtype).to(dev or device())
 
 
+KERNELS, TORCH = Execution(elementwise="triton"), Execution(elementwise="ref")
+
+
 @pytest.fixture
 def kernels_on():
-    use_fused_kernels(True)
-    yield
-    use_fused_kernels(None)
+    return KERNELS
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -41,12 +42,8 @@ def test_token_logprobs_and_gradient_close_to_the_torch_path(kernels_on, tempera
     tokens = torch.randint(0, 200, (7,), generator=torch.Generator().manual_seed(1)).to(x.device)
     g = torch.randn(7).to(x.device)
     got_x, want_x = x.clone().requires_grad_(), x.clone().requires_grad_()
-    got = token_logprobs(got_x, tokens, temperature)
-    kp.USE_KERNEL = False
-    try:
-        want = token_logprobs(want_x, tokens, temperature)
-    finally:
-        kp.USE_KERNEL = True
+    got = token_logprobs(got_x, tokens, temperature, execution=kernels_on)
+    want = token_logprobs(want_x, tokens, temperature, execution=TORCH)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     got.backward(g)
     want.backward(g)
@@ -56,18 +53,18 @@ def test_token_logprobs_and_gradient_close_to_the_torch_path(kernels_on, tempera
 def test_a_rows_log_prob_does_not_depend_on_the_batch(kernels_on):
     x = _logits(9, 300, torch.float16, seed=2)
     tokens = torch.arange(9, device=x.device) * 7
-    full = token_logprobs(x, tokens)
+    full = token_logprobs(x, tokens, execution=kernels_on)
     for rows in (slice(0, 1), slice(3, 8)):
-        assert torch.equal(token_logprobs(x[rows], tokens[rows]), full[rows])
+        assert torch.equal(token_logprobs(x[rows], tokens[rows], execution=kernels_on), full[rows])
 
 
 def test_sampler_reports_the_learners_log_prob_bitwise(kernels_on):
     x = _logits(12, 250, torch.float16, seed=3)
     keys, steps = torch.arange(12, device=x.device), torch.full((12,), 3, device=x.device)
     params = [SamplingParams(temperature=0.8)] * 6 + [SamplingParams(temperature=1.0)] * 6
-    tok, lp = sample(x, params, keys, steps)
+    tok, lp = sample(x, params, keys, steps, kernels_on)
     for rows, t in ((slice(0, 6), 0.8), (slice(6, 12), 1.0)):
-        assert torch.equal(lp[rows], token_logprobs(x[rows], tok[rows], t))
+        assert torch.equal(lp[rows], token_logprobs(x[rows], tok[rows], t, execution=kernels_on))
         ref = processed_logprobs(x[rows], t).gather(1, tok[rows, None])[:, 0]
         torch.testing.assert_close(lp[rows], ref, rtol=0, atol=1e-5)
     assert torch.isfinite(lp).all()
@@ -81,14 +78,11 @@ def test_learner_log_probs_and_gradients_through_the_kernel_path():
 
     batch = random_batch(params=SamplingParams(temperature=0.9))
     results = []
-    for on in (False, True):
+    for execution in (TORCH, KERNELS):
         model = tiny_model()
-        use_fused_kernels(on)
-        try:
-            lp = sequence_logprobs(model, batch, chunk_rows=5)
-            (lp * batch.mask()).sum().backward()
-        finally:
-            use_fused_kernels(None)
+        model.set_recipe(model.recipe.replace(execution=execution))
+        lp = sequence_logprobs(model, batch, chunk_rows=5)
+        (lp * batch.mask()).sum().backward()
         results.append((lp.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=1e-5)
     assert ((results[1][1] - results[0][1]).norm() / results[0][1].norm()).item() < 1e-5
@@ -96,8 +90,9 @@ def test_learner_log_probs_and_gradients_through_the_kernel_path():
 
 def test_cut_and_greedy_distributions_keep_the_torch_path(kernels_on):
     x = _logits(3, 100, torch.float32)
-    assert not kp.plain_applies(x, 1.0, 5, 1.0) and not kp.plain_applies(x, 1.0, 0, 0.9)
-    assert not kp.plain_applies(x, 0.0, 0, 1.0) and kp.plain_applies(x, 1.0, 100, 1.0)
+    on = kernels_on
+    assert not kp.plain_applies(x, 1.0, 5, 1.0, on) and not kp.plain_applies(x, 1.0, 0, 0.9, on)
+    assert not kp.plain_applies(x, 0.0, 0, 1.0, on) and kp.plain_applies(x, 1.0, 100, 1.0, on)
 
 
 def test_bad_inputs_are_clear_errors():

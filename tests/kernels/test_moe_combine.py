@@ -5,10 +5,11 @@ a MoE layer gives the same output and gradients through it."""
 import pytest
 import torch
 
+from minite.execution import Execution
 from minite.kernels import moe_combine as kc
 from minite.nn import MoEExperts
 from minite.nn import moe_combine as nc
-from minite.nn.fused import use_fused_kernels
+from minite.recipe import get_recipe
 from minite.ref.moe_combine import combine as reference
 from tests.kernels.helpers import device
 
@@ -40,20 +41,16 @@ def test_reference_is_torchs_sum_on_the_cpu(dtype):
 
 
 def test_autograd_op_gives_autograd_gradients_of_the_torch_form():
-    use_fused_kernels(True)
-    try:
-        ys, inverse, w = _inputs(7, 3, 40, torch.float32, seed=1)
-        g = torch.randn(7, 40)
-        got = [t.clone().requires_grad_() for t in (ys, w)]
-        want = [t.clone().requires_grad_() for t in (ys, w)]
-        out = nc.combine(got[0], inverse, got[1])
-        out.backward(g)
-        _torch_form(want[0], inverse, want[1]).backward(g)
-        assert torch.equal(out, _torch_form(ys, inverse, w))
-        for a, b in zip(got, want):
-            assert torch.equal(a.grad, b.grad)
-    finally:
-        use_fused_kernels(None)
+    ys, inverse, w = _inputs(7, 3, 40, torch.float32, seed=1)
+    g = torch.randn(7, 40)
+    got = [t.clone().requires_grad_() for t in (ys, w)]
+    want = [t.clone().requires_grad_() for t in (ys, w)]
+    out = nc.combine(got[0], inverse, got[1], Execution(elementwise="triton"))
+    out.backward(g)
+    _torch_form(want[0], inverse, want[1]).backward(g)
+    assert torch.equal(out, _torch_form(ys, inverse, w))
+    for a, b in zip(got, want):
+        assert torch.equal(a.grad, b.grad)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-interpreter test (fp32 experts on "
@@ -61,23 +58,20 @@ def test_autograd_op_gives_autograd_gradients_of_the_torch_form():
 def test_moe_layer_through_the_kernel_equals_the_torch_combine(monkeypatch):
     """Bitwise on the CPU interpreter (fp32): output, input and parameter gradients."""
     moe = MoEExperts(8, 32, 16, 2, recipe="bf16")
-    moe.grouped_mm = True  # the sorted path (torch._grouped_mm), where the combine kernel runs
     calls = []
     real = kc.combine
     monkeypatch.setattr(kc, "combine", lambda *a: calls.append(1) or real(*a))
     x = torch.randn(3, 11, 32)
     g = torch.randn(3, 11, 32)
     results = []
-    for on in (False, True):
-        use_fused_kernels(on)
-        try:
-            xi = x.clone().requires_grad_()
-            y = moe(xi)
-            y.backward(g)
-            results.append([y.detach(), xi.grad] + [p.grad.clone() for p in moe.parameters()])
-            moe.zero_grad()
-        finally:
-            use_fused_kernels(None)
+    for elementwise in ("ref", "triton"):
+        # grouped_mm: the sorted path (torch._grouped_mm), where the combine kernel runs
+        moe.set_recipe(get_recipe("bf16").with_execution(elementwise=elementwise, grouped_mm=True))
+        xi = x.clone().requires_grad_()
+        y = moe(xi)
+        y.backward(g)
+        results.append([y.detach(), xi.grad] + [p.grad.clone() for p in moe.parameters()])
+        moe.zero_grad()
     assert len(calls) == 1
     for a, b in zip(*results):
         assert torch.equal(a, b)

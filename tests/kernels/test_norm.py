@@ -1,6 +1,6 @@
 """The Triton RMSNorm (CPU interpreter, fp32/fp16) against the reference formula: values, batch
-invariance, gradients, and the switch (`use_fused_kernels`; on by default on CUDA) that routes a
-whole model through it."""
+invariance, gradients, and the execution's `elementwise` choice (the kernels on CUDA by default) that
+routes a whole model through it."""
 
 import pytest
 import torch

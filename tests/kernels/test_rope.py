@@ -1,12 +1,12 @@
 """The Triton RoPE (CPU interpreter, fp32/fp16/bf16) equals the reference bit for bit; gradients too; the
-fused switch routes the model's attention through it."""
+execution's `elementwise` choice routes the model's attention through it."""
 
 import pytest
 import torch
 
+from minite.execution import Execution
 from minite.kernels import rope as kr
 from minite.nn import rope
-from minite.nn.fused import use_fused_kernels
 from tests.kernels.helpers import model_through_fused_kernels
 
 
@@ -39,12 +39,8 @@ def test_gradient_and_switch(monkeypatch):
     x = torch.randn(6, 4, 16, generator=g, requires_grad=True)
     cos, sin = rope.rope_cos_sin(torch.arange(6), 16, 1e4, torch.float32)
     dy = torch.randn(6, 4, 16, generator=g)
-    use_fused_kernels(True)
-    try:
-        y = rope.apply_rope(x, cos, sin)
-        y.backward(dy)
-    finally:
-        use_fused_kernels(None)
+    y = rope.apply_rope(x, cos, sin, Execution(elementwise="triton"))
+    y.backward(dy)
     gx = x.grad.clone()
     x.grad = None
     yr = rope.apply_rope_reference(x, cos, sin)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from minite.learner import Learner
+from minite.recipe import get_recipe
 from minite.rl.corrections import token_tis
 from minite.rl.losses import LossConfig, policy_loss
 from minite.sampling import SamplingParams
@@ -15,6 +16,7 @@ from tests.learner.helpers import random_batch, tiny_model
 
 GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-7
 PARAMS = SamplingParams(temperature=0.9)  # random tokens: no truncation, finite log-probs
+TRITON = get_recipe("aligned").with_execution(backend="triton")
 
 
 def _grads(model):
@@ -119,14 +121,13 @@ def test_activation_checkpointing_on_the_kernels_gives_the_same_gradients(monkey
     if not kernels.available():
         pytest.skip("Triton is not installed")
     attention = sys.modules["minite.nn.attention"]
-    monkeypatch.setattr(attention, "kernel_enabled", lambda device: True)
     layouts = []
     real = attention.PackedLayout.__init__
     monkeypatch.setattr(attention.PackedLayout, "__init__", lambda self, *a, **k: layouts.append(1) or
                         real(self, *a, **k))
     grads, built = [], []
     for ckpt in (False, True):
-        model = tiny_model(False, get_recipe("aligned", backend="triton"))
+        model = tiny_model(False, get_recipe("aligned").with_execution(backend="triton", attention="triton"))
         learner = Learner(model, activation_checkpointing=ckpt, release_grads=False)
         batch = _batch(model)
         layouts.clear()
@@ -205,9 +206,8 @@ def test_gpu_micro_batch_runs_without_host_syncs():
     the GPU (the learner's only syncs are the weight refresh's and the metrics' read)."""
     from minite.learner.logprobs import sequence_logprobs
     from minite.nn import refresh_quantized_weights
-    from minite.recipe import get_recipe
 
-    model = tiny_model(recipe=get_recipe("aligned", backend="triton"), dtype=torch.bfloat16).cuda()
+    model = tiny_model(recipe=TRITON, dtype=torch.bfloat16).cuda()
     refresh_quantized_weights(model)
     batch = random_batch(params=PARAMS, lengths=((40, 50), (30, 70), (60, 20)))
     loss_fn = partial(policy_loss, cfg=LossConfig())
@@ -260,11 +260,10 @@ def test_gpu_optimizer_step_queues_without_host_syncs(max_norm):
 def test_gpu_released_gradients_give_their_memory_back():
     """After a step with release_grads the allocated memory is smaller than with kept grads by at least
     the grads' bytes: 2 (bf16 grad) + 4 (fp32 master grad) a bf16 parameter."""
-    from minite.recipe import get_recipe
 
     allocated = []
     for release in (False, True):
-        model = tiny_model(recipe=get_recipe("aligned", backend="triton"), dtype=torch.bfloat16).cuda()
+        model = tiny_model(recipe=TRITON, dtype=torch.bfloat16).cuda()
         batch = _batch(model)
         learner = Learner(model, lr=1e-3, release_grads=release)
         learner.step(batch, partial(policy_loss, cfg=LossConfig()))
@@ -311,11 +310,14 @@ def test_learner_quantizes_the_weights_with_host_scales_at_construction():
     """The first step's backward takes the paths of the later ones (the NVFP4 linears' lean bf16 backward
     and the fused projections' need S_dec on the host, which the refresh brings)."""
     from minite.nn import Linear
+    from minite.nn.segmented_linear import SegmentedLinear
 
     model = tiny_model()
     Learner(model)
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.recipe.fp4]
-    assert linears and all(m.quantized_weight().host_global_scale() is not None for m in linears)
+    qws = [q for m in linears for q in (m.quantized_weights() if isinstance(m, SegmentedLinear)
+                                         else [m.quantized_weight()])]
+    assert linears and all(q.host_global_scale() is not None for q in qws)
 
 
 def test_a_skipped_step_leaves_moments_and_step_count_alone():

@@ -47,12 +47,13 @@ def _ours(model):
     """{Hugging Face module: (e2m1 values fp32, block scales, S_dec, S_enc)} of what the model computes."""
     out = {}
     for e in checkpoint_modules(model):
-        qw = e.module.quantized_weight() if e.leaf == "weight" else e.module.quantized_weight(e.leaf)
-        q, i = qw.q, () if e.expert is None else (e.expert,)
+        q = e.quantized_weight().q
+        expert = e.part if q.global_scale.ndim else None
+        i = () if expert is None else (expert,)
         values = q.values()[i][e.rows]
-        amax = q.amax.reshape(-1)[e.expert or 0]
+        amax = q.amax.reshape(-1)[expert or 0]
         s_enc, s_dec = global_scales(amax, q.chain)
-        assert torch.equal(s_dec, q.global_scale.reshape(-1)[e.expert or 0])
+        assert torch.equal(s_dec, q.global_scale.reshape(-1)[expert or 0])
         out[e.name] = (values, q.block_scales[i][e.rows], s_dec, s_enc)
     return out
 
@@ -99,7 +100,7 @@ def test_compressed_tensors_reads_our_quantization_bit_for_bit(kind, recipe, tmp
     tensors = load_file(tmp_path / "ct" / "model.safetensors")
     _check_ct_reader(tensors, scheme, _ours(model))
     if recipe == "vllm":  # the calibrated input scale as the encode scale
-        lin = model.layers[0].self_attn.q_proj
+        lin = model.layers[0].self_attn.qkv_proj
         want = 1.0 / lin.input_scale.float()
         assert torch.equal(tensors["model.layers.0.self_attn.q_proj.input_global_scale"], want.reshape(1))
 

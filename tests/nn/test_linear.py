@@ -256,13 +256,14 @@ def test_refresh_brings_the_weight_scales_to_the_host_and_dgrad_keeps_its_bits(r
 @pytest.mark.parametrize("stack_bytes", [1 << 29, 1])
 def test_refresh_quantizes_same_shape_weights_together_with_the_same_bits(stack_bytes, monkeypatch):
     """refresh_quantized_weights stacks the 2D weights of one shape and spec into one quantize launch
-    (chunked by STACK_BYTES, fused-projection members apart from the others and in whole multiples
-    of FUSED_STACK_MULTIPLE); every module gets bitwise its own `quantize_weight`, host S_dec
-    included."""
+    (chunked by STACK_BYTES, the segments of segmented projections apart from the others and in whole
+    multiples of SEGMENT_STACK_MULTIPLE); every weight (a segment too) gets bitwise its own
+    `quantize_weight`, host S_dec included."""
     from minite import kernels
     from minite.models import Qwen3, tiny_qwen3
     from minite.nn import quantized_weight as qwm
-    from minite.nn.fused_projections import fused_members
+    from minite.nn import refresh
+    from minite.nn.segmented_linear import SegmentedLinear
 
     if not kernels.available():
         pytest.skip("Triton is not installed")
@@ -272,22 +273,27 @@ def test_refresh_quantizes_same_shape_weights_together_with_the_same_bits(stack_
     real = qwm._quantize_at_once
     monkeypatch.setattr(qwm, "_quantize_at_once",
                         lambda w, spec: launches.append(w.shape[0]) or real(w, spec))
-    monkeypatch.setattr(qwm, "STACK_BYTES", stack_bytes)
+    monkeypatch.setattr(refresh, "STACK_BYTES", stack_bytes)
     one_launch = qwm._one_launch  # the kernels' path on the CPU too (interpreter), as on CUDA
     monkeypatch.setattr(qwm, "_one_launch", lambda w, spec, backend: one_launch(w, spec, "triton"))
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.recipe.fp4]
+    # (weight, its quantized weight after the refresh, whether it is a segment)
+    units = []
     assert refresh_quantized_weights(model) >= len(linears)
-    fused = fused_members(model)
-    shapes = {(tuple(m.weight.shape), id(m) in fused) for m in linears}
-    assert sum(launches) == len(linears)
-    # stack_bytes 1: one weight a launch, but fused members in whole multiples (their groups unsplit)
-    fused_counts = [sum(1 for m in linears if (tuple(m.weight.shape), id(m) in fused) == key)
-                    for key in shapes if key[1]]
-    per_weight = len(linears) - sum(fused_counts) + sum(
-        -(-n // qwm.FUSED_STACK_MULTIPLE) for n in fused_counts)
-    assert len(launches) == (len(shapes) if stack_bytes > 1 else per_weight)
     for m in linears:
-        got, want = m.quantized_weight(), quantize_weight(m.weight, m.recipe.weight)
+        if isinstance(m, SegmentedLinear):
+            units += [(w, q, True) for w, q in zip(m.segments(), m.quantized_weights())]
+        else:
+            units.append((m.weight, m.quantized_weight(), False))
+    shapes = {(tuple(w.shape), seg) for w, _, seg in units}
+    assert sum(launches) == len(units)
+    # stack_bytes 1: one weight a launch, but segments in whole multiples (a module's unsplit)
+    seg_counts = [sum(1 for w, _, seg in units if (tuple(w.shape), seg) == key) for key in shapes if key[1]]
+    per_weight = len(units) - sum(seg_counts) + sum(
+        -(-n // refresh.SEGMENT_STACK_MULTIPLE) for n in seg_counts)
+    assert len(launches) == (len(shapes) if stack_bytes > 1 else per_weight)
+    for w, got, _ in units:
+        want = quantize_weight(w, got.spec)
         assert got.key == want.key and got.host_global_scale() == (want.global_scale.item(),)
         for a, b in [(got.q.codes, want.q.codes), (got.q.block_scales.view(torch.uint8),
                                                    want.q.block_scales.view(torch.uint8)),

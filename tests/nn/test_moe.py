@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from minite.nn import MoEExperts, calibrate, moe_reference, use_grouped_mm
+from minite.nn import MoEExperts, calibrate, moe_reference
 from minite.nn.moe import group_by_expert
 
 # Grouped and per-expert paths run the same quantizations; they differ only in GEMM batching (bmm
@@ -132,7 +132,8 @@ def test_bf16_matches_transformers_qwen3_moe_block(norm_topk_prob):
 def test_bf16_experts_on_grouped_mm_equal_the_reference(dtype, monkeypatch):
     moe = _moe("bf16", e=8, h=32, i=24, k=3).to(dtype)
     assert not moe.graph_safe()  # the padded path (host sync) by default
-    assert use_grouped_mm(moe) == 1 and moe.graph_safe()
+    moe.set_recipe(moe.recipe.with_execution(grouped_mm=True))
+    assert moe.grouped_mm_applies() and moe.graph_safe()
     calls = []
     real = torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -144,6 +145,7 @@ def test_bf16_experts_on_grouped_mm_equal_the_reference(dtype, monkeypatch):
 
 def test_grouped_mm_needs_aligned_sizes():
     moe = _moe("bf16", h=32, i=12)  # 12 * 2 bytes: not a 16-byte stride
-    assert use_grouped_mm(moe) == 0 and not moe.graph_safe()
+    moe.set_recipe(moe.recipe.with_execution(grouped_mm=True))
+    assert not moe.grouped_mm_applies() and not moe.graph_safe()
     x = torch.randn(6, 32)
     assert _rel(moe(x), moe_reference(moe, x)) <= MOE_RTOL  # the padded path serves it

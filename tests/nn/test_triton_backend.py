@@ -9,8 +9,7 @@ import torch
 
 from minite import kernels
 from minite.models import Qwen3, tiny_qwen3, tiny_qwen3_moe
-from minite.nn import Linear, MoEExperts, moe_reference, use_grouped_mm
-from minite.nn.forward_scope import forward_scope
+from minite.nn import Linear, MoEExperts, moe_reference
 from minite.nn.moe import group_by_expert, sort_by_expert
 from minite.nn.nvfp4_matmul import use_grouped_kernels, use_kernels
 from minite.nvfp4 import dequantize, quantize  # noqa: E402
@@ -20,8 +19,8 @@ from minite.recipe import QuantSpec, get_recipe  # noqa: E402
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="Triton is not installed")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-ALIGNED_TRITON = get_recipe("aligned", backend="triton")
-ALIGNED_REF = get_recipe("aligned", backend="ref")
+ALIGNED_TRITON = get_recipe("aligned").with_execution(backend="triton")
+ALIGNED_REF = get_recipe("aligned").with_execution(backend="ref")
 # Kernel and reference GEMMs both sum exact 16-block partial sums in fp32, in different orders: each
 # may round once per 16-block (at most 2^-24 of sum_k |x_dq| |w_dq| each), so they differ by at most
 # GEMM_ROUNDINGS_RTOL * (K / 16) of that sum (observed: bitwise equal on these shapes).
@@ -92,13 +91,13 @@ def test_only_covered_recipes_use_the_kernels():
     # 'auto': the kernels on CUDA, the reference on the CPU (also under the interpreter)
     assert use_kernels(get_recipe("aligned"), "cuda") and not use_kernels(get_recipe("aligned"), "cpu")
     for name in ("te", "vllm", "torchao"):
-        assert use_kernels(get_recipe(name, backend="triton"), DEVICE)
-        assert not use_grouped_kernels(get_recipe(name, backend="triton"), DEVICE)
+        assert use_kernels(get_recipe(name).with_execution(backend="triton"), DEVICE)
+        assert not use_grouped_kernels(get_recipe(name).with_execution(backend="triton"), DEVICE)
     assert use_grouped_kernels(ALIGNED_TRITON, DEVICE)
-    assert not use_kernels(get_recipe("bf16", backend="triton"), DEVICE)
+    assert not use_kernels(get_recipe("bf16").with_execution(backend="triton"), DEVICE)
     for changes in (dict(rounding="stochastic"), dict(hadamard=True)):
         spec = QuantSpec(scaling="tensor", **changes)
-        assert not use_kernels(get_recipe("te", backend="triton", activation=spec), DEVICE)
+        assert not use_kernels(get_recipe("te", activation=spec).with_execution(backend="triton"), DEVICE)
 
 
 @pytest.mark.parametrize("lead", [(1,), (7,), (2, 5)])
@@ -111,27 +110,30 @@ def test_linear_triton_matches_ref(lead):
     assert (a == b).float().mean().item() >= GAUSSIAN_EQUAL_FRAC
 
 
-def test_forward_scope_quantizes_a_shared_input_once(monkeypatch):
-    """Inside a forward scope, q/k/v-like Linears on one input quantize it once and give the
-    same outputs; a changed input (in place: new version) or another tensor is quantized again."""
+def test_segmented_linear_quantizes_its_input_once(monkeypatch):
+    """A q|k|v-like SegmentedLinear (few rows: each segment's own GEMM) quantizes its input once for
+    all segments and gives each segment the outputs of a separate Linear with its rows; a quantization
+    handed over is used as is."""
     from minite.kernels import nvfp4 as kq
+    from minite.nn.nvfp4_matmul import quantize_input
+    from minite.nn.segmented_linear import SegmentedLinear
 
     torch.manual_seed(0)
+    seg = SegmentedLinear(64, (48, 32, 32), recipe=ALIGNED_TRITON).to(DEVICE)
     lins = [Linear(64, n, recipe=ALIGNED_TRITON).to(DEVICE) for n in (48, 32, 32)]
+    with torch.no_grad():
+        for lin, w in zip(lins, seg.segments()):
+            lin.weight.copy_(w)
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     want = [lin(x) for lin in lins]
     calls = []
     real = kq.quantize_unscaled
     monkeypatch.setattr(kq, "quantize_unscaled", lambda *a, **k: calls.append(1) or real(*a, **k))
-    with forward_scope():
-        got = [lin(x) for lin in lins]
-        assert len(calls) == 1
-        x.mul_(2)
-        doubled = lins[0](x)
-        lins[1](x.clone())
-    assert len(calls) == 3
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert torch.equal(doubled, lins[0](x))
+    got = seg(x)
+    assert len(calls) == 1
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    xq = quantize_input(x, seg.recipe)
+    assert all(torch.equal(a, b) for a, b in zip(seg(x, xq), want)) and len(calls) == 2
 
 
 @pytest.mark.parametrize("config,per_layer", [(tiny_qwen3, 1), (tiny_qwen3_moe, 2)])
@@ -142,10 +144,9 @@ def test_norms_and_swiglu_hand_their_quantization_to_the_projections(monkeypatch
     the experts' SwiGLU quantizes for down; gate/up quantize their own gathered rows."""
     from minite.kernels import nvfp4 as kq
     from minite.nn import nvfp4_matmul
-    from minite.nn.fused import use_fused_kernels
 
     torch.manual_seed(0)
-    model = Qwen3(config(), recipe=ALIGNED_TRITON)
+    model = Qwen3(config(), recipe=ALIGNED_TRITON.with_execution(elementwise="triton"))
     model.init_weights(std=0.2, generator=torch.Generator().manual_seed(0))
     model.to(DEVICE, torch.bfloat16)  # 16-bit rows: the norm quantizes in its own launch (`norm_pairs`)
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
@@ -153,14 +154,10 @@ def test_norms_and_swiglu_hand_their_quantization_to_the_projections(monkeypatch
     calls = []
     real = kq.quantize_unscaled
     monkeypatch.setattr(kq, "quantize_unscaled", lambda *a, **k: calls.append(1) or real(*a, **k))
-    use_fused_kernels(True)
-    try:
-        got = model(ids)
-        fused_calls = len(calls)
-        monkeypatch.setattr(nvfp4_matmul, "can_seed_quantized_input", lambda *a: False)
-        want = model(ids)
-    finally:
-        use_fused_kernels(None)
+    got = model(ids)
+    fused_calls = len(calls)
+    monkeypatch.setattr(nvfp4_matmul, "hands_over", lambda *a: False)
+    want = model(ids)
     layers = model.config.num_hidden_layers
     # without the handover: qkv, o, gate/up, down
     assert (fused_calls, len(calls) - fused_calls) == (per_layer * layers, 4 * layers)
@@ -182,7 +179,7 @@ def test_linear_triton_k_not_a_multiple_of_the_tile_and_fast_mode():
     x = torch.randn(6, 48, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     _assert_gemm_close(tri(x), ref(x), _gemm_bound(x, tri), 48)
     ref, tri = _pair(Linear, 512, 32)  # K a multiple of the decode layout's column group: decode GEMM
-    tri.fast = True
+    tri.set_recipe(tri.recipe.with_execution(fast=True))
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     _assert_gemm_close(tri(x), ref(x), _gemm_bound(x, tri), 512)
 
@@ -197,10 +194,10 @@ if torch.cuda.is_available():
 
 @pytest.mark.parametrize("changes", list(VARIANTS.values()), ids=list(VARIANTS))
 def test_linear_triton_covers_variants_of_aligned(changes):
-    recipe = get_recipe("aligned", backend="ref", **changes)
+    recipe = get_recipe("aligned", **changes).with_execution(backend="ref")
     torch.manual_seed(0)
     ref = Linear(64, 40, recipe=recipe).to(DEVICE)
-    tri = Linear(64, 40, recipe=recipe.replace(backend="triton")).to(DEVICE)
+    tri = Linear(64, 40, recipe=recipe.with_execution(backend="triton")).to(DEVICE)
     tri.load_state_dict(ref.state_dict())
     assert use_kernels(tri.recipe, DEVICE)
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(8)).to(DEVICE)
@@ -210,8 +207,8 @@ def test_linear_triton_covers_variants_of_aligned(changes):
 def test_linear_uncovered_recipe_falls_back_to_the_reference():
     torch.manual_seed(0)
     spec = QuantSpec(scaling="tensor", hadamard=True)
-    ref = Linear(64, 32, recipe=get_recipe("te", backend="ref", activation=spec)).to(DEVICE)
-    tri = Linear(64, 32, recipe=get_recipe("te", backend="triton", activation=spec)).to(DEVICE)
+    ref = Linear(64, 32, recipe=get_recipe("te", activation=spec).with_execution(backend="ref")).to(DEVICE)
+    tri = Linear(64, 32, recipe=get_recipe("te", activation=spec).with_execution(backend="triton")).to(DEVICE)
     tri.load_state_dict(ref.state_dict())
     x = torch.randn(5, 64, device=DEVICE)
     assert torch.equal(tri(x), ref(x))
@@ -232,8 +229,8 @@ def test_linear_engine_emulations_on_the_kernels_match_their_references(name, ro
     if name == "torchao" and not torch.cuda.is_available():
         pytest.skip("the bf16_scalar epilogue needs the GPU's bf16 rounding (interpreter truncates)")
     torch.manual_seed(0)
-    ref = Linear(64, 48, recipe=get_recipe(name, backend="ref")).to(DEVICE)
-    tri = Linear(64, 48, recipe=get_recipe(name, backend="triton")).to(DEVICE)
+    ref = Linear(64, 48, recipe=get_recipe(name).with_execution(backend="ref")).to(DEVICE)
+    tri = Linear(64, 48, recipe=get_recipe(name).with_execution(backend="triton")).to(DEVICE)
     tri.load_state_dict(ref.state_dict())
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(9)).to(DEVICE)
     if name == "vllm":
@@ -253,7 +250,7 @@ def test_linear_engine_emulations_on_the_kernels_match_their_references(name, ro
 def test_linear_triton_backward(backward):
     torch.manual_seed(0)
     ref = Linear(64, 32, recipe=get_recipe("aligned", backward=backward)).to(DEVICE)
-    tri = Linear(64, 32, recipe=get_recipe("aligned", backward=backward, backend="triton")).to(DEVICE)
+    tri = Linear(64, 32, recipe=ref.recipe.with_execution(backend="triton")).to(DEVICE)
     tri.load_state_dict(ref.state_dict())
     x = torch.randn(2, 3, 64, device=DEVICE)
     grads = []
@@ -302,14 +299,12 @@ def test_moe_triton_matches_ref_and_moe_reference():
 def test_moe_triton_grouped_decode_and_bf16_copy_give_the_same_bits(monkeypatch):
     """Few rows per expert run the grouped decode kernel on the packed weights, many the aligned tile
     on the bf16 copy: the same outputs either way (K = 64: one interpreter K step)."""
-    from minite.nn import nvfp4_matmul
-
     _, tri = _pair(MoEExperts, 4, 64, 32, 2)
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(6)).to(DEVICE)
-    monkeypatch.setattr(nvfp4_matmul, "DECODE_MAX_ROWS_PER_EXPERT", 64)
+    tri.set_recipe(tri.recipe.with_execution(decode_max_rows_per_expert=64))
     decoded = tri(x)
-    assert any(key[0] == "decode" for key in tri.quantized_weight("gate_up_proj")._operands)
-    monkeypatch.setattr(nvfp4_matmul, "DECODE_MAX_ROWS_PER_EXPERT", 0)
+    assert tri.quantized_weight("gate_up_proj").decode_dtypes()
+    tri.set_recipe(tri.recipe.with_execution(decode_max_rows_per_expert=0))
     assert torch.equal(tri(x), decoded)
 
 
@@ -356,20 +351,18 @@ def test_gpu_aligned_linear_triton_vs_ref(dtype):
     _assert_gemm_close(full, ref(x), _gemm_bound(x, tri), 512, BF16_RTOL if dtype == torch.bfloat16 else 0.0)
     for m in (1, 7, 64):  # the aligned config: rows do not depend on M
         assert torch.equal(tri(x[:m]), full[:m])
-    # M <= ALIGNED_DECODE_MAX_M read the packed weight in the decode layout; 300 rows the bf16 copy
-    assert ("decode", torch.bfloat16) in tri.quantized_weight()._operands
+    # M <= execution.decode_max_m read the packed weight in the decode layout; 300 rows the bf16 copy
+    assert torch.bfloat16 in tri.quantized_weight().decode_dtypes()
 
 
 def test_aligned_linear_few_rows_take_the_decode_layout_with_the_same_bits(monkeypatch):
-    """M <= ALIGNED_DECODE_MAX_M runs the decode kernel in the aligned K order: the same rows as the
+    """M <= execution.decode_max_m runs the decode kernel in the aligned K order: the same rows as the
     aligned GEMM on the bf16 copy (interpreter, fp16; the GPU test checks bf16 on heavy-tailed data)."""
-    from minite.nn import nvfp4_matmul
-
     _, tri = _pair(Linear, 128, 48)
     x = torch.randn(9, 128, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     decoded = tri(x)
-    assert any(key[0] == "decode" for key in tri.quantized_weight()._operands)
-    monkeypatch.setattr(nvfp4_matmul, "ALIGNED_DECODE_MAX_M", 0)
+    assert tri.quantized_weight().decode_dtypes()
+    tri.set_recipe(tri.recipe.with_execution(decode_max_m=0))
     assert torch.equal(tri(x), decoded)
 
 
@@ -466,7 +459,7 @@ def test_moe_grouped_mm_backward_matches_the_padded_one(monkeypatch):
     real = torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
     for on in (False, True):
-        use_grouped_mm(tri, on)
+        tri.set_recipe(tri.recipe.with_execution(grouped_mm=on))
         tri.zero_grad()
         xi = x.clone().requires_grad_()
         tri(xi).float().square().sum().backward()
@@ -486,8 +479,8 @@ def test_gpu_engine_emulation_models_on_the_kernels_match_their_references(name)
 
     cfg = tiny_qwen3(num_hidden_layers=4)
     torch.manual_seed(0)
-    ref = Qwen3(cfg, recipe=get_recipe(name, backend="ref")).to("cuda", torch.bfloat16)
-    tri = Qwen3(cfg, recipe=get_recipe(name, backend="triton")).to("cuda", torch.bfloat16)
+    ref = Qwen3(cfg, recipe=get_recipe(name).with_execution(backend="ref")).to("cuda", torch.bfloat16)
+    tri = Qwen3(cfg, recipe=get_recipe(name).with_execution(backend="triton")).to("cuda", torch.bfloat16)
     tri.load_state_dict(ref.state_dict())
     ids = torch.randint(0, cfg.vocab_size, (4, 33), device="cuda")
     if name == "vllm":
@@ -506,7 +499,7 @@ def test_gpu_non_finite_input_under_one_global_scale_makes_every_row_nan(name):
     """One scale for the whole input: an inf anywhere makes every output row NaN (as the reference
     marks the whole tensor), without a host sync."""
     torch.manual_seed(0)
-    lin = Linear(64, 32, recipe=get_recipe(name, backend="triton")).cuda()
+    lin = Linear(64, 32, recipe=get_recipe(name).with_execution(backend="triton")).cuda()
     x = torch.randn(5, 64, device="cuda")
     if name == "vllm":
         _calibrated(lin, x)

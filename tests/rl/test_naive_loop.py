@@ -8,6 +8,7 @@ import torch
 
 from minite.config import ConfigError, load_config
 from minite.nn import Linear
+from minite.nn.segmented_linear import SegmentedLinear
 from minite.nvfp4 import quantize
 from minite.rl.trainer import Trainer
 from tests.rl.test_trainer import TINY, parity_reward
@@ -65,30 +66,50 @@ def test_sync_gives_the_sampler_an_independent_quantization_under_its_chain(tmp_
     for name, lin in trainer.sampler_model.named_modules():
         if not isinstance(lin, Linear) or not lin.recipe.fp4:
             continue
-        qw = lin.quantized_weight().q
-        want = quantize(learner[name].weight.detach(), **trainer.sampler_recipe.weight.kwargs())
-        assert torch.equal(qw.codes, want.codes), name
-        assert torch.equal(qw.block_scales.view(torch.uint8), want.block_scales.view(torch.uint8)), name
-        assert torch.equal(qw.global_scale, want.global_scale), name
-        n += 1
+        segmented = isinstance(lin, SegmentedLinear)
+        qws = lin.quantized_weights() if segmented else [lin.quantized_weight()]
+        weights = learner[name].segments() if segmented else [learner[name].weight]
+        for qw, w in zip(qws, weights, strict=True):
+            want = quantize(w.detach(), **trainer.sampler_recipe.weight.kwargs())
+            assert torch.equal(qw.q.codes, want.codes), name
+            assert torch.equal(qw.q.block_scales.view(torch.uint8), want.block_scales.view(torch.uint8)), name
+            assert torch.equal(qw.q.global_scale, want.global_scale), name
+            n += 1
     assert n == 7  # q, k, v, o, gate, up, down of the one layer
 
 
 def test_every_sync_recalibrates_the_sampler(tmp_path):
     trainer = _naive(tmp_path, "--rl.steps=1", "--warmup.steps=1", "--sampler.calibration=every_sync")
     trainer.sync_sampler(calibrate=True)
-    before = trainer.sampler_model.layers[0].self_attn.q_proj.input_scale.clone()
+    before = trainer.sampler_model.layers[0].self_attn.qkv_proj.input_scale.clone()
     with torch.no_grad():
         trainer.model.layers[0].input_layernorm.weight.mul_(3)
     trainer.sync_sampler()
-    assert not torch.equal(trainer.sampler_model.layers[0].self_attn.q_proj.input_scale, before)
+    assert not torch.equal(trainer.sampler_model.layers[0].self_attn.qkv_proj.input_scale, before)
 
 
 @pytest.mark.parametrize("override,match", [
     ("--sampler.recipe=fp8", "sampler.recipe"),
     ("--sampler.calibration=never", "calibration"),
-    ("--sampler.recipe_overrides={backend=\"ref\"}", "recipe_overrides need a sampler recipe"),
+    ("--sampler.recipe_overrides={execution={backend=\"ref\"}}", "recipe_overrides need a sampler recipe"),
 ])
 def test_bad_sampler_settings_name_the_key(override, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, [override])
+
+
+def test_the_fast_bf16_sampler_has_its_own_model_and_a_gap(tmp_path):
+    cfg = load_config(None, TINY + ["--recipe.name=bf16", "--sampler.engine=fast", "--rl.steps=1"])
+    trainer = Trainer(cfg, tmp_path / "run")
+    trainer.task.reward = parity_reward
+    assert trainer.sampler_model is not trainer.model
+    assert trainer.sampler_model.recipe.name == "bf16"
+    assert trainer.sampler_model.recipe.execution.attention == "sdpa"
+    trainer.run()
+    (rl,) = [r for r in _records(tmp_path / "run") if r["kind"] == "rl"]
+    assert rl["mismatch/bitwise_equal_frac"] < 1  # SDPA's arithmetic, not the learner's
+
+
+def test_the_fast_engine_refuses_a_quantized_recipe():
+    with pytest.raises(ConfigError, match="engine='fast' samples in bf16"):
+        load_config(None, TINY + ["--sampler.engine=fast", "--sampler.recipe=vllm"])

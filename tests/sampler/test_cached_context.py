@@ -3,8 +3,8 @@ the KV cache, the backend follows the device, and every module's hooks see the s
 
 import torch
 
-from minite.nn.attention_backends import PagedKernelAttention, PagedReferenceAttention
-from minite.sampler import Sampler, runner
+from minite.nn.attention_backends import PagedKernelAttention, PagedReferenceAttention, PagedSDPAAttention
+from minite.sampler import Sampler
 from minite.sampler.kv_cache import KVCache
 from minite.sampler.runner import build_batch, cached_context, cached_forward
 from minite.sampling import SamplingParams
@@ -26,7 +26,8 @@ def test_prefill_writes_every_layers_keys_at_the_slots():
     for i, layer in enumerate(model.layers):
         # k as the layer computed it: project_qkv's second output
         real = layer.self_attn.project_qkv
-        layer.self_attn.project_qkv = lambda x, pos, i=i, real=real: keys.setdefault(i, real(x, pos))
+        layer.self_attn.project_qkv = (lambda x, pos, *rest, i=i, real=real:
+                                       keys.setdefault(i, real(x, pos, *rest)))
     with torch.no_grad():
         logits = cached_forward(model, cache, batch)
     assert logits.shape == (2, model.config.vocab_size)
@@ -35,14 +36,14 @@ def test_prefill_writes_every_layers_keys_at_the_slots():
         assert torch.equal(flat[i, batch.slots], keys[i][1])
 
 
-def test_backend_follows_the_device(monkeypatch):
+def test_backend_follows_the_device():
     model = tiny_model()
     cache = _cache(model)
     batch = build_batch(prompts_of([5]), [0], [[1, 3]], cache.block_size, cache.scratch_block, "cpu")
     ctx = cached_context(model, cache, batch)
     assert isinstance(ctx.attention, PagedReferenceAttention)
     assert ctx.kv_cache is cache and ctx.slots is batch.slots and ctx.output_rows is batch.last
-    monkeypatch.setattr(runner, "kernel_enabled", lambda device: True)
+    model.set_recipe(model.recipe.with_execution(attention="triton"))  # the kernel, also on the CPU
     assert isinstance(cached_context(model, cache, batch).attention, PagedKernelAttention)
 
 
@@ -55,3 +56,34 @@ def test_module_hooks_see_every_step():
     Sampler(model, max_num_seqs=2, block_size=4).generate(prompts_of([5]), params)
     # a prefill of the 5 prompt tokens, then two decode steps; one row of logits each
     assert rows == {"layer": [5, 1, 1], "logits": [1, 1, 1]}
+
+
+def test_the_fast_engine_attends_through_sdpa_with_the_references_visibility():
+    model = tiny_model()
+    tokens = prompts_of([6, 3, 1])
+    tables = [[5, 2], [0], [7]]
+    out = {}
+    for fast in (False, True):
+        if fast:
+            model.set_recipe(model.recipe.with_execution(attention="sdpa"))
+        cache = _cache(model)
+        batch = build_batch(tokens, [0, 0, 0], tables, cache.block_size, cache.scratch_block, "cpu", rows=4)
+        assert isinstance(cached_context(model, cache, batch).attention,
+                          PagedSDPAAttention if fast else PagedReferenceAttention)
+        with torch.no_grad():
+            out[fast] = cached_forward(model, cache, batch)
+    assert torch.isfinite(out[True]).all()  # the padding row sees a key: no NaN
+    torch.testing.assert_close(out[True][:3], out[False][:3], rtol=1e-4, atol=1e-4)
+
+
+def test_the_fast_sampler_generates_what_the_reference_does_up_to_rounding():
+    model = tiny_model()
+    prompts = prompts_of([5, 9, 2])
+    params = SamplingParams(temperature=1.0, max_tokens=6, seed=3)
+    ref = Sampler(model, kv_cache_tokens=256).generate(prompts, params)
+    model.set_recipe(model.recipe.with_execution(attention="sdpa"))
+    fast = Sampler(model, kv_cache_tokens=256).generate(prompts, params)
+    for r, f in zip(ref, fast):
+        for a, b in zip(r.samples, f.samples):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(b.logprobs, a.logprobs, rtol=0, atol=1e-4)

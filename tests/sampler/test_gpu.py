@@ -36,6 +36,6 @@ def test_graphs_are_recaptured_after_a_weight_update():
     graphed = Sampler(model, max_num_seqs=4, kv_cache_tokens=1024, cuda_graphs=True)
     graphed.generate(prompts, params)
     with torch.no_grad():
-        model.layers[0].mlp.up_proj.weight.mul_(-1.0)
+        model.layers[0].mlp.gate_up_proj.segments()[1].mul_(-1.0)  # up
     fresh = Sampler(model, max_num_seqs=4, kv_cache_tokens=1024, cuda_graphs=False)
     assert tokens_of(graphed.generate(prompts, params)) == tokens_of(fresh.generate(prompts, params))
