@@ -26,6 +26,7 @@ from minite.recipe import Recipe, get_recipe
 from minite.rl.advantages import AdvantageConfig
 from minite.rl.corrections import CorrectionConfig
 from minite.rl.losses import LossConfig
+from minite.rl.lr_schedule import SCHEDULES
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -36,14 +37,15 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSection:
-    """An HF model directory `path` (its weights; `tokenizer = ""` takes its tokenizer), or, when
-    `path` is empty, a randomly initialized `preset` of `minite.models.presets` with `config`
-    overriding `ModelConfig` fields (`hidden_size = 256`)."""
+    """An HF model directory `path` (its weights, tokenizer, chat template and generation_config), or,
+    when `path` is empty, a randomly initialized `preset` of `minite.models.presets` with `config`
+    overriding `ModelConfig` fields (`hidden_size = 256`). `tokenizer`: empty for the model
+    directory's own (the char tokenizer for a preset), `"char"`, or another tokenizer's directory."""
 
     preset: str = "tiny-char"
     path: str = ""
     config: dict[str, Any] = field(default_factory=dict)
-    tokenizer: str = "char"
+    tokenizer: str = ""
     dtype: str = "float32"
     device: str = "cpu"
     init_std: float = 0.02
@@ -56,6 +58,10 @@ class ModelSection:
             raise ValueError("config shapes a preset; a model loaded from path keeps its config.json")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {list(DTYPES)}")
+
+    def tokenizer_source(self) -> str:
+        """What `minite.rl.tokenizer.load_tokenizer` gets: "char" or a directory."""
+        return self.tokenizer or self.path or "char"
 
     def model_config(self) -> ModelConfig:
         """The preset's `ModelConfig` with `config` applied (only for presets)."""
@@ -75,27 +81,41 @@ class TaskSection:
     """`minite.rl.tasks.make_task(name, seed=seed, **args)`; `args` belong to the task `name` (set both
     when switching tasks: `--task.name=countdown --task.args={}`). `reward`: empty for the task's own
     reward, or `module:function` (several comma-separated, summed with `reward_weights`), called as
-    `function(completion, example) -> float` (`minite.rl.reward_import`)."""
+    `function(completion, example) -> float` (`minite.rl.reward_import`); `name` may also be
+    `module:Class` (a `minite.rl.tasks.Task` of one's own, built with `args`). `chat_template`: a
+    tokenizer with a chat template gets each prompt as a user turn (after `system_prompt` when one is
+    given), the generation prompt added and `chat_template_kwargs` passed (`{enable_thinking = false}`);
+    false, or a tokenizer without one, encodes the prompt text as it is."""
 
     name: str = "arithmetic"
     seed: int = 0
     args: dict[str, Any] = field(default_factory=lambda: {"operands": [2, 4]})
     reward: str = ""
     reward_weights: list = field(default_factory=list)
+    chat_template: bool = True
+    system_prompt: str = ""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class SamplingSection:
+    """Rollout sampling. Generation stops at `max_tokens`, at the tokenizer's eos or a stop id of the
+    model's generation_config.json, or at the first of the `stop` strings (the response then ends
+    with it; what was sampled after it is dropped)."""
+
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     max_tokens: int = 4
+    stop: list = field(default_factory=list)
 
     def __post_init__(self):
         if not self.temperature > 0:
             raise ValueError(f"temperature={self.temperature} must be > 0 for RL (greedy is for eval)")
         if not 0 < self.top_p <= 1 or self.top_k < 0 or self.max_tokens < 1:
             raise ValueError("need 0 < top_p <= 1, top_k >= 0 and max_tokens >= 1")
+        if not all(isinstance(x, str) and x for x in self.stop):
+            raise ValueError(f"stop={self.stop!r} must be a list of non-empty strings")
 
 
 CALIBRATIONS = ("once", "every_sync")
@@ -161,7 +181,11 @@ class RLSection:
     step (its update not applied), `"skip"` the update with a warning, `"warn"` and train on (the
     optimizer still skips a non-finite gradient). Non-finite weights always stop the run.
     `on_divergence`: what a diverged run does (a warm start ending worse than a uniform guess, a
-    reward stuck at 0): `"warn"` (in the log and summary.json) or `"stop"` with an error."""
+    reward stuck at 0): `"warn"` (in the log and summary.json) or `"stop"` with an error.
+    `lr_schedule` over the RL steps (`minite.rl.lr_schedule`): "constant", "linear" or "cosine" decay
+    to 0, after `lr_warmup_steps` of linear warm-up. The learner's forward and backward run on
+    micro-batches of at most `micro_batch_tokens` packed tokens, with activation checkpointing
+    (recompute each decoder layer in the backward) if asked."""
 
     steps: int = 150
     lr: float = 1e-4
@@ -175,9 +199,17 @@ class RLSection:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     on_nonfinite: str = "stop"
     on_divergence: str = "warn"
+    lr_schedule: str = "constant"
+    lr_warmup_steps: int = 0
+    micro_batch_tokens: int = 8192
+    activation_checkpointing: bool = False
 
     def __post_init__(self):
-        _positive(self, "steps", "prompts", "minibatches")
+        _positive(self, "steps", "prompts", "minibatches", "micro_batch_tokens")
+        if self.lr_schedule not in SCHEDULES:
+            raise ValueError(f"lr_schedule={self.lr_schedule!r}; choose one of {list(SCHEDULES)}")
+        if self.lr_warmup_steps < 0:
+            raise ValueError(f"lr_warmup_steps={self.lr_warmup_steps} must be >= 0")
         if self.on_nonfinite not in NONFINITE:
             raise ValueError(f"on_nonfinite={self.on_nonfinite!r}; choose one of {list(NONFINITE)}")
         if self.on_divergence not in DIVERGENCE:
@@ -206,13 +238,19 @@ class WarmupSection:
 
 @dataclass(frozen=True)
 class LoggingSection:
+    """Every record goes to metrics.jsonl; also to TensorBoard (`tensorboard/` in the run folder) and,
+    with `wandb = true` (`pip install wandb`), to Weights & Biases project `wandb_project`."""
+
     progress: bool = True
     tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "minite"
 
 
 @dataclass(frozen=True)
 class CheckpointSection:
-    """Save every `every` RL steps (0: never), keeping the last `keep`."""
+    """Save every `every` RL steps (0: never), keeping the last `keep`. Whatever `every` says, the run
+    folder's `final/` gets the trained model as a complete Hugging Face directory at the end."""
 
     every: int = 25
     keep: int = 2
@@ -226,15 +264,21 @@ class CheckpointSection:
 class EvalSection:
     """Held-out evaluation every `every` RL steps (0: only before and after RL) on `size` examples:
     greedy accuracy, and the mean reward of `samples` samples per example at the training temperature
-    (0: none)."""
+    (0: none). `files`: evaluation sets apart from the task (JSONL / JSON / parquet question-answer
+    files, read as `task.name = "file"` reads them), each scored the same way (greedy accuracy,
+    pass@k, avg@k and maj@k over `samples` samples; `minite.rl.evaluation`) under
+    `eval/<file stem>/...`, with the task's reward (or `task.reward`)."""
 
     every: int = 25
     size: int = 256
     samples: int = 4
+    files: list = field(default_factory=list)
 
     def __post_init__(self):
         if self.every < 0 or self.size < 1 or self.samples < 0:
             raise ValueError("need every >= 0, size >= 1 and samples >= 0")
+        if not all(isinstance(f, str) and f for f in self.files):
+            raise ValueError(f"files={self.files!r} must be a list of file paths")
 
 
 @dataclass(frozen=True)
@@ -335,9 +379,39 @@ def to_dict(obj) -> dict:
     return plain(obj)
 
 
+# A model loaded from model.path is a pretrained one: these replace the char model's defaults
+# (warm start, learning rates, response length) wherever the file and the overrides leave them unset.
+PRETRAINED_DEFAULTS = {"warmup.steps": 0, "warmup.lr": 1e-5, "rl.lr": 1e-6, "sampling.max_tokens": 1024}
+
+
+def _given(data: dict, key: str) -> bool:
+    node = data
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def char_defaults_in_use(cfg: TrainConfig) -> list[str]:
+    """The `key = value` settings of `cfg` that are the char model's defaults where
+    `PRETRAINED_DEFAULTS` differ (what a real tokenizer's run should not keep unawares)."""
+    default = to_dict(TrainConfig())
+    current = to_dict(cfg)
+    out = []
+    for key in PRETRAINED_DEFAULTS:
+        if key.startswith("warmup.") and key != "warmup.steps" and not cfg.warmup.steps:
+            continue
+        section, leaf = key.split(".")
+        if current[section][leaf] == default[section][leaf]:
+            out.append(f"{key} = {current[section][leaf]}")
+    return out
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
     """The config of a TOML file (None: the embedded default) with dotted overrides applied on top of
-    the resolved file (so `--model.config.hidden_size=256` keeps the file's other model.config keys)."""
+    the resolved file (so `--model.config.hidden_size=256` keeps the file's other model.config keys).
+    With `model.path` set, `PRETRAINED_DEFAULTS` fill the keys neither the file nor an override sets."""
     data = {}
     if path is not None:
         path = Path(path)
@@ -350,6 +424,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
     cfg = build(TrainConfig, data)
     if overrides:
         cfg = build(TrainConfig, apply_overrides(to_dict(cfg), list(overrides)))
+    given = apply_overrides(data, list(overrides))
+    if cfg.model.path:
+        pretrained = [f"{k}={_literal(v)}" for k, v in PRETRAINED_DEFAULTS.items() if not _given(given, k)]
+        if pretrained:
+            cfg = build(TrainConfig, apply_overrides(to_dict(cfg), pretrained))
     check(cfg)
     return cfg
 
@@ -363,7 +442,8 @@ def check(cfg: TrainConfig) -> None:
                 ("sampler.recipe", lambda: cfg.sampler.recipe and get_recipe(cfg.sampler.recipe,
                                                                              **cfg.sampler.recipe_overrides)),
                 ("task.args", lambda: make_task(cfg.task.name, seed=cfg.task.seed, **cfg.task.args)),
-                ("task.reward", lambda: task_reward(cfg))]
+                ("task.reward", lambda: task_reward(cfg)),
+                ("logging.wandb", lambda: cfg.logging.wandb and _needs_package("wandb"))]
     if not cfg.model.path:
         attempts.append(("model.config", cfg.model.model_config))
     for where, attempt in attempts:
@@ -371,6 +451,18 @@ def check(cfg: TrainConfig) -> None:
             attempt()
         except (ValueError, TypeError) as e:
             raise ConfigError(f"{where}: {e}") from None
+
+
+def _needs_package(name: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(name) is None:
+        raise ValueError(f"true needs the {name} package: pip install {name}")
+
+
+def loss_normalizer(cfg: TrainConfig) -> int:
+    """Dr. GRPO's constant: `rl.loss.normalizer`, or (0) the generation budget `sampling.max_tokens`."""
+    return cfg.rl.loss.normalizer or cfg.sampling.max_tokens
 
 
 def task_reward(cfg: TrainConfig):

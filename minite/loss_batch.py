@@ -30,8 +30,8 @@ import torch
 from torch import Tensor
 
 # token_mean: the mean over all response tokens; seq_mean: the mean over non-empty sequences of each
-# sequence's token mean
-AGGREGATIONS = ("token_mean", "seq_mean")
+# sequence's token mean; seq_mean_token_sum_norm: of each sequence's token sum over a constant (Dr. GRPO)
+AGGREGATIONS = ("token_mean", "seq_mean", "seq_mean_token_sum_norm")
 
 
 @dataclass(frozen=True)

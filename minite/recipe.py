@@ -70,7 +70,7 @@ class Recipe:
     bf16_first_layers: int = 0
     bf16_last_layers: int = 0
     # "shared": q/k/v and gate/up quantize with one weight global scale per group, as serving engines
-    # run them (`minite.nn.segmented_linear`); "separate": each projection its own
+    # run them (`minite.nn.linear.SegmentedLinear`); "separate": each projection its own
     fused_scale: str = "separate"
 
     def __post_init__(self):

@@ -90,6 +90,19 @@ def _setup(case: str, tmp: Path, model_dir: Path) -> list[str]:
     if case == "diagnose-prompts-bad-jsonl":
         (tmp / "p.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": 3+}\n')
         return FAST_DIAGNOSE + ["--prompts", str(tmp / "p.jsonl"), "--out", str(tmp / "r")]
+    if case.startswith("eval-"):
+        (tmp / "d.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')
+    if case == "eval-model-missing":
+        return ["eval", "--model", str(tmp / "none"), "--data", str(tmp / "d.jsonl")]
+    if case == "eval-no-tokenizer":  # a folder with weights only: AutoTokenizer would invent one
+        return ["eval", "--model", str(model_dir), "--data", str(tmp / "d.jsonl")]
+    if case == "eval-data-missing":
+        return ["eval", "--model", str(tmp / "none"), "--data", str(tmp / "none.jsonl")]
+    if case == "eval-bad-reward":
+        return ["eval", "--model", str(model_dir), "--data", str(tmp / "d.jsonl"), "--reward", "close"]
+    if case == "eval-no-answer-column":
+        (tmp / "d.jsonl").write_text('{"question": "1+1?", "result": "2"}\n')
+        return ["eval", "--model", str(model_dir), "--data", str(tmp / "d.jsonl")]
     raise AssertionError(case)
 
 
@@ -111,6 +124,11 @@ CASES = [
     ("diagnose-temperature-negative", 2, ["--temperature -1", "use temperature > 0"]),
     ("diagnose-prompts-missing", 2, ["--prompts", "none.txt does not exist"]),
     ("diagnose-prompts-bad-jsonl", 2, ["p.jsonl prompt 2 is not valid JSON"]),
+    ("eval-model-missing", 2, ["cannot load a tokenizer from", "none", "no such directory"]),
+    ("eval-no-tokenizer", 2, ["holds no tokenizer", "model.tokenizer"]),
+    ("eval-data-missing", 2, ["task file not found", "none.jsonl"]),
+    ("eval-bad-reward", 2, ["--reward 'close'", "exact, math_verify or module:function"]),
+    ("eval-no-answer-column", 2, ["d.jsonl", "no answer column", "--answer-key"]),
 ]
 ARGPARSE_CASES = [  # refused by argparse: its usage line, then the one error line naming the flag
     ("agreement --num-prompts 0", "argument --num-prompts: must be at least 1, got 0"),
@@ -121,6 +139,8 @@ ARGPARSE_CASES = [  # refused by argparse: its usage line, then the one error li
     ("diagnose --samples 0", "argument --samples: must be at least 1, got 0"),
     ("diagnose --max-tokens 0", "argument --max-tokens: must be at least 1, got 0"),
     ("diagnose --warmup-steps -1", "argument --warmup-steps: must be at least 0, got -1"),
+    ("eval --model m --data d --n -1", "argument --n: must be at least 0, got -1"),
+    ("train --rl.steps", "override --rl.steps needs a value"),
 ]
 
 

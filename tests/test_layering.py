@@ -9,9 +9,9 @@ submodules would otherwise form a cycle with each of them.
 
 The layers, lowest first (`LAYERS`); a module may import its own layer and the ones below:
 
-- root:        `minite/__init__.py` (the version), `devices` (the compute device check) and `files`
-               (atomic writes, write errors naming the path); they import only torch and the
-               standard library;
+- root:        `minite/__init__.py` (the version), `devices` (the compute device check), `files`
+               (atomic writes, write errors naming the path) and `distributed` (the process group
+               of a run across processes); they import only torch and the standard library;
 - format:      the NVFP4 container, its decode and argument checks (`nvfp4_format`), and the RHT that
                its `dequantize` undoes (`ref/hadamard.py`, a leaf that ref and kernels use too);
 - ref:         the numerics contract in plain PyTorch;
@@ -40,7 +40,7 @@ ROOT = "minite"
 
 # (name, modules): a module named here and every module below it, except that the root names itself only
 LAYERS = (
-    ("root", ("minite", "minite.devices", "minite.files")),
+    ("root", ("minite", "minite.devices", "minite.distributed", "minite.files")),
     ("format", ("minite.nvfp4_format", "minite.ref.hadamard")),
     ("ref", ("minite.ref",)),
     ("kernels", ("minite.kernels",)),
@@ -59,12 +59,8 @@ LAYERS = (
 # pairs in one layer that import neither each other nor each other's modules
 INDEPENDENT = (("minite.sampler", "minite.learner"),)
 
-# cycles still to be cut: {modules}: why it is there; remove the entry when the cycle is gone
-KNOWN_CYCLES = {
-    frozenset({"minite.kernels.nvfp4", "minite.kernels.nvfp4_pairs"}):
-        "the pair kernel reuses the general kernel's jit helpers, whose launcher dispatches to it; "
-        "goes when the helpers get a module of their own (kernels/nvfp4/ as a package)",
-}
+# cycles still to be cut: {frozenset of modules: why it is there}; remove the entry when the cycle is gone
+KNOWN_CYCLES: dict[frozenset, str] = {}
 
 
 def module_files(package: Path = PACKAGE) -> dict[str, tuple[Path, bool]]:

@@ -30,8 +30,8 @@ from minite.diagnostics.agreement import measure_agreement, random_prompts
 from minite.diagnostics.metrics import mismatch_metrics
 from minite.learner import SequenceBatch, batch_logprobs
 from minite.models import Qwen3, tiny_qwen3, tiny_qwen3_moe
+from minite.nn.linear import SegmentedLinear
 from minite.nn.pinned_weights import pin
-from minite.nn.segmented_linear import SegmentedLinear
 from minite.recipe import get_recipe
 from minite.sampler import Sampler
 from minite.sampling import SamplingParams

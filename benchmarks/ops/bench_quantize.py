@@ -1,5 +1,5 @@
 """NVFP4 quantize kernel throughput vs a device copy (the HBM ceiling), same process. bf16 inputs take
-the pair kernel (`kernels/nvfp4_pairs.py`); fp32 inputs the general kernel (`kernels/nvfp4.py`).
+the pair kernel (`kernels/nvfp4/pairs.py`); fp32 inputs the general kernel (`kernels/nvfp4/`).
 
 Bytes counted: the input read once plus every output written once (codes, scales, values, scales).
 Timed two ways: do_bench in three interleaved rounds (best of each), and as CUDA graphs over 8 input

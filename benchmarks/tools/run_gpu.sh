@@ -4,8 +4,7 @@
 #   OP               benchmarks/ops/bench_OP.py: quantize gemm grouped_gemm decode_gemm grouped_decode
 #                    attention attention_backward norm sample
 #   rollout          dense rollout (Qwen3-1.7B shape) against Hugging Face generate
-#   rollout_moe      MoE rollout (24 of 48 Qwen3-30B-A3B layers) bf16 vs aligned, 3 paired rounds; then
-#                    aligned with the experts on the aligned tile over the bf16 copy
+#   rollout_moe      MoE rollout (24 of 48 Qwen3-30B-A3B layers) bf16 vs aligned, 3 paired rounds
 #   learner          learner train step, dense and MoE, with a profile of each (--kernels)
 #   rl_step          one RL step of configs/gpu_arith.toml: aligned, naive te/vllm, bf16
 #   profile_rollout  a rollout decode step's kernels: dense aligned, MoE bf16 and aligned

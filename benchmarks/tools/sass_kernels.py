@@ -31,7 +31,7 @@ from triton.compiler import ASTSource
 from minite.kernels import decode_gemm as kd
 from minite.kernels import gemm as kgemm
 from minite.kernels import grouped_decode as gd
-from minite.kernels import nvfp4_pairs as kp
+from minite.kernels.nvfp4 import pairs as kp
 
 DECODE_SIGNATURE = {"a_ptr": "*bf16", "codes_ptr": "*i16", "ws_ptr": "*bf16", "sa_ptr": "*fp32",
                     "sw_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",

@@ -1,5 +1,5 @@
 """Sweep of the row-scaled 1x16 quantize kernel's launch configuration (one GPU call), 16384 x 4096
-bf16, for the pair kernel that 16-bit inputs take (`minite/kernels/nvfp4_pairs.py`: words per
+bf16, for the pair kernel that 16-bit inputs take (`minite/kernels/nvfp4/pairs.py`: words per
 program, words a thread). Every candidate's codes, block scales and S_dec are compared bit for bit with
 the current configuration's; throughput counts the input read once plus the outputs written once, as
 `ops/bench_quantize.py` does, against a device copy in the same process, all timed as CUDA graphs
@@ -16,7 +16,7 @@ import torch
 
 from benchmarks.common import env_info, graph_us, warm_up
 from minite.kernels import nvfp4 as kq
-from minite.kernels import nvfp4_pairs as kp
+from minite.kernels.nvfp4 import pairs as kp
 
 SHAPES = [(16384, 4096)]
 GRID = dict(WORDS_WPT=[(2048, 32), (2048, 16), (2048, 8), (4096, 32), (4096, 16)])

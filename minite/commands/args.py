@@ -1,5 +1,5 @@
 """Argument types shared by the subcommands (a bad count is refused by argparse, naming the flag), and
-the open-ended `--section.key=value` config overrides."""
+the open-ended config overrides, `--section.key=value` or `--section.key value`."""
 
 import argparse
 
@@ -28,15 +28,40 @@ def is_override(arg: str) -> bool:
     return arg.startswith("--") and "=" in arg
 
 
+def _is_dotted_key(arg: str) -> bool:
+    """`--section.key` without a value (the value follows as the next argument)."""
+    return arg.startswith("--") and "=" not in arg and "." in arg.strip("-.")
+
+
+def join_overrides(rest: list[str]) -> tuple[list[str], list[str]]:
+    """(overrides as `--key=value`, the other arguments): `--a.b value` pairs are joined into one."""
+    overrides, other, i = [], [], 0
+    while i < len(rest):
+        arg = rest[i]
+        if is_override(arg):
+            overrides.append(arg)
+        elif _is_dotted_key(arg) and i + 1 < len(rest) and not rest[i + 1].startswith("--"):
+            overrides.append(f"{arg}={rest[i + 1]}")
+            i += 1
+        else:
+            other.append(arg)
+        i += 1
+    return overrides, other
+
+
 def collect_overrides(p: argparse.ArgumentParser) -> None:
-    """Let `p` take any `--section.key=value` (config overrides, open-ended, so argparse cannot list
-    them) into `args.overrides`; other unknown arguments stay errors."""
+    """Let `p` take any `--section.key=value` or `--section.key value` (config overrides, open-ended,
+    so argparse cannot list them) into `args.overrides`; other unknown arguments stay errors."""
     p.set_defaults(overrides=[])
     parse_known = p.parse_known_args
 
     def parse_known_args(args=None, namespace=None):
         ns, rest = parse_known(args, namespace)
-        ns.overrides = list(ns.overrides) + [a for a in rest if is_override(a)]
-        return ns, [a for a in rest if not is_override(a)]
+        overrides, other = join_overrides(rest)
+        bare = [a for a in other if _is_dotted_key(a)]
+        if bare:
+            p.error(f"override {bare[0]} needs a value: {bare[0]}=VALUE or {bare[0]} VALUE")
+        ns.overrides = list(ns.overrides) + overrides
+        return ns, other
 
     p.parse_known_args = parse_known_args

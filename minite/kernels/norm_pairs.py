@@ -2,7 +2,7 @@
 NVFP4 activation quantizer of its output fused in (`QUANT`).
 
 The rows are read as int32 words [rows, blocks, 8] (two elements a word, one 16-element block per 8
-words), the layout of the quantizer's pair kernel (`nvfp4_pairs`): a thread owns whole blocks, so the
+words), the layout of the quantizer's pair kernel (`nvfp4.pairs`): a thread owns whole blocks, so the
 normalized row, still in registers, is quantized with that kernel's helpers (`_emit_blocks`) and no
 layout conversion. Same formula as `norm._rms_norm_kernel` (fp32 statistics, y = x * inv rounded to
 x's dtype, out = weight * y rounded once); the sum of squares runs in this layout's order, so its
@@ -22,8 +22,8 @@ import triton.language as tl
 from minite.kernels import interpreted
 from minite.kernels.launch import cdiv, next_power_of_2
 from minite.kernels.launch import launch as launch_kernel
-from minite.kernels.nvfp4 import CHAIN_IDS, _max_nan, _row_scales
-from minite.kernels.nvfp4_pairs import _bits16, _emit_blocks, _halves
+from minite.kernels.nvfp4.blocks import CHAIN_IDS, _max_nan, _row_scales
+from minite.kernels.nvfp4.pairs import _bits16, _emit_blocks, _halves
 from minite.kernels.rounding import round_to
 
 WORDS = 2048  # int32 words per program (at least one row)

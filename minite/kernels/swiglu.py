@@ -5,7 +5,7 @@ in (`swiglu_quantize`): the MLP's down projection reads h quantized, so the quan
 Per element, torch's formula for bf16 / fp16 tensors: s = gate / (1 + exp(-gate)) in fp32 (IEEE
 division; exp: libdevice's expf on the GPU, numpy's in the interpreter) rounded to the dtype, then
 h = s * up in fp32 rounded to the dtype (`rounding.round_to`: on the bits for bf16). Rows are read as
-int32 words [rows, blocks, 8], the layout of the quantizer's pair kernel (`nvfp4_pairs`), whose
+int32 words [rows, blocks, 8], the layout of the quantizer's pair kernel (`nvfp4.pairs`), whose
 helpers quantize h while it is in registers: the values, S_dec and amax are bitwise
 `nvfp4.quantize_unscaled` of the stored h. Element-wise, so batch
 invariant. The backward recomputes silu(gate) and runs autograd's own ops (mul, mul, silu_backward):
@@ -21,8 +21,9 @@ from triton.language.extra import libdevice
 from minite.kernels import interpreted
 from minite.kernels.launch import cdiv, next_power_of_2
 from minite.kernels.launch import launch as launch_kernel
-from minite.kernels.nvfp4 import CHAIN_IDS, _max_nan, _row_scales, check_fused_output
-from minite.kernels.nvfp4_pairs import _bits16, _emit_blocks, _halves, _load_blocks
+from minite.kernels.nvfp4 import check_fused_output
+from minite.kernels.nvfp4.blocks import CHAIN_IDS, _max_nan, _row_scales
+from minite.kernels.nvfp4.pairs import _bits16, _emit_blocks, _halves, _load_blocks
 from minite.kernels.rounding import round_to
 
 # a program covers WORDS int32 words of h: BLOCK_R rows x one chunk of up to CHUNK_WORDS (8 words a thread).

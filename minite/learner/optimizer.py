@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 class MasterAdamW:
@@ -70,6 +71,8 @@ class MasterAdamW:
             zero = torch.zeros((), device=device)
             return {"grad_norm": zero, "clip_coef": zero + 1, "skipped": zero}
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        if isinstance(norm, DTensor):  # sharded parameters (FSDP2): the norm over every rank's shards
+            norm = norm.full_tensor()
         finite = torch.isfinite(norm)
         divisor = None  # AdamW divides the grads by it: 1 / clip
         if self.max_grad_norm is not None:

@@ -19,7 +19,7 @@ version. Forward outputs of the two models are then bitwise equal.
 
 Payload layout: {"recipe": name, "quantized": {"<module>.<weight>": {codes, block_scales,
 global_scale, amax, shape, block, scaling, chain, hadamard}}, "tensors": {name: tensor}}; a segmented
-projection's segments as "<module>.weight.<segment>" (each quantized as its own tensor).
+projection's weight as {"segments": [one container per segment]} (each quantized as its own tensor).
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ import torch
 from torch import nn
 
 from minite.nn.calibrate import STATIC_SCALE_BUFFERS
-from minite.nn.linear import Linear
+from minite.nn.linear import Linear, SegmentedLinear
 from minite.nn.moe import EXPERT_WEIGHTS, MoEExperts
 from minite.nn.quantized_weight import QuantizedWeight
 from minite.nn.refresh import refresh_quantized_weights
-from minite.nn.segmented_linear import SegmentedLinear
 from minite.nvfp4 import NVFP4Tensor
 
 CONTAINER_TENSORS = ("codes", "block_scales", "global_scale", "amax")
@@ -62,29 +61,34 @@ def sync_sampler_model(sampler_model: nn.Module, learner_model: nn.Module) -> No
 
 
 def quantized_weights(model: nn.Module) -> dict[str, QuantizedWeight]:
-    """The `QuantizedWeight` objects the model's forward uses now, by "<module>.<weight>" name
-    (quantizing only those whose cache is stale)."""
+    """The `QuantizedWeight` objects the model's forward uses now, by "<module>.<weight>" name, a
+    segmented projection's by "<module>.weight.<segment>" (quantizing only those whose cache is stale)."""
     out = {}
     for name, (module, leaf) in _quantized_targets(model).items():
-        if isinstance(leaf, int):
-            out[name] = module.quantized_weights()[leaf]
+        if isinstance(module, SegmentedLinear):
+            out.update({f"{name}.{j}": qw for j, qw in enumerate(module.quantized_weights())})
         else:
             out[name] = module.quantized_weight() if leaf == "weight" else module.quantized_weight(leaf)
     return out
+
+
+def _container(qw: QuantizedWeight) -> dict:
+    q = qw.q
+    return {**{k: getattr(q, k).detach().clone() for k in CONTAINER_TENSORS},
+            **{k: getattr(q, k) for k in CONTAINER_META}}
 
 
 @torch.no_grad()
 def export_quantized_weights(model: nn.Module) -> dict:
     """Payload of codes and scales (+ the unquantized tensors) for `load_quantized_weights`."""
     quantized = {}
-    for name, qw in quantized_weights(model).items():
-        q = qw.q
-        quantized[name] = {**{k: getattr(q, k).detach().clone() for k in CONTAINER_TENSORS},
-                           **{k: getattr(q, k) for k in CONTAINER_META}}
-    segmented = {_join(prefix, "weight") for prefix, m in model.named_modules()
-                 if isinstance(m, SegmentedLinear) and m.recipe.fp4}
-    tensors = {name: p.detach().clone() for name, p in model.named_parameters()
-               if name not in quantized and name not in segmented}
+    for name, (module, leaf) in _quantized_targets(model).items():
+        if isinstance(module, SegmentedLinear):
+            quantized[name] = {"segments": [_container(qw) for qw in module.quantized_weights()]}
+        else:
+            quantized[name] = _container(module.quantized_weight() if leaf == "weight"
+                                         else module.quantized_weight(leaf))
+    tensors = {name: p.detach().clone() for name, p in model.named_parameters() if name not in quantized}
     for name, b in model.named_buffers():
         if name.rsplit(".", 1)[-1] in STATIC_SCALE_BUFFERS:
             tensors[name] = b.detach().clone()
@@ -109,39 +113,41 @@ def load_quantized_weights(model: nn.Module, payload: dict) -> None:
             prefix, _, leaf = name.rpartition(".")
             module = model.get_submodule(prefix)
             setattr(module, leaf, t.to(_device(model)).clone())
-    segments: dict[SegmentedLinear, dict[int, QuantizedWeight]] = {}
     for name, fields in payload["quantized"].items():
         module, leaf = targets[name]
-        param = module.segments()[leaf] if isinstance(leaf, int) else getattr(module, leaf)
-        spec = module.recipe.weight
-        q = NVFP4Tensor(**{k: fields[k].to(param.device) for k in CONTAINER_TENSORS},
-                        **{k: fields[k] for k in CONTAINER_META})
-        if (tuple(q.shape) != tuple(param.shape) or q.block != tuple(spec.block) or q.scaling != spec.scaling
-                or q.chain != spec.chain or q.hadamard != spec.hadamard):
-            raise ValueError(f"{name}: payload {q.shape} {q.block}/{q.scaling}/{q.chain} does not match the "
-                             f"model's {tuple(param.shape)} under recipe {module.recipe.name!r}")
-        n = param.shape[-2]
-        unscaled = q.unscaled()[..., :n, :].to(torch.bfloat16)  # drop rows padded to a 16x16 tile
-        qw = QuantizedWeight(q, unscaled, spec, key=())
-        param.copy_(qw.dequantize())
-        if isinstance(leaf, int):
-            segments.setdefault(module, {})[leaf] = qw
+        if isinstance(module, SegmentedLinear):
+            parts = fields.get("segments", ()) if isinstance(fields, dict) else ()
+            if len(parts) != len(module.widths):
+                raise ValueError(f"{name}: payload has {len(parts)} segments, the model {len(module.widths)}")
+            module.set_quantized_weights([_install(f"{name}.{j}", f, p, module)
+                                          for j, (f, p) in enumerate(zip(parts, module.segments()))])
         elif leaf == "weight":
-            module.set_quantized_weight(qw)
+            module.set_quantized_weight(_install(name, fields, module.weight, module))
         else:
-            module.set_quantized_weight(leaf, qw)
-    for module, qws in segments.items():
-        module.set_quantized_weights([qws[j] for j in range(len(module.widths))])
+            module.set_quantized_weight(leaf, _install(name, fields, getattr(module, leaf), module))
 
 
-def _quantized_targets(model: nn.Module) -> dict[str, tuple[nn.Module, str | int]]:
-    """{payload name: (module, its weight's name, or the segment of a segmented projection)}."""
+def _install(name: str, fields: dict, param: torch.Tensor, module: nn.Module) -> QuantizedWeight:
+    """The payload container `fields` as the QuantizedWeight of `param` (set to its dequantized values)."""
+    spec = module.recipe.weight
+    q = NVFP4Tensor(**{k: fields[k].to(param.device) for k in CONTAINER_TENSORS},
+                    **{k: fields[k] for k in CONTAINER_META})
+    if (tuple(q.shape) != tuple(param.shape) or q.block != tuple(spec.block) or q.scaling != spec.scaling
+            or q.chain != spec.chain or q.hadamard != spec.hadamard):
+        raise ValueError(f"{name}: payload {q.shape} {q.block}/{q.scaling}/{q.chain} does not match the "
+                         f"model's {tuple(param.shape)} under recipe {module.recipe.name!r}")
+    n = param.shape[-2]
+    unscaled = q.unscaled()[..., :n, :].to(torch.bfloat16)  # drop rows padded to a 16x16 tile
+    qw = QuantizedWeight(q, unscaled, spec, key=())
+    param.copy_(qw.dequantize())
+    return qw
+
+
+def _quantized_targets(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """{payload name (the parameter's): (module, the weight's name in it)}."""
     out = {}
     for prefix, module in model.named_modules():
-        if isinstance(module, SegmentedLinear) and module.recipe.fp4:
-            for j in range(len(module.widths)):
-                out[_join(prefix, f"weight.{j}")] = (module, j)
-        elif isinstance(module, Linear) and module.recipe.fp4:
+        if isinstance(module, Linear) and module.recipe.fp4:
             out[_join(prefix, "weight")] = (module, "weight")
         elif isinstance(module, MoEExperts) and module.recipe.fp4:
             for name in EXPERT_WEIGHTS:

@@ -14,7 +14,8 @@ export and import reuse it):
   writes per-expert tensors, the format of published Qwen3-MoE checkpoints.
 
 Saving writes into a temporary sibling directory and renames it into place, so a crash never leaves
-a half-written checkpoint at `path`.
+a half-written checkpoint at `path`; the split into shards and the index are huggingface_hub's
+(`split_torch_state_dict_into_shards`: the file names and index transformers writes).
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ import uuid
 from pathlib import Path
 
 import torch
+from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from minite.files import WriteError, writing
 from minite.models.config import ModelConfig, UnsupportedConfigError
-from minite.models.hf_layout import (  # noqa: F401 (re-exported: the mapping's historical home)
+from minite.models.hf_layout import (  # noqa: F401 (re-exported for the callers of checkpoint)
     EXPERT_PARAM,
     SEGMENTED_PARAM,
     SEGMENTS,
@@ -154,25 +156,21 @@ def save_pretrained(model: Qwen3, path: str | Path, max_shard_size: int | str = 
 
 def write_checkpoint(path: Path, tensors: dict[str, torch.Tensor], config: dict,
                      json_files: dict | None = None, max_shard_size: int | str = "5GB") -> None:
-    """config.json, the safetensors (sharded above `max_shard_size`, with an index) and further JSON
-    files {name: object} written into a temporary sibling directory, then renamed to `path`."""
-    shards = _shard(tensors, _parse_size(max_shard_size))
+    """config.json, the safetensors (sharded above `max_shard_size` by huggingface_hub's splitter, with
+    an index) and further JSON files {name: object} written into a temporary sibling directory, then
+    renamed to `path`."""
+    split = split_torch_state_dict_into_shards(tensors, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=_parse_size(max_shard_size))
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     with writing(path):
         tmp.mkdir(parents=True)
     try:
         for name, obj in {"config.json": config, **(json_files or {})}.items():
             (tmp / name).write_text(json.dumps(obj, indent=2) + "\n")
-        if len(shards) == 1:
-            _save_file(shards[0], tmp / SINGLE, path)
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards):
-                file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                _save_file(shard, tmp / file, path)
-                weight_map.update({name: file for name in shard})
-            total = sum(t.numel() * t.element_size() for t in tensors.values())
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        for file, names in split.filename_to_tensors.items():
+            _save_file({name: tensors[name] for name in names}, tmp / file, path)
+        if split.is_sharded:
+            index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
             (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         _swap_into_place(tmp, path)
     except OSError as e:  # a full disk or permissions: named by the checkpoint's path
@@ -286,19 +284,6 @@ def _parse_size(size: int | str) -> int:
     number, unit, binary = match.groups()
     base = 1024 if binary else 1000
     return int(float(number) * base ** " KMGT".index(unit or " "))
-
-
-def _shard(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
-    """Greedy split in order; a tensor larger than `max_bytes` gets a shard of its own."""
-    shards, current, size = [], {}, 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if current and size + nbytes > max_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = tensor
-        size += nbytes
-    return shards + [current] if current or not shards else shards
 
 
 def _swap_into_place(tmp: Path, path: Path) -> None:

@@ -36,7 +36,7 @@ from minite.models.nvfp4_formats import (
     quantization_config,
 )
 from minite.models.nvfp4_layout import checkpoint_modules, is_quantized
-from minite.nn.segmented_linear import SegmentedLinear
+from minite.nn.linear import SegmentedLinear
 from minite.ref.nvfp4 import global_scales
 
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from minite.models.hf_layout import hf_pieces
+from minite.nn.linear import SegmentedLinear
 from minite.nn.moe import EXPERT_WEIGHTS, MoEExperts
-from minite.nn.segmented_linear import SegmentedLinear
 
 
 @dataclass(frozen=True)

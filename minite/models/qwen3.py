@@ -34,10 +34,9 @@ from minite.models.config import ModelConfig
 from minite.nn.attention import Attention
 from minite.nn.context import ForwardContext, sequence_context
 from minite.nn.forward_scope import forward_scope, in_scope
-from minite.nn.linear import Linear
+from minite.nn.linear import Linear, SegmentedLinear
 from minite.nn.moe import MoEExperts
 from minite.nn.norm import RMSNorm
-from minite.nn.segmented_linear import SegmentedLinear
 from minite.nn.swiglu import swiglu_quantized
 from minite.recipe import Recipe, get_recipe
 

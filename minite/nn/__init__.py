@@ -2,7 +2,7 @@
 
 from minite.nn.attention import Attention, attention, varlen_attention
 from minite.nn.calibrate import calibrate
-from minite.nn.linear import Linear
+from minite.nn.linear import Linear, SegmentedLinear
 from minite.nn.moe import MoEExperts, moe_reference
 from minite.nn.norm import RMSNorm, rms_norm
 from minite.nn.quantized_weight import QuantizedWeight, quantize_weight
@@ -10,7 +10,7 @@ from minite.nn.refresh import refresh_quantized_weights
 from minite.nn.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 __all__ = [
-    "Attention", "Linear", "MoEExperts", "QuantizedWeight", "RMSNorm", "apply_rope", "attention",
-    "calibrate", "moe_reference", "quantize_weight", "refresh_quantized_weights", "rms_norm",
+    "Attention", "Linear", "MoEExperts", "QuantizedWeight", "RMSNorm", "SegmentedLinear", "apply_rope",
+    "attention", "calibrate", "moe_reference", "quantize_weight", "refresh_quantized_weights", "rms_norm",
     "rope_cos_sin", "rope_inv_freq", "varlen_attention",
 ]

@@ -32,10 +32,9 @@ from torch import nn
 
 from minite.execution import DEFAULT, Execution
 from minite.kernels import lazy
-from minite.nn.linear import Linear
+from minite.nn.linear import Linear, SegmentedLinear
 from minite.nn.norm import RMSNorm
 from minite.nn.rope import apply_rope, rope_cos_sin
-from minite.nn.segmented_linear import SegmentedLinear
 
 
 def kernel_applies(q: torch.Tensor, execution: Execution = DEFAULT) -> bool:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from minite.nn import quantized_weight as qw
+from minite.nn.linear import SegmentedLinear
 from minite.nn.pinned_weights import pinned
-from minite.nn.segmented_linear import SegmentedLinear
 
 # bytes of weights stacked for one `quantize_weights` launch (the stack is a transient copy)
 STACK_BYTES = 1 << 29

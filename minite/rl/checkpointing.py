@@ -2,8 +2,10 @@
 
 Layout of a run folder's `checkpoints/`:
 
-    step_000010/model/         the model in Hugging Face safetensors (`save_pretrained`); other models
-                               of the run (the KL reference: ref_model/) likewise
+    step_000010/model/         the model in Hugging Face safetensors (`save_pretrained`), with what
+                               `hf_extras` adds (the trainer: tokenizer and generation_config, so
+                               transformers' Auto classes load it); other models of the run (the KL
+                               reference: ref_model/) likewise
     step_000010/state.pt       {"step", "learner" (optimizer moments + fp32 masters), "rng", "data", ...}
     latest                     the name of the newest complete checkpoint ("step_000010")
 
@@ -65,9 +67,10 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(ckpt_dir: str | Path, step: int, models: dict[str, torch.nn.Module], state: dict,
-                    keep: int = 2) -> Path:
+                    keep: int = 2, hf_extras=None) -> Path:
     """Write checkpoint `step` (`models` by folder name, e.g. {"model": m}, and `state`, to which "step"
-    and "rng" are added) atomically, point `latest` at it, prune all but the newest `keep`."""
+    and "rng" are added) atomically, point `latest` at it, prune all but the newest `keep`.
+    `hf_extras(model_dir)` adds files to each model's folder before the checkpoint is complete."""
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     final = ckpt_dir / step_name(step)
@@ -76,6 +79,8 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, models: dict[str, torch.nn.
     try:
         for name, model in models.items():
             save_pretrained(model, tmp / name)
+            if hf_extras is not None:
+                hf_extras(tmp / name)
         # through memory: a full disk then fails in our write, which names the path (torch's own
         # writer reports it as an internal assertion)
         buf = io.BytesIO()

@@ -1,5 +1,6 @@
 """Rewards given by import path: `--task.reward=module:function` (several: comma-separated, weighted
-by `task.reward_weights`, as TRL's `reward_funcs` / `reward_weights`).
+by `task.reward_weights`, as TRL's `reward_funcs` / `reward_weights`); `import_object` also finds a
+task class for `--task.name=module:Class` (`minite.rl.tasks.make_task`).
 
 A reward is `function(completion: str, example: Example) -> float`: `example.prompt`,
 `example.answer` and, for file and Hugging Face tasks, the record's own fields in `example.meta`.
@@ -20,16 +21,16 @@ from minite.rl.tasks_base import Example
 RewardFn = Callable[[str, Example], float]
 
 
-def load_reward(spec: str) -> RewardFn:
-    """The function a `module:function` (or `path/to/file.py:function`) names."""
+def import_object(spec: str, what: str = "reward", kind: str = "function"):
+    """The callable a `module:name` (or `path/to/file.py:name`) names; errors say `what` it was for."""
     module_name, sep, attr = spec.strip().rpartition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"reward {spec!r} must look like module:function or path/to/file.py:function")
+        raise ValueError(f"{what} {spec!r} must look like module:{kind} or path/to/file.py:{kind}")
     if module_name.endswith(".py"):
         path = Path(module_name)
         if not path.is_file():
-            raise ValueError(f"reward {spec!r}: file {path} does not exist")
-        loader_spec = importlib.util.spec_from_file_location(f"minite_reward_{path.stem}", path)
+            raise ValueError(f"{what} {spec!r}: file {path} does not exist")
+        loader_spec = importlib.util.spec_from_file_location(f"minite_{what}_{path.stem}", path)
         module = importlib.util.module_from_spec(loader_spec)
         loader_spec.loader.exec_module(module)
     else:
@@ -38,11 +39,16 @@ def load_reward(spec: str) -> RewardFn:
         try:
             module = importlib.import_module(module_name)
         except ImportError as e:
-            raise ValueError(f"reward {spec!r}: cannot import {module_name!r} ({e})") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"reward {spec!r}: {module_name!r} has no function {attr!r}")
-    return fn
+            raise ValueError(f"{what} {spec!r}: cannot import {module_name!r} ({e})") from None
+    obj = getattr(module, attr, None)
+    if not callable(obj):
+        raise ValueError(f"{what} {spec!r}: {module_name!r} has no {kind} {attr!r}")
+    return obj
+
+
+def load_reward(spec: str) -> RewardFn:
+    """The function a `module:function` (or `path/to/file.py:function`) names."""
+    return import_object(spec, "reward", "function")
 
 
 class WeightedRewards:

@@ -2,9 +2,11 @@
 
 - `Progress`: one line per step with a bar, the step, reward, held-out accuracy (when measured),
   tokens/s and the mismatch summary (k3_kl, max |d logp|). Redrawn in place on a terminal.
-- `MetricsLog`: every record appended to `metrics.jsonl` (one JSON object per line, always) and, when
-  the `tensorboard` package is installed, written as scalars under `tensorboard/`. A record has a
-  "kind" ("warmup", "rl" or "eval") and a "step". `read_metrics` drops a half-written last line (a
+- `MetricsLog`: every record appended to `metrics.jsonl` (one JSON object per line, always), written
+  as scalars under `tensorboard/` (the `tensorboard` package is a dependency; without it a warning
+  says the event files are missing) and, when asked, to Weights & Biases (`wandb`, optional: asking
+  for it without the package is an error). A record has a "kind" ("warmup", "rl" or "eval") and a
+  "step". `read_metrics` drops a half-written last line (a
   crash mid-append) with a warning; any other bad line is an error naming the file and line.
 - `write_report`: `summary.json` (first/last/best numbers, timings) and the diagnostics report of the
   run (`report.html`, `report.json`; `training.png`: reward, held-out accuracy, mismatch and
@@ -59,25 +61,37 @@ class Progress:
 
 
 class MetricsLog:
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, wandb_project: str | None = None,
+                 config: dict | None = None):
         self.path = Path(run_dir) / METRICS_FILE
-        self.writer = None
+        self.writer = self.wandb = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                pass
+                warnings.warn("logging.tensorboard = true but the tensorboard package is not installed "
+                              "(pip install tensorboard): no event files, metrics.jsonl only", stacklevel=2)
             else:
                 self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                raise ImportError("logging.wandb = true needs the wandb package: pip install wandb") from None
+            self.wandb = wandb.init(project=wandb_project, name=Path(run_dir).name, dir=str(run_dir),
+                                    config=config, resume="allow", id=Path(run_dir).name)
 
     def log(self, record: dict) -> None:
         append_line(self.path, json.dumps(record, default=float))
+        step, kind = record.get("step", 0), record.get("kind", "rl")
+        scalars = {(f"{kind}/{key}" if "/" not in key else key): value for key, value in record.items()
+                   if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step"}
         if self.writer is not None:
-            step, kind = record.get("step", 0), record.get("kind", "rl")
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
-                    self.writer.add_scalar(f"{kind}/{key}" if "/" not in key else key, value, step)
+            for key, value in scalars.items():
+                self.writer.add_scalar(key, value, step)
             self.writer.flush()
+        if self.wandb is not None and kind != "warmup":
+            self.wandb.log(scalars, step=step)
 
     def truncate_after(self, step: int) -> None:
         """Drop RL and eval records of steps after `step` (a resumed run logs them again)."""
@@ -87,6 +101,9 @@ class MetricsLog:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
 
 
 class MetricsWarning(UserWarning):

@@ -9,12 +9,15 @@ is `tasks_base.py`, re-exported here. The tasks:
 - file and Hugging Face tasks (`QATask` in `tasks_files.py`) use the given test file/split, or hash
   the questions into a held-out fraction; train questions that also appear in test are dropped.
 
-Names: "arithmetic", "countdown", "file" (local JSONL, JSON or parquet) or "hf" (Hugging Face
-`datasets`).
+Names: "arithmetic", "countdown", "file" (local JSONL, JSON or parquet), "hf" (Hugging Face
+`datasets`), or `module:Class` / `path/to/file.py:Class`: a `Task` subclass of one's own, built as
+`Class(seed=seed, **args)` (or `Class(**args)` when it takes no `seed`).
 """
 
+import inspect
 from typing import Any
 
+from minite.rl.reward_import import import_object
 from minite.rl.tasks_base import SPLITS, Example, Task, check_split, example_rng, split_of
 from minite.rl.tasks_builtin import ArithmeticTask, CountdownTask
 from minite.rl.tasks_files import QATask
@@ -31,6 +34,18 @@ def make_task(name: str, **kwargs: Any) -> Task:
         "file": QATask.from_files,
         "hf": QATask.from_hf,
     }
+    if ":" in name:
+        return _imported_task(name, kwargs)
     if name not in builders:
-        raise ValueError(f"unknown task {name!r}; choose one of {sorted(builders)}")
+        raise ValueError(f"unknown task {name!r}; choose one of {sorted(builders)} or module:Class")
     return builders[name](**kwargs)
+
+
+def _imported_task(spec: str, kwargs: dict) -> Task:
+    cls = import_object(spec, "task", "class")
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise ValueError(f"task {spec!r} is not a subclass of minite.rl.tasks.Task")
+    params = inspect.signature(cls).parameters
+    if "seed" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k != "seed"}
+    return cls(**kwargs)

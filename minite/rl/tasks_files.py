@@ -161,6 +161,11 @@ class QATask(Task):
         check_split(split)
         return len(self._splits[split])
 
+    def rows(self, split: str) -> list[Example]:
+        """The examples of `split` in the order of their records."""
+        check_split(split)
+        return list(self._splits[split])
+
     def example(self, split: str, index: int) -> Example:
         check_split(split)
         rows = self._splits[split]

@@ -10,12 +10,20 @@ to unk. Special tokens decode to nothing with `skip_special=True`, else to their
 
 `HFTokenizer` wraps `transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)`. Its
 `vocab_size` is `len(tokenizer)` (added tokens included); a model's embedding table may be larger
-(padded), never smaller. A missing pad token falls back to eos.
+(padded), never smaller. A missing pad token falls back to eos. `chat_template` is the tokenizer's
+(None without one); `apply_chat_template(messages, **kwargs)` is the prompt's text with the
+generation prompt added.
+
+Both write themselves as a Hugging Face tokenizer (`save_pretrained(dir)`): the char tokenizer as a
+`tokenizers` word-level model over single characters (the same ids, `AutoTokenizer` loads it), so a
+checkpoint carries the tokenizer it was trained with.
 """
 
 import string
 from collections.abc import Sequence
+from pathlib import Path
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 CHAR_VOCAB = string.digits + "+-*/=()<>#.,:;?!'\"$%&@[]{}^_|~`\\ \n" + string.ascii_lowercase + (
     string.ascii_uppercase
@@ -57,6 +65,25 @@ class CharTokenizer:
             ids.append(self.eos_token_id)
         return ids
 
+    chat_template = None
+
+    def save_pretrained(self, path) -> None:
+        """The same tokenizer in Hugging Face form (tokenizer.json + tokenizer_config.json)."""
+        self.to_hf().save_pretrained(str(path))
+
+    def to_hf(self):
+        """A `transformers.PreTrainedTokenizerFast` with this tokenizer's ids, encoding and decoding."""
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {tok: i for i, tok in enumerate(self._itos)}
+        core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+        core.decoder = decoders.Fuse()
+        return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>",
+                                       eos_token="<eos>", unk_token="<unk>",
+                                       clean_up_tokenization_spaces=False)
+
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         out = []
         for i in ids:
@@ -77,6 +104,13 @@ class HFTokenizer:
     def __init__(self, path: str):
         from transformers import AutoTokenizer
 
+        if not Path(path).is_dir():
+            raise ValueError(f"cannot load a tokenizer from {str(path)!r}: no such directory (a model or "
+                             "tokenizer directory, or \"char\")")
+        if not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
+            # AutoTokenizer would build some tokenizer of its own from config.json alone
+            raise ValueError(f"{path} holds no tokenizer ({', '.join(TOKENIZER_FILES[:2])}): give one with "
+                             "model.tokenizer = DIR (or \"char\")")
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError) as e:
@@ -91,6 +125,17 @@ class HFTokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self.tokenizer)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.tokenizer.chat_template
+
+    def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                  **kwargs)
+
+    def save_pretrained(self, path) -> None:
+        self.tokenizer.save_pretrained(str(path))
 
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))

@@ -24,8 +24,12 @@ scales (e.g. `vllm`) is calibrated on training examples before the warm start an
 scales, and travel with every checkpoint. With `rl.loss.kl_coef > 0` the
 loss adds k3 KL to a frozen reference: the model as RL starts (after the warm start), saved with
 every checkpoint. Held-out greedy accuracy is measured after the warm start, every `eval.every`
-steps and at the end; checkpoints every `checkpoint.every` steps (`minite.rl.checkpointing`);
-metrics and report go to the run folder.
+steps and at the end (and the `eval.files` sets, `minite.rl.evaluation`); checkpoints every
+`checkpoint.every` steps (`minite.rl.checkpointing`); metrics and report go to the run folder, and the
+trained model, as a complete Hugging Face directory, to `final/` (`minite.rl.hf_export`).
+
+A model directory (`model.path`) brings its own tokenizer, chat template and generation_config stop
+ids (`minite.rl.prompts`); the run's checkpoints and `final/` carry them on.
 
 Reliability (module `minite.rl.run_folder` owns the folder):
 - the run folder is locked by one process; a folder that already holds a run is refused unless
@@ -60,7 +64,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minite.config import TrainConfig, task_reward, to_dict, to_toml
+from minite.config import TrainConfig, char_defaults_in_use, loss_normalizer, task_reward, to_dict, to_toml
 from minite.devices import check_device
 from minite.diagnostics.metrics import mismatch_metrics
 from minite.learner import Learner, SequenceBatch, sequence_logprobs
@@ -73,11 +77,16 @@ from minite.rl.advantages import advantage_metrics, group_advantages
 from minite.rl.batch import RLBatch, masked_mean
 from minite.rl.checkpointing import latest_checkpoint, load_latest_checkpoint, save_checkpoint, set_rng_state
 from minite.rl.corrections import apply_correction
+from minite.rl.evaluation import evaluate_examples, read_eval_file
+from minite.rl.hf_export import save_hf_directory, write_hf_extras
 from minite.rl.losses import policy_loss
+from minite.rl.lr_schedule import lr_at
+from minite.rl.prompts import PromptFormat, cut_at_stop_strings, stop_token_ids
 from minite.rl.run_folder import RunFolder, existing_run_files
 from minite.rl.run_logging import SUMMARY_FILE, MetricsLog, Progress, write_report
+from minite.rl.sharded_run import ShardedRun, SilentLog
 from minite.rl.tasks import make_task
-from minite.rl.tokenizer import load_tokenizer
+from minite.rl.tokenizer import CharTokenizer, load_tokenizer
 from minite.rl.triage import TriageConfig, triage
 from minite.sampling import SamplingParams
 
@@ -142,9 +151,13 @@ class Trainer:
                  make_sampler=default_sampler, progress_stream=None):
         check_device(cfg.model.device, "--model.device")  # before the run folder or any model is made
         self.cfg = cfg
-        self.progress = Progress(cfg.rl.steps, cfg.logging.progress, progress_stream)
+        # across processes (torchrun): rank 0 writes the run folder and logs (minite.rl.sharded_run)
+        self.dist = ShardedRun.start(cfg, run_dir, resume)
+        self.is_main = self.dist is None or self.dist.main
+        self.progress = Progress(cfg.rl.steps, cfg.logging.progress and self.is_main, progress_stream)
         self.warnings: list[str] = []
-        self.folder = RunFolder.open(run_dir or cfg.run_dir or None)
+        path = run_dir or cfg.run_dir or None
+        self.folder = RunFolder.open(path) if self.dist is None else self.dist.open_folder(path)
         self.run_dir = self.folder.path
         self.ckpt_dir = self.run_dir / "checkpoints"
         if self.folder.warning:
@@ -158,25 +171,35 @@ class Trainer:
     def _open(self, resume: bool, make_sampler) -> None:
         cfg = self.cfg
         ckpt = latest_checkpoint(self.ckpt_dir)
-        self._check_folder(ckpt, resume)
+        if self.is_main:
+            self._check_folder(ckpt, resume)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         for seed_fn in (torch.manual_seed, random.seed, np.random.seed):
             seed_fn(cfg.seed)
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer_source())
+        self.prompt_format = PromptFormat(cfg.task.chat_template, cfg.task.system_prompt,
+                                          dict(cfg.task.chat_template_kwargs))
+        self._stop_ids = stop_token_ids(self.tokenizer, cfg.model.path)
+        if not isinstance(self.tokenizer, CharTokenizer) and char_defaults_in_use(cfg):
+            self.warn(f"the char model's defaults meet a {self.tokenizer.vocab_size}-token tokenizer: "
+                      f"{', '.join(char_defaults_in_use(cfg))}; set them for this model", keep=False)
         self.task = make_task(cfg.task.name, seed=cfg.task.seed, **cfg.task.args)
         if not self.task.heldout(1):
             raise ValueError(f"task {cfg.task.name!r} has no held-out examples to evaluate on: give the file "
                              "task a test_path (task.args.test_path) or a larger heldout_fraction")
-        reward = task_reward(cfg)
+        self._check_task_size()
+        self._custom_reward = reward = task_reward(cfg)
         if reward is not None:
             self.task.reward = reward  # the reward given by import path replaces the task's own
+        self._eval_sets = {Path(f).stem: read_eval_file(f, reward=cfg.task.args.get("reward", "exact"))
+                           for f in cfg.eval.files}
         self.recipe = get_recipe(cfg.recipe.name, **cfg.recipe.overrides)
         self.sampler_recipe = cfg.sampler.own_recipe()
         self.dtype = getattr(torch, cfg.model.dtype)
         loaded = None
         self.ref_model = None
-        if ckpt is not None:
+        if ckpt is not None and self.dist is None:
             loaded = load_latest_checkpoint(self.ckpt_dir, self.recipe, self.dtype, cfg.model.device,
                                             warn=self.warn)
         if loaded is not None:
@@ -185,6 +208,12 @@ class Trainer:
         else:
             state = None
             self.model = self._fresh_model()
+        if self.dist is not None:
+            self.model = self.dist.shard(self.model)
+            self.progress.message(self.dist.describe())
+            loaded = self.dist.load_checkpoint(self.ckpt_dir, self.warn) if ckpt is not None else None
+            if loaded is not None:
+                ckpt, state = loaded
         self.sampler_model = self._sampler_model()
         self.sampler = make_sampler(self.sampler_model, cfg)
         self.step, self.data_pos = 0, cfg.warmup.steps * cfg.warmup.batch_size
@@ -193,7 +222,9 @@ class Trainer:
         self._run_start = None
         self._stop_requested = False
         self._saved_step = None
-        self.log = MetricsLog(self.run_dir, cfg.logging.tensorboard)
+        self.log = (MetricsLog(self.run_dir, cfg.logging.tensorboard,
+                               cfg.logging.wandb_project if cfg.logging.wandb else None, to_dict(cfg))
+                    if self.is_main else SilentLog())
         self.needs_warmup = state is None
         self.learner = None
         self._heldout = None
@@ -201,11 +232,20 @@ class Trainer:
             if resume:
                 self.progress.message(f"{self.run_dir} holds no checkpoint yet: the run starts over")
             # a resumed run killed before its first checkpoint starts over
-            self.log.path.unlink(missing_ok=True)
+            if self.is_main:
+                self.log.path.unlink(missing_ok=True)
         else:
             self._restore(state)
             self.progress.message(f"resumed {ckpt} (step {self.step})")
-        (self.run_dir / "config.toml").write_text(to_toml(cfg))
+        if self.is_main:
+            (self.run_dir / "config.toml").write_text(to_toml(cfg))
+
+    def _check_task_size(self) -> None:
+        """A finite train split smaller than one step's prompts repeats examples within a step."""
+        size = self.task.size("train")
+        if size is not None and size < self.cfg.rl.prompts:
+            self.warn(f"task {self.cfg.task.name!r} has {size} training examples, fewer than rl.prompts = "
+                      f"{self.cfg.rl.prompts}: every step repeats some; lower rl.prompts or add data")
 
     def _check_folder(self, ckpt: Path | None, resume: bool) -> None:
         """Refuse to write a new run over an earlier one, and to resume one that cannot be."""
@@ -226,6 +266,8 @@ class Trainer:
     def _restore(self, state: dict) -> None:
         self._make_learner()
         self.learner.load_state_dict(state["learner"])
+        if self.dist is not None:
+            self.sync_sampler()
         load_static_scales(self.model, state.get("static_scales", {}))
         if self.sampler_model is not self.model:
             load_static_scales(self.sampler_model, state.get("sampler_static_scales", {}))
@@ -239,7 +281,8 @@ class Trainer:
 
     def warn(self, text: str, keep: bool = True) -> None:
         """A warning on stderr (also without progress output), kept for summary.json when `keep`."""
-        print(f"minite train: warning: {text}", file=sys.stderr, flush=True)
+        if self.is_main:
+            print(f"minite train: warning: {text}", file=sys.stderr, flush=True)
         if keep:
             self.warnings.append(text)
 
@@ -286,6 +329,8 @@ class Trainer:
 
     def _sampler_model(self):
         """The model the sampler runs: the learner's, or (a sampler recipe) its own, synced now."""
+        if self.dist is not None:
+            return self.dist.sampler_model(self.model, self.sampler_recipe or self.recipe)
         if self.sampler_recipe is None:
             return self.model
         model = Qwen3(self.model.config, self.sampler_recipe)
@@ -303,7 +348,10 @@ class Trainer:
         if self.sampler_model is self.model:
             return 0.0
         t0 = time.perf_counter()
-        sync_sampler_model(self.sampler_model, self.model)
+        if self.dist is not None:
+            self.dist.sync(self.model, self.sampler_model)
+        else:
+            sync_sampler_model(self.sampler_model, self.model)
         if calibrate or self.cfg.sampler.calibration == "every_sync":
             self.calibrate(self.sampler_model, quiet=not calibrate)
         if self.sampler_model.embed_tokens.weight.is_cuda:
@@ -312,8 +360,14 @@ class Trainer:
 
     def _make_learner(self) -> None:
         rl = self.cfg.rl
-        self.learner = Learner(self.model, lr=rl.lr, weight_decay=rl.weight_decay,
-                               max_grad_norm=rl.max_grad_norm)
+        self.learner = self._new_learner(lr=rl.lr, weight_decay=rl.weight_decay,
+                                         max_grad_norm=rl.max_grad_norm,
+                                         micro_batch_tokens=rl.micro_batch_tokens,
+                                         activation_checkpointing=rl.activation_checkpointing)
+
+    def _new_learner(self, **kwargs) -> Learner:
+        """A learner on the run's model: in this process, or sharded across the run's processes."""
+        return Learner(self.model, **kwargs) if self.dist is None else self.dist.learner(self.model, **kwargs)
 
     def run(self) -> dict:
         """Warm start (fresh runs), RL steps up to `rl.steps` with eval and checkpoints, then the report.
@@ -327,6 +381,8 @@ class Trainer:
             self.folder.close(failed=not isinstance(e, KeyboardInterrupt))
             raise
         self.folder.close()
+        if self.dist is not None:
+            summary = self.dist.group.broadcast(summary)
         return summary
 
     def _run(self) -> dict:
@@ -354,9 +410,18 @@ class Trainer:
                 self.save()
             self._stop_if_asked()
         self.log.close()
-        summary = write_report(self.run_dir, {"wall_seconds": self.wall_seconds(),
-                                              "run_dir": str(self.run_dir), "warnings": self.warnings})
-        self.progress.message(f"report: {self.run_dir}/report.png, report.html, summary.json, metrics.jsonl")
+        if not self.is_main:
+            return {}
+        extra = {"wall_seconds": self.wall_seconds(), "run_dir": str(self.run_dir), "warnings": self.warnings,
+                 "world_size": 1 if self.dist is None else self.dist.group.world_size}
+        final = None
+        if self.dist is None:  # a sharded run's weights are whole only in its checkpoints
+            final = save_hf_directory(self.model, self.run_dir / "final", self.tokenizer, self._stop_ids,
+                                      cfg.model.path)
+            extra["final"] = str(final)
+        summary = write_report(self.run_dir, extra)
+        self.progress.message(f"report: {self.run_dir}/report.png, report.html, summary.json, metrics.jsonl"
+                              + (f"; the trained model: {final}" if final else ""))
         return summary
 
     def wall_seconds(self) -> float:
@@ -384,6 +449,8 @@ class Trainer:
 
     def _stop_if_asked(self) -> None:
         """At a step boundary after Ctrl-C: save (when checkpointing) and raise `Interrupted`."""
+        if self.dist is not None:  # every rank stops at the same boundary
+            self._stop_requested = self.dist.group.any(self._stop_requested)
         if not self._stop_requested:
             return
         if self.cfg.checkpoint.every and self.learner is not None:
@@ -410,12 +477,19 @@ class Trainer:
         if self.ref_model is not None:
             models["ref_model"] = self.ref_model
         if self._saved_step != self.step:  # Ctrl-C right after a scheduled save: it is there already
-            save_checkpoint(self.ckpt_dir, self.step, models, state, self.cfg.checkpoint.keep)
+            keep = self.cfg.checkpoint.keep
+            if self.dist is None:
+                save_checkpoint(self.ckpt_dir, self.step, models, state, keep,
+                                hf_extras=partial(write_hf_extras, tokenizer=self.tokenizer,
+                                                  stop_ids=self._stop_ids, source_dir=self.cfg.model.path))
+            else:
+                self.dist.save_checkpoint(self.ckpt_dir, self.step, self.learner, state, keep)
             self._saved_step = self.step
 
     def _check_weights(self, when: str) -> None:
         """Non-finite weights stop the run whatever `rl.on_nonfinite` says: every later loss would be NaN."""
-        name = nonfinite_parameter(self.model)
+        name = (nonfinite_parameter(self.model) if self.dist is None
+                else self.dist.nonfinite_parameter(self.model))
         if name is None:
             return
         source = self.cfg.model.path or "the model"
@@ -440,10 +514,10 @@ class Trainer:
         self.warn(f"{what}; {done}")
 
     def encode_prompt(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt, add_bos=self.tokenizer.bos_token_id is not None)
+        return self.prompt_format.encode(self.tokenizer, prompt)
 
     def stop_ids(self) -> tuple[int, ...]:
-        return (self.tokenizer.eos_token_id,)
+        return self._stop_ids
 
     def warmup(self) -> None:
         """Supervised steps on `Example.solution` + eos, with their own AdamW (not kept for RL) and a
@@ -452,7 +526,7 @@ class Trainer:
         self.calibrate()
         if not w.steps:
             return
-        sft = Learner(self.model, lr=w.lr, max_grad_norm=1.0)
+        sft = self._new_learner(lr=w.lr, max_grad_norm=1.0)
         loss_fn = sft_loss if self.cfg.rl.on_nonfinite == "warn" else skip_nonfinite(sft_loss)
         t0 = time.perf_counter()
         for i in range(w.steps):
@@ -521,6 +595,14 @@ class Trainer:
                                      seed=(1 << 40) + self.cfg.seed)
             rewards = self._rewards(examples, self._generate(prompts, sampled))
             metrics["eval/sampled_reward"] = sum(rewards) / len(rewards)
+        for name, (examples, file_task) in self._eval_sets.items():
+            reward = self._custom_reward or file_task.reward
+            scored = evaluate_examples(self.sampler, self.tokenizer, examples[:self.cfg.eval.size], reward,
+                                       n=self.cfg.eval.samples, max_tokens=s.max_tokens,
+                                       stop_token_ids=self.stop_ids(), prompt_format=self.prompt_format,
+                                       stop=list(s.stop), temperature=s.temperature, top_p=s.top_p,
+                                       top_k=s.top_k, seed=(1 << 40) + self.cfg.seed)
+            metrics.update({f"eval/{name}/{k}": v for k, v in scored.items()})
         self.log.log({"kind": "eval", "step": self.step, **metrics})
         if self.step == 0:
             self.progress.message(f"held-out greedy accuracy before RL: {metrics['eval/accuracy']:.3f}")
@@ -531,8 +613,16 @@ class Trainer:
                 for ex, o in zip(examples, outs) for smp in o.samples]
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list:
-        outs = self.sampler.generate(prompts, params)
-        return sorted(outs, key=lambda o: o.index)
+        """The sampler's outputs in prompt order (a sharded run: each rank its share of the prompts), each
+        response cut after a `sampling.stop` string."""
+        if self.dist is not None:
+            outs = self.dist.generate(self.sampler, prompts, params)
+        else:
+            outs = sorted(self.sampler.generate(prompts, params), key=lambda o: o.index)
+        stops = list(self.cfg.sampling.stop)
+        for o in outs:
+            o.samples = [cut_at_stop_strings(smp, self.tokenizer, stops) for smp in o.samples]
+        return outs
 
     def rl_step(self) -> dict:
         cfg, rl, s = self.cfg, self.cfg.rl, self.cfg.sampling
@@ -548,6 +638,7 @@ class Trainer:
         rewards = torch.tensor([self.task.reward(self.tokenizer.decode(smp.token_ids), ex)
                                 for ex, _, smp in samples])
         advantages = group_advantages(rewards, rl.n, rl.advantage)
+        self.learner.optimizer.lr = lr_at(self.step, rl.steps, rl.lr, rl.lr_schedule, rl.lr_warmup_steps)
         batch = SequenceBatch.from_samples([p for _, p, _ in samples], [smp.token_ids for *_, smp in samples],
                                            [smp.logprobs for *_, smp in samples], advantages, params)
         old = self.learner.logprobs(batch)
@@ -563,7 +654,7 @@ class Trainer:
         mismatch = mismatch_metrics(old, batch.sampler_logprobs.to(old.device), mask)
         t_update = time.perf_counter()
         order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed))
-        loss_fn = partial(policy_loss, cfg=rl.loss)
+        loss_fn = partial(policy_loss, cfg=replace(rl.loss, normalizer=loss_normalizer(cfg)))
         if rl.on_nonfinite != "warn":
             loss_fn = skip_nonfinite(loss_fn)
         updates = [self._update(batch.rows(rows.tolist()), loss_fn, correction.rows(rows))
@@ -580,6 +671,8 @@ class Trainer:
                   **{k: float(v) for k, v in correction.metrics.items()},
                   **{k: float(v) for k, v in direction.items() if k.startswith("triage/")},
                   "mismatch/gap_mean": float(masked_mean(old - batch.sampler_logprobs.to(old.device), mask)),
+                  # -log mu of the sampled tokens: a one-sample estimate of the sampling entropy per token
+                  "rollout/entropy": float(masked_mean(-batch.sampler_logprobs.to(old.device), mask)),
                   "mismatch/outside_learner_support": outside,
                   **_mean_dicts(updates),
                   "rollout/tokens_per_s": generated / max(t_rollout, 1e-9),

@@ -223,16 +223,18 @@ class Sampler:
                                 self.device, width=width, rows=rows)
         return cached_forward(self.model, self.cache, batch)[: len(seqs)]
 
-    def generate(self, prompts: list[list[int]],
-                 params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
-        """Generate for every prompt; `params` is one SamplingParams for all or one per prompt."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 first_index: int = 0) -> list[RequestOutput]:
+        """Generate for every prompt; `params` is one SamplingParams for all or one per prompt. Prompt i
+        is request `first_index + i` (its samples' random keys): a share of a larger batch draws the
+        tokens the whole batch would."""
         if self.has_unfinished():
             raise RuntimeError("generate() needs an idle sampler; finish the requests added by hand first")
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         self._prepare_graphs(prompts, params)
-        groups = [self.add_request(p, sp, i) for i, (p, sp) in enumerate(zip(prompts, params))]
+        groups = [self.add_request(p, sp, first_index + i) for i, (p, sp) in enumerate(zip(prompts, params))]
         while self.has_unfinished():
             self.step()
         return [request_output(g) for g in groups]

@@ -185,7 +185,7 @@ def test_pair_path_bitwise(dtype, scaling, chain, monkeypatch):
     """16-bit inputs take the pair kernel (x read as int32 words): same bits as the reference, codes and
     fused values, whole rows (16 a program: 24 rows end ragged, 96 words padded to 128: masked) and
     rows looped over in chunks."""
-    from minite.kernels import nvfp4_pairs
+    from minite.kernels.nvfp4 import pairs as nvfp4_pairs
 
     x = adversarial(24, 192, seed=8).clamp(-6e4, 6e4).to(dtype)
     static = float(x.float().abs().max()) / 2688.0 if scaling == "static" else None

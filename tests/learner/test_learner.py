@@ -310,7 +310,7 @@ def test_learner_quantizes_the_weights_with_host_scales_at_construction():
     """The first step's backward takes the paths of the later ones (the NVFP4 linears' lean bf16 backward
     and the fused projections' need S_dec on the host, which the refresh brings)."""
     from minite.nn import Linear
-    from minite.nn.segmented_linear import SegmentedLinear
+    from minite.nn.linear import SegmentedLinear
 
     model = tiny_model()
     Learner(model)

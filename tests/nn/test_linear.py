@@ -263,7 +263,7 @@ def test_refresh_quantizes_same_shape_weights_together_with_the_same_bits(stack_
     from minite.models import Qwen3, tiny_qwen3
     from minite.nn import quantized_weight as qwm
     from minite.nn import refresh
-    from minite.nn.segmented_linear import SegmentedLinear
+    from minite.nn.linear import SegmentedLinear
 
     if not kernels.available():
         pytest.skip("Triton is not installed")

@@ -1,4 +1,4 @@
-"""`minite.nn.segmented_linear` / `segmented_matmul`: q|k|v and gate|up as one parameter give each
+"""`minite.nn.linear` / `segmented_matmul`: q|k|v and gate|up as one parameter give each
 segment a separate Linear's codes, scales and forward bits, in one GEMM launch where it applies, with
 the separate linears' gradients; the checkpoint names map to Hugging Face's. CPU: the Triton
 interpreter (fp32 models, fp16 operands); GPU: bf16 at a learner-like shape."""
@@ -11,9 +11,9 @@ from minite.kernels import gemm as kg
 from minite.models import Qwen3, tiny_qwen3
 from minite.nn import Linear
 from minite.nn import segmented_matmul as sm
+from minite.nn.linear import SegmentedLinear
 from minite.nn.nvfp4_matmul import _scale_bf16
 from minite.nn.quantized_weight import quantize_weight
-from minite.nn.segmented_linear import SegmentedLinear
 from minite.recipe import QuantSpec, get_recipe
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="Triton is not installed")

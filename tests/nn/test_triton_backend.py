@@ -115,8 +115,8 @@ def test_segmented_linear_quantizes_its_input_once(monkeypatch):
     all segments and gives each segment the outputs of a separate Linear with its rows; a quantization
     handed over is used as is."""
     from minite.kernels import nvfp4 as kq
+    from minite.nn.linear import SegmentedLinear
     from minite.nn.nvfp4_matmul import quantize_input
-    from minite.nn.segmented_linear import SegmentedLinear
 
     torch.manual_seed(0)
     seg = SegmentedLinear(64, (48, 32, 32), recipe=ALIGNED_TRITON).to(DEVICE)

@@ -117,3 +117,38 @@ def test_resume_reads_the_runs_config_with_overrides(tmp_path, capsys):
     assert main(["train", "--resume", str(tmp_path), "--dry-run", "--rl.lr=1e-5"]) == 0
     cfg = build(TrainConfig, tomllib.loads(capsys.readouterr().out))
     assert cfg.rl.steps == 7 and cfg.rl.lr == 1e-5
+
+
+def test_a_model_path_gets_the_pretrained_defaults_unless_set(tmp_path):
+    from minite.config import PRETRAINED_DEFAULTS, char_defaults_in_use
+
+    cfg = load_config(None, ["--model.path=some/dir"])
+    assert (cfg.warmup.steps, cfg.rl.lr, cfg.sampling.max_tokens) == (0, 1e-6, 1024)
+    assert cfg.model.tokenizer_source() == "some/dir" and not char_defaults_in_use(cfg)
+    cfg = load_config(None, ["--model.path=some/dir", "--rl.lr=3e-6", "--warmup.steps=5"])
+    assert (cfg.rl.lr, cfg.warmup.steps, cfg.warmup.lr) == (3e-6, 5, PRETRAINED_DEFAULTS["warmup.lr"])
+    preset = tmp_path / "p.toml"
+    preset.write_text('[model]\npath = "some/dir"\n[sampling]\nmax_tokens = 64\n')
+    assert load_config(preset).sampling.max_tokens == 64
+    # a resumed run reads its resolved config.toml: the same values
+    assert load_config(_written(tmp_path, cfg)) == cfg
+    # the char defaults stay for a preset, and are named when a real tokenizer meets them
+    cfg = load_config(None, ["--model.tokenizer=some/dir"])
+    assert cfg.rl.lr == 1e-4 and char_defaults_in_use(cfg) == ["warmup.steps = 150", "warmup.lr = 0.003",
+                                                              "rl.lr = 0.0001", "sampling.max_tokens = 4"]
+
+
+def _written(tmp_path, cfg):
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(cfg))
+    return path
+
+
+def test_overrides_as_two_arguments(capsys):
+    args = ["--rl.steps", "3", "--sampling.temperature", "0.5", "--rl.lr=2e-4"]
+    assert main(["train", "--dry-run", *args]) == 0
+    cfg = tomllib.loads(capsys.readouterr().out)
+    assert (cfg["rl"]["steps"], cfg["rl"]["lr"], cfg["sampling"]["temperature"]) == (3, 2e-4, 0.5)
+    with pytest.raises(SystemExit):
+        main(["train", "--dry-run", "--rl.steps"])
+    assert "override --rl.steps needs a value" in capsys.readouterr().err

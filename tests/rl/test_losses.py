@@ -183,3 +183,27 @@ def test_batch_validation():
     as_float = RLBatch(batch.logprobs, batch.old_logprobs, batch.sampler_logprobs, batch.mask.float(),
                        batch.advantages)
     assert as_float.mask.dtype == torch.bool
+
+
+def test_gspo_sequence_ratio_value_gradient_and_clipping():
+    # row 0: token ratios 2 and 0.5 -> sequence ratio exp(mean log) = 1; row 1: one token at ratio 1.5
+    batch = make_batch([[2.0, 0.5], [1.5]], [1.0, 1.0])
+    cfg = LossConfig(ratio="sequence", aggregation="seq_mean", eps_high=0.2)
+    loss, metrics = policy_loss(batch, cfg)
+    # row 0 unclipped (s = 1): pg = -1 per token; row 1 clipped at 1.2 (A > 0, s > 1.2): pg = -1.2
+    assert float(loss.detach()) == pytest.approx((-1.0 - 1.2) / 2)
+    assert float(metrics["loss/clip_frac"]) == pytest.approx(1 / 3)
+    # gradient: -A * s / len at each token of an unclipped sequence, none for a clipped one
+    g = grad_of(policy_loss(batch, cfg)[0], batch)
+    torch.testing.assert_close(g[batch.mask], torch.tensor([-0.25, -0.25, 0.0]))
+
+
+def test_dr_grpo_constant_normalizer():
+    batch = make_batch([[1.0, 1.0, 1.0], [1.0]], [1.0, -1.0])
+    cfg = LossConfig(aggregation="seq_mean_token_sum_norm", normalizer=10)
+    loss, _ = policy_loss(batch, cfg)
+    assert float(loss.detach()) == pytest.approx((-3 / 10 + 1 / 10) / 2)
+    g = grad_of(policy_loss(batch, cfg)[0], batch)
+    torch.testing.assert_close(g[batch.mask], torch.tensor([-0.05, -0.05, -0.05, 0.05]))
+    with pytest.raises(ValueError, match="normalizer"):
+        policy_loss(batch, LossConfig(aggregation="seq_mean_token_sum_norm"))

@@ -8,7 +8,7 @@ import torch
 
 from minite.config import ConfigError, load_config
 from minite.nn import Linear
-from minite.nn.segmented_linear import SegmentedLinear
+from minite.nn.linear import SegmentedLinear
 from minite.nvfp4 import quantize
 from minite.rl.trainer import Trainer
 from tests.rl.test_trainer import TINY, parity_reward

@@ -447,7 +447,8 @@ def test_a_pretrained_models_vocabulary_is_checked_before_the_warm_start(tmp_pat
     model.init_weights(0.02, torch.Generator().manual_seed(0))
     save_pretrained(model, model_dir)
     monkeypatch.setattr(Trainer, "warmup", lambda self: pytest.fail("the warm start ran"))
-    cfg = load_config(None, [o for o in TINY if "model.config" not in o] + [f"--model.path={model_dir}"])
+    cfg = load_config(None, [o for o in TINY if "model.config" not in o] + [f"--model.path={model_dir}",
+                                                                           "--model.tokenizer=char"])
     if match is None:
         Trainer(cfg, tmp_path / "run").close()
         return

@@ -210,3 +210,27 @@ def test_math_verify_reward_requires_the_package():
         pytest.skip("math-verify is installed")
     with pytest.raises(ImportError, match="pip install math-verify"):
         QATask.from_files(GSM8K, reward="math_verify")
+
+
+def test_a_task_class_by_import_path(tmp_path, monkeypatch):
+    (tmp_path / "my_tasks.py").write_text(
+        "from minite.rl.tasks import Example, Task\n\n"
+        "class Echo(Task):\n"
+        "    def __init__(self, word='hi', seed=0):\n"
+        "        self.word, self.seed = word, seed\n"
+        "    def example(self, split, index):\n"
+        "        return Example(f'{split} {index}: say {self.word}', self.word)\n"
+        "    def size(self, split):\n"
+        "        return None\n"
+        "    def reward(self, completion, example):\n"
+        "        return float(completion.strip() == example.answer)\n\n"
+        "class NotATask:\n"
+        "    pass\n")
+    monkeypatch.chdir(tmp_path)
+    task = make_task(f"{tmp_path / 'my_tasks.py'}:Echo", seed=3, word="yes")
+    assert task.seed == 3 and task.example("test", 2).prompt == "test 2: say yes"
+    assert task.reward(" yes", task.example("train", 0)) == 1.0
+    with pytest.raises(ValueError, match="not a subclass"):
+        make_task("my_tasks.py:NotATask")
+    with pytest.raises(ValueError, match="has no class 'Nope'"):
+        make_task("my_tasks.py:Nope")

@@ -65,3 +65,22 @@ def test_hf_tokenizer_wrapper(tmp_path):
 def test_hf_tokenizer_missing_directory(tmp_path):
     with pytest.raises(ValueError, match="cannot load a tokenizer"):
         HFTokenizer(str(tmp_path / "nope"))
+
+
+def test_char_tokenizer_in_hugging_face_form(tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = CharTokenizer()
+    tok.save_pretrained(tmp_path)
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    text = "12+7*3=?\n#### 33. (1 + 2) / 3, <answer>x</answer>!"
+    assert hf.encode(text, add_special_tokens=False) == tok.encode(text)
+    assert hf.decode(tok.encode(text, add_bos=True, add_eos=True), skip_special_tokens=True) == text
+    assert len(hf) == tok.vocab_size and (hf.pad_token_id, hf.bos_token_id, hf.eos_token_id) == (0, 1, 2)
+    assert HFTokenizer(str(tmp_path)).encode(text) == tok.encode(text)
+
+
+def test_a_folder_without_tokenizer_files_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3"}')
+    with pytest.raises(ValueError, match="holds no tokenizer"):
+        load_tokenizer(str(tmp_path))

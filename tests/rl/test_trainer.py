@@ -87,3 +87,50 @@ def test_a_random_preset_takes_the_tokenizers_vocabulary(tmp_path):
     assert trainer.run()["rl_steps"] == 1
     with pytest.raises(ValueError, match="larger than the tokenizer"):
         make_trainer(tmp_path / "b", "--model.config.vocab_size=300", "--rl.steps=1")
+
+
+def test_every_run_ends_in_a_full_hugging_face_directory_and_tensorboard_events(tmp_path):
+    """checkpoint.every = 0 still leaves the trained model, in final/, loadable by transformers' Auto
+    classes with the char tokenizer it was trained with; the default logging writes event files."""
+    import transformers
+
+    from minite.models.checkpoint import to_hf_tensors
+
+    trainer = make_trainer(tmp_path, "--rl.steps=1", "--checkpoint.every=0", "--eval.every=0",
+                           "--logging.tensorboard=true")
+    summary = trainer.run()
+    final = tmp_path / "run" / "final"
+    assert summary["final"] == str(final)
+    assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(final)
+    ours = to_hf_tensors(trainer.model)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, ours[name]), name
+    tok = transformers.AutoTokenizer.from_pretrained(final)
+    assert tok.encode("3+4=", add_special_tokens=False) == trainer.tokenizer.encode("3+4=")
+    assert transformers.GenerationConfig.from_pretrained(final).eos_token_id == trainer.tokenizer.eos_token_id
+
+
+def test_eval_files_are_scored_apart_from_the_task(tmp_path):
+    rows = [{"question": f"{a}+{b}=", "answer": f"#### {a + b}"} for a, b in [(1, 2), (3, 4), (2, 2)]]
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    make_trainer(tmp_path, "--rl.steps=1", "--checkpoint.every=0", "--eval.every=0",
+                 f"--eval.files=[\"{data}\"]").run()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert len(evals) == 2
+    for r in evals:
+        assert r["eval/sums/size"] == 3 and 0 <= r["eval/sums/pass@1"] <= r["eval/sums/pass@4"] <= 1
+        assert {"eval/sums/greedy_accuracy", "eval/sums/maj@4", "eval/sums/avg@4"} <= r.keys()
+
+
+def test_wandb_without_the_package_is_refused_before_training():
+    import importlib.util
+
+    from minite.config import ConfigError
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed")
+    with pytest.raises(ConfigError, match="logging.wandb: true needs the wandb package: pip install wandb"):
+        load_config(None, ["--logging.wandb=true"])

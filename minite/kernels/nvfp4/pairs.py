@@ -16,7 +16,7 @@ import triton.language as tl
 from minite.kernels import interpreted
 from minite.kernels.launch import cdiv, next_power_of_2
 from minite.kernels.launch import launch as launch_kernel
-from minite.kernels.nvfp4 import (
+from minite.kernels.nvfp4.blocks import (
     _block_scales,
     _e2m1_rint,
     _given_scales,
