@@ -10,7 +10,15 @@ import warnings
 from pathlib import Path
 
 from minite import __version__
-from minite.commands import agreement_cmd, diagnose_cmd, eval_cmd, experiment_cmd, quantize_cmd, train_cmd
+from minite.commands import (
+    agreement_cmd,
+    diagnose_cmd,
+    eval_cmd,
+    experiment_cmd,
+    export_cmd,
+    quantize_cmd,
+    train_cmd,
+)
 from minite.files import describe_os_error
 
 COMMANDS = {
@@ -20,6 +28,7 @@ COMMANDS = {
     "train": train_cmd,
     "eval": eval_cmd,
     "experiment": experiment_cmd,
+    "export": export_cmd,
 }
 PACKAGE_DIR = str(Path(__file__).resolve().parent)
 INTERRUPTED = 130  # the shell's status for a process ended by SIGINT

@@ -18,7 +18,8 @@ Backends: `ref` runs `minite.ref.nvfp4` (plain PyTorch, any device); `triton` ru
 `minite.kernels.nvfp4.quantize_packed` (CUDA, or CPU tensors under TRITON_INTERPRET=1); `auto` (the
 default) picks the kernels for CUDA tensors when they are available and the reference otherwise, so
 CPU behaviour never changes. RNE codes, block scales and global scales are bitwise equal on both
-backends; stochastic rounding (different random streams) and the RHT agree in distribution only.
+backends, with or without the RHT; stochastic rounding (different random streams) agrees in
+distribution only.
 
 `check_finite=True` counts the non-finite values on the host, which synchronizes with a CUDA device.
 Code on the hot path (`minite.nn`) passes `check_finite=False` for CUDA tensors and marks the rows of a

@@ -29,6 +29,7 @@ ROUNDINGS = ("rne", "stochastic")
 CHAINS = ("te", "vllm", "torchao")
 EPILOGUES = ("sdec", "alpha", "bf16_scalar")
 BACKWARDS = ("dequantized", "nvfp4")
+FUSED_SCALES = ("separate", "shared")
 
 
 def _check(what: str, value, allowed) -> None:
@@ -68,9 +69,13 @@ class Recipe:
     execution: Execution = field(default_factory=Execution)
     bf16_first_layers: int = 0
     bf16_last_layers: int = 0
+    # "shared": q/k/v and gate/up quantize with one weight global scale per group, as serving engines
+    # run them (`minite.nn.linear.SegmentedLinear`); "separate": each projection its own
+    fused_scale: str = "separate"
 
     def __post_init__(self):
         _check("epilogue", self.epilogue, EPILOGUES)
+        _check("fused_scale", self.fused_scale, FUSED_SCALES)
         _check("backward", self.backward, BACKWARDS)
         if isinstance(self.execution, dict):  # a config's table
             object.__setattr__(self, "execution", Execution(**self.execution))

@@ -44,6 +44,8 @@ def add_parser(sub, name):
                    help="sampler KV slots (default: auto; fewer than the rollout needs: preemption)")
     p.add_argument("--max-num-seqs", type=positive_int, default=None, help="sequences decoded together "
                    "(default: the sampler's; fewer than prompts x n: continuous batching)")
+    p.add_argument("--rollouts", metavar="FILE", help="another engine's rollouts (.jsonl / .parquet / .pt, "
+                   "docs/diagnostics.md): recompute them with the learner instead of sampling")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -59,6 +61,8 @@ def run(args) -> int:
     else:
         source = model_preset(args.preset, args.layers)
         dtype = dtype or (torch.bfloat16 if str(args.device).startswith("cuda") else torch.float32)
+    if args.rollouts:
+        return _run_rollouts(args, source, dtype)
     vocab = source.config.vocab_size if args.model else source.vocab_size
     prompts = random_prompts(args.num_prompts, args.prompt_len, vocab, args.seed)
     kw = {k: v for k, v in (("kv_cache_tokens", args.kv_cache_tokens), ("max_num_seqs", args.max_num_seqs))
@@ -77,6 +81,32 @@ def run(args) -> int:
     return 0
 
 
+def _run_rollouts(args, source, dtype) -> int:
+    """`--rollouts`: the file's tokens and log-probs against the learner recipe's recomputation."""
+    from minite.diagnostics.agreement import rollout_agreement
+    from minite.diagnostics.rollouts import check_vocab, read_rollouts, temperature_of
+
+    rollouts = read_rollouts(args.rollouts)
+    if not args.model:  # a preset: random weights of that shape
+        from minite.models import Qwen3
+
+        model = Qwen3(source, args.learner_recipe)
+        model.init_weights(args.init_std, torch.Generator().manual_seed(args.seed))
+        source = model.to(device=args.device, dtype=dtype)
+    check_vocab(rollouts, source.config.vocab_size, args.rollouts)
+    temperature = temperature_of(rollouts, args.temperature)
+    learner = get_recipe(args.learner_recipe).with_execution(backend=args.backend)
+    report = rollout_agreement(source, rollouts, learner, temperature, args.top_k, args.top_p)
+    report["model"] = args.model or args.preset
+    report["rollouts"] = args.rollouts
+    if args.json:
+        json.dump(report, sys.stdout, indent=1)
+        print()
+    else:
+        _print_table(report)
+    return 0
+
+
 def _print_table(r: dict) -> None:
     print(f"model {r['model']} ({r['dtype']}, {r['device']}): learner {r['learner_recipe']} vs sampler "
           f"{r['sampler_recipe']}, {r['num_samples']} samples, {int(r['n_tokens'])} tokens")
@@ -87,3 +117,9 @@ def _print_table(r: dict) -> None:
             ("outside learner support", str(r["outside_learner_support"]))]
     for name, value in rows:
         print(f"  {name:26s} {value:>14s}")
+    d = r.get("distribution")
+    if d and d["n_positions"]:
+        print(f"  over the file's top-k ({d['n_positions']} positions):")
+        for k in ("topk_tv", "topk_kl", "topk_overlap", "top1_agree", "topk_mass_sampler",
+                  "topk_mass_learner"):
+            print(f"    {k:24s} {d[k]:>14.4g}")

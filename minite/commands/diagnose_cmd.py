@@ -2,10 +2,13 @@
 
 Steps: build the model (a tiny random preset, briefly trained on the task's worked solutions so that
 it writes task-like text and earns some reward, or a Hugging Face directory); sample responses with
-the sampler recipe; compute the log-probs of the same tokens on the learner path and the sampler path
-(`minite.diagnostics.localize.Side`); then the token metrics, the per-op localization, the knob
-attribution, the direction analysis (advantages from the task's rewards, group-normalized per prompt)
-and the report (`report.html`, `report.json`, PNGs under --out).
+the sampler recipe (or, with --rollouts, take another engine's responses and log-probs from a file:
+`minite.diagnostics.rollouts`; the sampler recipe then only sets the other side of localization and
+attribution, whose residual is the engine's own share); compute the log-probs of the same tokens on
+the learner path and the sampler path (`minite.diagnostics.localize.Side`); then the token metrics
+(and, where the file has top-k log-probs, the distribution metrics over them), the per-op
+localization, the knob attribution, the direction analysis (advantages from the task's rewards, or
+the file's, group-normalized per prompt) and the report (`report.html`, `report.json`, PNGs under --out).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from minite.diagnostics.direction import direction, heatmap_rows
 from minite.diagnostics.localize import Sequences, Side, localize, prepare, recipe_of, side_logprobs
 from minite.diagnostics.metrics import mismatch_metrics
 from minite.diagnostics.report import write_report
+from minite.diagnostics.rollouts import check_vocab, groups, read_rollouts, temperature_of
+from minite.diagnostics.topk import has_topk, learner_distributions, topk_metrics
 from minite.files import check_output_dir
 from minite.models.presets import MODEL_PRESETS, model_preset
 from minite.recipe import RECIPES
@@ -47,6 +52,8 @@ def add_parser(sub, name):
     prompts = p.add_mutually_exclusive_group()
     prompts.add_argument("--task", choices=["arithmetic", "countdown"], default="arithmetic")
     prompts.add_argument("--prompts", help="text (one prompt per line) or JSONL (prompt[, answer])")
+    prompts.add_argument("--rollouts", metavar="FILE", help="another engine's rollouts: tokens and log-probs "
+                         "(.jsonl / .parquet / .pt, docs/diagnostics.md) to diagnose instead of sampling")
     p.add_argument("--learner-recipe", default="te", choices=list(RECIPES))
     p.add_argument("--sampler-recipe", default="vllm", choices=list(RECIPES))
     p.add_argument("--learner-batching", default="packed", choices=["packed", "alone"])
@@ -82,6 +89,8 @@ def check_args(args) -> None:
         raise ValueError(f"--temperature {args.temperature:g}: use temperature > 0")
     if args.prompts and not Path(args.prompts).is_file():
         raise FileNotFoundError(f"--prompts {args.prompts} does not exist")
+    if args.rollouts and not Path(args.rollouts).is_file():
+        raise FileNotFoundError(f"--rollouts {args.rollouts} does not exist")
 
 
 def run(args) -> int:
@@ -96,44 +105,66 @@ def run(args) -> int:
     phase("building the model")
     torch.manual_seed(args.seed)
     model, tok = _model(args)
-    examples, task = _examples(args, tok)
+    rollouts = read_rollouts(args.rollouts) if args.rollouts else None
+    examples, task = _examples(args, tok) if rollouts is None else (None, None)
     default_steps = 60 if args.preset in TINY_PRESETS and task else 0
     steps = args.warmup_steps if args.warmup_steps is not None else default_steps
+    if steps and task is None:
+        raise ValueError("--warmup-steps trains on a task's solutions: not with --rollouts or --prompts")
     if steps:
         phase(f"warm start: {steps} supervised steps")
         _warm_start(model, tok, task, steps, args.seed)
     model.to(device=args.device, dtype=DTYPES[args.dtype]).eval()
     learner = Side(args.learner_recipe, args.learner_batching)
     sampler = Side(args.sampler_recipe, args.sampler_batching)
-    prompts = [tok.encode(ex.prompt, add_bos=tok.bos_token_id is not None) for ex in examples]
+    temperature = args.temperature
+    if rollouts is None:
+        prompts = [tok.encode(ex.prompt, add_bos=tok.bos_token_id is not None) for ex in examples]
+    else:
+        check_vocab(rollouts, model.config.vocab_size, args.rollouts)
+        temperature = temperature_of(rollouts, args.temperature)
+        prompts = [list(p) for p in dict.fromkeys(tuple(r.prompt_token_ids) for r in rollouts)]
     phase("quantizing the weights of both recipes")
     prepare(model, Sequences(prompts, [len(p) for p in prompts]), [learner, sampler])
-    phase("sampling responses")
-    seqs, engine_mu = _generate(model, sampler, prompts, args, tok.eos_token_id)
+    if rollouts is None:
+        phase("sampling responses")
+        seqs, engine_mu = _generate(model, sampler, prompts, args, tok.eos_token_id)
+    else:
+        seqs, engine_mu = _from_rollouts(rollouts)
     targets, mask = seqs.padded()
 
     phase("log-probs on both paths")
-    forward_mu = side_logprobs(model, sampler, seqs, args.temperature)
+    forward_mu = side_logprobs(model, sampler, seqs, temperature)
     mu = forward_mu if engine_mu is None else engine_mu
-    pi = side_logprobs(model, learner, seqs, args.temperature)
+    pi = side_logprobs(model, learner, seqs, temperature)
     gap = pi - mu
-    decode = lambda i: tok.decode([i]) if i < tok.vocab_size else f"<{i}>"
+    vocab = tok.vocab_size if tok is not None else 0
+    decode = lambda i: tok.decode([i]) if i < vocab else f"<{i}>"
     # Random-weight presets sample ids beyond the char tokenizer's vocabulary: show those as <id>.
-    texts = [tok.decode(r) if max(r, default=0) < tok.vocab_size else "".join(map(decode, r))
+    texts = [tok.decode(r) if max(r, default=0) < vocab else "".join(map(decode, r))
              for r in (s[p:] for s, p in zip(seqs.tokens, seqs.prompt_lens))]
-    report = {"config": _config(args, model, steps, len(seqs.tokens), int(mask.sum())),
+    report = {"config": _config(args, model, steps, len(seqs.tokens), int(mask.sum()), temperature),
               "metrics": mismatch_metrics(pi, mu, mask)}
+    if rollouts is not None and has_topk(rollouts):
+        phase("distribution over the file's top-k")
+        report["distribution"] = topk_metrics(learner_distributions(model, learner, rollouts, temperature),
+                                              rollouts)
     phase("localization")
     report["localization"] = localize(model, learner, sampler, seqs).to_dict()
     phase("attribution")
     report["attribution"] = attribute(model, learner, sampler, seqs, sampler_logprobs=engine_mu,
-                                      temperature=args.temperature).to_dict()
+                                      temperature=temperature).to_dict()
     if engine_mu is not None:
         report["sampler_path"] = {k: v for k, v in mismatch_metrics(forward_mu, engine_mu, mask).items()
                                   if k in ("k3_kl", "logprob_abs_diff_mean", "logprob_abs_diff_max",
                                            "bitwise_equal_frac")}
     adv = None
-    if all(ex.answer is not None for ex in examples):
+    if rollouts is not None and all(r.reward is not None for r in rollouts):
+        rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
+        adv = _group_advantages(rewards, groups(rollouts))
+        report["config"]["reward_mean"] = rewards.mean().item()
+        report["direction"] = direction(gap, adv, mask, TriageConfig(segment_len=args.segment_len))
+    elif rollouts is None and all(ex.answer is not None for ex in examples):
         rewards = torch.tensor([(task.reward if task else _exact)(t, ex)
                                 for t, ex in zip(texts, [e for e in examples for _ in range(args.samples)])])
         adv = group_advantages(rewards, args.samples) if args.samples >= 2 else rewards - rewards.mean()
@@ -141,6 +172,8 @@ def run(args) -> int:
         report["direction"] = direction(gap, adv, mask, TriageConfig(segment_len=args.segment_len))
     report["heatmap"] = heatmap_rows(gap, mask, targets, decode, adv)
     report["samples"] = texts[:8]
+    if rollouts is not None:
+        report["rollouts"] = args.rollouts
     phase("report")
     report["config"]["phase_start_seconds"] = phases
     paths = write_report(args.out, report, deltas=gap[mask])
@@ -152,6 +185,30 @@ def run(args) -> int:
     return 0
 
 
+def _from_rollouts(rollouts) -> tuple[Sequences, torch.Tensor]:
+    """The file's sequences and the engine's log mu [B, T] in `Sequences.padded` layout."""
+    seqs = Sequences([r.prompt_token_ids + r.response_token_ids for r in rollouts],
+                     [len(r.prompt_token_ids) for r in rollouts])
+    mu = torch.zeros(seqs.padded()[0].shape)
+    for i, r in enumerate(rollouts):
+        p = len(r.prompt_token_ids)
+        mu[i, p - 1: p - 1 + len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float32)
+    return seqs, mu
+
+
+def _group_advantages(rewards: torch.Tensor, group: list[int]) -> torch.Tensor:
+    """Rewards centred on their prompt group's mean and scaled by its std (groups of any size; a group
+    of one gets 0), as `group_advantages` does for equal groups."""
+    adv = torch.zeros_like(rewards)
+    ids = torch.tensor(group)
+    for g in ids.unique():
+        members = ids == g
+        r = rewards[members]
+        if r.numel() > 1:
+            adv[members] = (r - r.mean()) / (r.std() + 1e-6)
+    return adv
+
+
 def _exact(text: str, ex: Example) -> float:
     return exact_match_reward(text, ex.answer)
 
@@ -161,7 +218,13 @@ def _model(args):
     from minite.rl.tokenizer import CharTokenizer, HFTokenizer
 
     if args.model:
-        return load_pretrained(args.model, recipe="bf16", dtype=torch.float32), HFTokenizer(args.model)
+        model = load_pretrained(args.model, recipe="bf16", dtype=torch.float32)
+        if args.rollouts:  # token ids in, token ids out: a tokenizer only shows the text
+            try:
+                return model, HFTokenizer(args.model)
+            except ValueError:
+                return model, None
+        return model, HFTokenizer(args.model)
     # Character prompts: their ids are valid in every preset's vocabulary.
     tok = CharTokenizer(unknown="replace")
     tiny = args.preset in TINY_PRESETS
@@ -256,12 +319,12 @@ def _generate(model, side: Side, prompts: list[list[int]], args, eos: int):
     return Sequences(seqs, lens), None
 
 
-def _config(args, model, steps, n_seqs, n_tokens) -> dict:
-    return {"model": args.model or args.preset, "prompts": args.prompts or args.task,
+def _config(args, model, steps, n_seqs, n_tokens, temperature) -> dict:
+    return {"model": args.model or args.preset, "prompts": args.rollouts or args.prompts or args.task,
             "learner": f"{args.learner_recipe}/{args.learner_batching}",
             "sampler": f"{args.sampler_recipe}/{args.sampler_batching}", "dtype": args.dtype,
             "layers": model.config.num_hidden_layers, "warmup_steps": steps, "sequences": n_seqs,
-            "response_tokens": n_tokens, "temperature": args.temperature, "seed": args.seed}
+            "response_tokens": n_tokens, "temperature": temperature, "seed": args.seed}
 
 
 def _print_summary(report: dict, paths: dict) -> None:
@@ -272,6 +335,10 @@ def _print_summary(report: dict, paths: dict) -> None:
     for k in ("kl", "k3_kl", "chi2_token", "ess", "logprob_abs_diff_mean", "logprob_abs_diff_max",
               "logprob_abs_diff_p99", "prob_abs_diff_mean", "bitwise_equal_frac"):
         print(f"  {k:24s} {m[k]:.4g}")
+    if report.get("distribution", {}).get("n_positions"):
+        d = report["distribution"]
+        print(f"over the sampler's top-k ({d['n_positions']} positions): tv {d['topk_tv']:.4g}, kl terms "
+              f"{d['topk_kl']:.4g}, overlap {d['topk_overlap']:.3f}, top-1 agree {d['top1_agree']:.3f}")
     loc = report["localization"]
     logits = next(o["rel_diff"] for o in loc["ops"] if o["op"] == "lm_head")
     print(f"\nlocalization: first divergent op {loc['first_divergent']}; logits rel diff {logits:.3g}")
@@ -286,7 +353,9 @@ def _print_summary(report: dict, paths: dict) -> None:
     print("\nattribution\n" + format_table(Attribution(a["metric"], a["initial"], a["residual"], a["rows"])))
     if report.get("sampler_path"):
         s = report["sampler_path"]
-        print(f"  sampler engine (decode, KV cache) vs sampler recipe's full forward: bitwise equal "
+        engine = "the rollout file's engine" if c["prompts"] == report.get("rollouts") else \
+            "sampler engine (decode, KV cache)"
+        print(f"  {engine} vs sampler recipe's full forward: bitwise equal "
               f"{s['bitwise_equal_frac']:.3f}, max |d log-prob| {s['logprob_abs_diff_max']:.3g}")
     d = report.get("direction")
     if d:

@@ -1,4 +1,9 @@
-"""`minite quantize`: quantize a tensor or a safetensors weight file under a recipe and report."""
+"""`minite quantize`: quantize a tensor or a safetensors weight file under a recipe and report.
+
+A file from an NVFP4 checkpoint (ModelOpt or compressed-tensors, `minite.models.nvfp4_formats`) has
+its quantized linears reported as stored (code use, scale extremes, global scale; no SQNR: there is
+no original), their scale tensors not quantized again; its other tensors are quantized as usual.
+"""
 
 import fnmatch
 import json
@@ -6,7 +11,7 @@ import sys
 
 import torch
 
-from minite.diagnostics.quant_stats import quant_stats, quantize_with_spec
+from minite.diagnostics.quant_stats import code_stats, quant_stats, quantize_with_spec
 from minite.recipe import RECIPES, QuantSpec, get_recipe
 
 HELP = "quantize a random tensor or a safetensors file under a recipe; report SQNR, codes, scales"
@@ -15,7 +20,8 @@ HELP = "quantize a random tensor or a safetensors file under a recipe; report SQ
 def add_parser(sub, name):
     p = sub.add_parser(name, help=HELP, description=HELP)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--file", help="a .safetensors file (each floating-point tensor is quantized)")
+    src.add_argument("--file", help="a .safetensors file (each floating-point tensor is quantized; the "
+                     "linears of an NVFP4 checkpoint are reported as stored)")
     src.add_argument("--random", metavar="R,K", help="a random tensor of this shape, e.g. 4096,4096")
     p.add_argument("--dist", choices=["gaussian", "heavy"], default="gaussian",
                    help="random data: gaussian, or heavy-tailed (x^3 with rare 50x outliers)")
@@ -33,7 +39,9 @@ def add_parser(sub, name):
 def run(args) -> int:
     spec = _spec(args)
     rows, skipped = [], []
-    for name, x in _tensors(args):
+    stored, owned = _stored(args.file) if args.file else ([], set())
+    rows += [r for r in stored if fnmatch.fnmatch(r["name"], args.name)]
+    for name, x in _tensors(args, owned):
         if x.numel() == 0:  # nothing to quantize or to measure: a row saying so, not a crash
             skipped.append({"name": name, "shape": list(x.shape), "reason": "0 elements"})
             continue
@@ -67,7 +75,29 @@ def _spec(args) -> QuantSpec:
     return QuantSpec(**{**spec.kwargs(), **changes})
 
 
-def _tensors(args):
+def _stored(file: str) -> tuple[list[dict], set[str]]:
+    """(a row per NVFP4 linear stored in `file`, the tensor names they own)."""
+    from minite.models.checkpoint import open_safetensors
+    from minite.models.nvfp4_formats import FIELDS, global_from_file
+    from minite.nvfp4 import NVFP4Tensor
+
+    rows, owned = [], set()
+    with open_safetensors(file) as f:
+        names = set(f.keys())  # noqa: SIM118
+        for fmt, (codes_f, scales_f, glob_f, inp_f) in FIELDS.items():
+            for name in sorted(n.removesuffix(f".{glob_f}") for n in names if n.endswith(f".{glob_f}")):
+                codes, sb = f.get_tensor(f"{name}.{codes_f}"), f.get_tensor(f"{name}.{scales_f}")
+                if codes.dtype != torch.uint8 or sb.dtype != torch.float8_e4m3fn:
+                    continue
+                s_dec = global_from_file(fmt, f.get_tensor(f"{name}.{glob_f}"))
+                shape = (*codes.shape[:-1], 2 * codes.shape[-1])
+                q = NVFP4Tensor(codes, sb, s_dec, s_dec * 2688.0, shape)
+                rows.append({"name": name, "stored": fmt, "shape": list(shape), **code_stats(q)})
+                owned |= {f"{name}.{s}" for s in (codes_f, scales_f, glob_f, inp_f)}
+    return rows, owned
+
+
+def _tensors(args, skip: set[str] = frozenset()):
     if args.random:
         try:
             shape = tuple(int(s) for s in args.random.split(","))
@@ -87,7 +117,7 @@ def _tensors(args):
 
     with open_safetensors(args.file) as f:  # a truncated or corrupt file is refused before any work
         for name in f.keys():  # noqa: SIM118 (a safetensors handle is not a mapping)
-            if not fnmatch.fnmatch(name, args.name):
+            if name in skip or not fnmatch.fnmatch(name, args.name):
                 continue
             x = f.get_tensor(name)
             if x.is_floating_point() and x.ndim >= 1:
@@ -107,7 +137,8 @@ def _print_table(report):
     head = f"{'tensor':40s} {'shape':>14s} {'SQNR dB':>8s} {'rel err':>8s} {'scale=0':>8s} {'=448':>7s}"
     print(head)
     for r in report["tensors"]:
-        print(f"{r['name'][:40]:40s} {_shape(r['shape']):>14s} {r['sqnr_db']:8.2f} {r['rel_error']:8.4f} "
+        error = f"{'stored':>8s} {'':>8s}" if "stored" in r else f"{r['sqnr_db']:8.2f} {r['rel_error']:8.4f}"
+        print(f"{r['name'][:40]:40s} {_shape(r['shape']):>14s} {error} "
               f"{100 * r['blocks_at_scale_0']:7.2f}% {100 * r['blocks_at_scale_448']:6.2f}%")
     for r in report["skipped"]:
         print(f"{r['name'][:40]:40s} {_shape(r['shape']):>14s} skipped: {r['reason']}")

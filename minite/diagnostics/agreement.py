@@ -16,6 +16,8 @@
    lie outside the learner's truncated support (log pi = -inf) are counted in
    `outside_learner_support` and left out of the metrics.
 
+`rollout_agreement` does steps 3 and 4 on rollouts another engine sampled (a rollout file).
+
 `generate_fn` returns one item per prompt, in prompt order, each with `.samples`, each sample with
 `.token_ids` (list of ints) and `.logprobs` (fp32 [len(token_ids)]).
 """
@@ -130,3 +132,40 @@ def measure_agreement(model_or_config: Qwen3 | ModelConfig, prompts: list[list[i
                                                     "top_k": params.top_k, "top_p": params.top_p,
                                                     "max_tokens": params.max_tokens, "seed": params.seed},
             "generate_s": t_generate, "learner_s": t_learner, "sampler_stats": stats, "metrics": metrics}
+
+
+@torch.no_grad()
+def rollout_agreement(model: Qwen3, rollouts: list, learner_recipe: str | Recipe = "aligned",
+                      temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                      micro_batch_tokens: int = 8192) -> dict:
+    """Another engine's rollouts (`minite.diagnostics.rollouts`) recomputed by the learner view under
+    `learner_recipe`: the token metrics of `measure_agreement` on the file's log-probs, plus the
+    distribution metrics over top-k where the file has them (`minite.diagnostics.topk`)."""
+    from minite.diagnostics.localize import Side
+    from minite.diagnostics.topk import has_topk, learner_distributions, topk_metrics
+
+    learner = recipe_view(model, learner_recipe)
+    prompts = [list(p) for p in dict.fromkeys(tuple(r.prompt_token_ids) for r in rollouts)]
+    calibrated = calibrate_if_static(learner, prompts)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    batch = SequenceBatch.from_samples([r.prompt_token_ids for r in rollouts],
+                                       [r.response_token_ids for r in rollouts],
+                                       [r.logprobs for r in rollouts], params=params)
+    t0 = time.perf_counter()
+    pi = batch_logprobs(learner, batch, micro_batch_tokens)
+    t_learner = time.perf_counter() - t0
+    mu, mask = batch.sampler_logprobs.to(pi.device), batch.mask(pi.device)
+    outside = mask & ~torch.isfinite(pi)
+    metrics = mismatch_metrics(pi, mu, mask & ~outside)
+    param = next(model.parameters())
+    report = {"learner_recipe": learner.recipe.name, "sampler_recipe": "rollouts",
+              "calibrated": ["learner"] if calibrated else [], **{k: metrics[k] for k in SUMMARY},
+              "outside_learner_support": int(outside.sum()), "num_prompts": len(prompts),
+              "num_samples": len(rollouts), "dtype": str(param.dtype).removeprefix("torch."),
+              "device": str(param.device), "learner_s": t_learner, "metrics": metrics,
+              "params": {"temperature": temperature, "top_k": top_k, "top_p": top_p}}
+    if has_topk(rollouts):
+        dists = learner_distributions(learner, Side(learner.recipe, "packed"), rollouts, temperature, top_k,
+                                      top_p)
+        report["distribution"] = topk_metrics(dists, rollouts)
+    return report

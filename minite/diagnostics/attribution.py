@@ -18,7 +18,8 @@ the gap is a mismatch metric of (pi, mu) over the response tokens (`k3_kl` by de
     gemm_epilogue     recipe.epilogue (sdec / alpha / bf16_scalar)
     gemm_kernel       recipe.execution.backend (ref / triton)
     batch_composition Side.batching (packed with the other sequences / each sequence alone)
-    other_recipe      the remaining forward fields: fp4, rounding, hadamard, bf16 first/last layers
+    other_recipe      the remaining forward fields: fp4, rounding, hadamard, bf16 first/last layers,
+                      fused-group scales
     attention_kernel  not available: both sides run the same attention (the Triton kernel on CUDA,
                       the reference elsewhere); the Side has no attention setting to switch yet
     sampler_path      not switchable: the learner has no decode path. When mu comes from the
@@ -67,7 +68,7 @@ def _other(a: Side, b: Side) -> Side:
     wgt = _spec(r.weight, rounding=o.weight.rounding, hadamard=o.weight.hadamard)
     return a.replace(recipe=r.replace(fp4=o.fp4, activation=act, weight=wgt,
                                       bf16_first_layers=o.bf16_first_layers,
-                                      bf16_last_layers=o.bf16_last_layers))
+                                      bf16_last_layers=o.bf16_last_layers, fused_scale=o.fused_scale))
 
 
 def _kernel_reason() -> str | None:

@@ -125,6 +125,13 @@ def recipe_of(model, side: Side):
 
 
 @torch.no_grad()
+def side_logits(model, side: Side, seqs: Sequences) -> list[torch.Tensor]:
+    """Each sequence's logits [len, V] on `side`."""
+    with recipe_of(model, side):
+        return _forward_logits(model, seqs, side.batching)
+
+
+@torch.no_grad()
 def side_logprobs(model, side: Side, seqs: Sequences, temperature: float = 1.0) -> torch.Tensor:
     """fp32 log-probs `[B, T]` of each next token (aligned with `Sequences.padded`; 0 past a sequence)."""
     targets, _ = seqs.padded()

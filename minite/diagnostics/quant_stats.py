@@ -27,16 +27,25 @@ def quant_stats(x: torch.Tensor, q: NVFP4Tensor) -> dict:
     xd = dequantize(q, undo_hadamard=True)
     err = (xd - xf).pow(2).sum().item()
     sig = xf.pow(2).sum().item()
-    mags = (unpack(q.codes) & 7).reshape(-1)
-    hist = torch.bincount(mags.long(), minlength=8).double()
-    sb = q.block_scales.float()
     return {
         "shape": list(x.shape),
         "sqnr_db": 10 * math.log10(sig / err) if err > 0 else math.inf,
         "rel_error": math.sqrt(err / sig) if sig > 0 else 0.0,
+        **code_stats(q),
+        "bytes_bf16": 2 * x.numel(),
+    }
+
+
+def code_stats(q: NVFP4Tensor) -> dict:
+    """What the codes and scales alone say (a stored quantization has no original to compare with):
+    E2M1 magnitude histogram, share of blocks at scale 0 and at 448, the global decode scale's range."""
+    mags = (unpack(q.codes) & 7).reshape(-1)
+    hist = torch.bincount(mags.long(), minlength=8).double()
+    sb = q.block_scales.float()
+    return {
         "code_histogram": {str(v): float(c) for v, c in zip(E2M1_VALUES, hist / hist.sum())},
         "blocks_at_scale_0": float((sb == 0).float().mean()),
         "blocks_at_scale_448": float((sb == E4M3_MAX).float().mean()),
+        "global_scale": [float(q.global_scale.min()), float(q.global_scale.max())],
         "bytes_nvfp4": q.nbytes(),
-        "bytes_bf16": 2 * x.numel(),
     }

@@ -4,6 +4,7 @@
 the plot of each one present (docs/diagnostics.md says how to read them):
 
     metrics       mismatch_metrics of the learner vs sampler log-probs (a table in the HTML)
+    distribution  metrics over a rollout file's top-k log-probs (`minite.diagnostics.topk`; a table)
     (deltas)      per-token log pi - log mu of the response tokens -> delta_hist.png
     localization  Localization.to_dict()                            -> layer_divergence.png
     attribution   Attribution.to_dict()                             -> attribution_waterfall.png
@@ -380,6 +381,8 @@ def _html(title: str, report: dict, paths: dict) -> str:
         parts.append("<h2>setup</h2>" + _table(report["config"]))
     if report.get("metrics"):
         parts.append("<h2>token-level mismatch</h2>" + _table(report["metrics"]))
+    if report.get("distribution"):
+        parts.append("<h2>distribution over the sampler's top-k</h2>" + _table(report["distribution"]))
     if report.get("attribution"):
         rows = "".join(f"<tr><td>{r['knob']}</td><td>{r['status']}</td><td>{r.get('from', '')} &rarr; "
                        f"{r.get('to', '')}</td><td>{_pct(r.get('closed_frac'))}</td>"

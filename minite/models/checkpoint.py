@@ -1,7 +1,8 @@
 """Hugging Face checkpoints (config.json + safetensors, single file or sharded) to and from `Qwen3`.
 
 Tensor names map one to one (`model.` + our name, `lm_head.weight` as is) except two kinds, and
-`hf_tensors` / `hf_pieces` are the one place that maps them (export code elsewhere reuses them):
+`minite.models.hf_layout` (`hf_tensors` / `hf_pieces`) is the one place that maps them (the NVFP4
+export and import reuse it):
 
 - the segmented projections: our `layers.{l}.self_attn.qkv_proj.weight` [Nq + 2 Nkv, H] is Hugging
   Face's `q_proj`, `k_proj`, `v_proj` weights one after the other, `layers.{l}.mlp.gate_up_proj.weight`
@@ -33,97 +34,26 @@ from safetensors.torch import save_file
 
 from minite.files import WriteError, writing
 from minite.models.config import ModelConfig, UnsupportedConfigError
+from minite.models.hf_layout import (  # noqa: F401 (re-exported for the callers of checkpoint)
+    EXPERT_PARAM,
+    SEGMENTED_PARAM,
+    SEGMENTS,
+    CheckpointError,
+    expert_pieces,
+    from_hf_pieces,
+    fused_expert_name,
+    hf_name,
+    hf_pieces,
+    hf_tensors,
+    segment_pieces,
+    segment_widths,
+)
+from minite.models.import_nvfp4 import NVFP4Checkpoint
 from minite.models.qwen3 import Qwen3
 from minite.recipe import Recipe
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-EXPERT_PARAM = re.compile(r"^layers\.(\d+)\.mlp\.(gate_up_proj|down_proj)$")
-SEGMENTED_PARAM = re.compile(r"^(layers\.\d+)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight$")
-# our segmented projection -> Hugging Face's projections it holds, in row order
-SEGMENTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-            "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint does not match the model its config.json describes."""
-
-
-def hf_name(name: str) -> str:
-    """Our parameter name -> the Hugging Face tensor name (for tensors that map one to one)."""
-    return name if name.startswith("lm_head.") else f"model.{name}"
-
-
-def segment_widths(name: str, config: ModelConfig) -> tuple[int, ...]:
-    """The row counts of segmented projection `name`'s segments under `config`."""
-    kind = SEGMENTED_PARAM.match(name).group(2)
-    if kind == "self_attn.qkv_proj":
-        kv = config.num_key_value_heads * config.head_dim
-        return (config.num_attention_heads * config.head_dim, kv, kv)
-    return (config.intermediate_size, config.intermediate_size)
-
-
-def segment_pieces(name: str, shape: torch.Size, config: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """The Hugging Face tensors `(name, shape)` whose rows make up our segmented projection `name`."""
-    layer, kind = SEGMENTED_PARAM.match(name).groups()
-    return [(f"model.{layer}.{hf}.weight", (n, shape[-1]))
-            for hf, n in zip(SEGMENTS[kind], segment_widths(name, config))]
-
-
-def hf_pieces(name: str, shape: torch.Size, config: ModelConfig, fused_experts: bool = False
-              ) -> list[tuple[str, tuple[int, ...]]]:
-    """Our tensor `name` [shape] -> the Hugging Face tensors `(name, shape)` it is made of, in order: a
-    segmented projection's segments (rows concatenated), the experts' per-expert tensors (stacked;
-    `fused_experts`: transformers 5's one fused tensor instead), else the one tensor of `hf_name`."""
-    if SEGMENTED_PARAM.match(name):
-        return segment_pieces(name, shape, config)
-    if EXPERT_PARAM.match(name):
-        return [(fused_expert_name(name), tuple(shape))] if fused_experts else expert_pieces(name, shape)
-    return [(hf_name(name), tuple(shape))]
-
-
-def hf_tensors(name: str, tensor: torch.Tensor, config: ModelConfig, fused_experts: bool = False
-               ) -> dict[str, torch.Tensor]:
-    """Our tensor `name` as the Hugging Face tensors of `hf_pieces` (views of `tensor`)."""
-    pieces = hf_pieces(name, tensor.shape, config, fused_experts)
-    if SEGMENTED_PARAM.match(name):
-        parts = tensor.split([shape[0] for _, shape in pieces])
-    elif len(pieces) > 1:  # per-expert tensors
-        split = (lambda t: t.chunk(2, dim=0)) if "gate_up" in name else (lambda t: (t,))
-        parts = [t for expert in tensor for t in split(expert)]
-    else:
-        parts = [tensor]
-    return {hf: t for (hf, _), t in zip(pieces, parts, strict=True)}
-
-
-def from_hf_pieces(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
-    """The inverse of `hf_tensors`: our tensor `name` from its Hugging Face pieces, in order."""
-    if len(parts) == 1:
-        return parts[0]
-    if SEGMENTED_PARAM.match(name):
-        return torch.cat(parts)
-    per_expert = 2 if name.endswith("gate_up_proj") else 1
-    return torch.stack([torch.cat(parts[e:e + per_expert]) for e in range(0, len(parts), per_expert)])
-
-
-def expert_pieces(name: str, shape: torch.Size) -> list[tuple[str, tuple[int, ...]]]:
-    """The per-expert Hugging Face tensors `(name, shape)` that make up our fused expert tensor `name`."""
-    layer, kind = EXPERT_PARAM.match(name).groups()
-    prefix = f"model.layers.{layer}.mlp.experts"
-    if kind == "gate_up_proj":
-        E, I2, H = shape
-        return [(f"{prefix}.{e}.{proj}.weight", (I2 // 2, H))
-                for e in range(E) for proj in ("gate_proj", "up_proj")]
-    E, H, I = shape
-    return [(f"{prefix}.{e}.down_proj.weight", (H, I)) for e in range(E)]
-
-
-def fused_expert_name(name: str) -> str:
-    """Our fused expert tensor name -> transformers 5's in-memory name for it."""
-    layer, kind = EXPERT_PARAM.match(name).groups()
-    return f"model.layers.{layer}.mlp.experts.{kind}"
-
-
 def to_hf_tensors(model: Qwen3, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The model's weights under Hugging Face names (segmented projections and experts split),
     contiguous, on CPU."""
@@ -186,7 +116,9 @@ def _model_config(hf_config: dict, file: Path) -> ModelConfig:
 
 def load_pretrained(path: str | Path, recipe: str | Recipe = "aligned", dtype: torch.dtype | None = None,
                     device: str | torch.device = "cpu") -> Qwen3:
-    """Build a `Qwen3` from a Hugging Face model directory; `dtype` defaults to config.json's (else bf16)."""
+    """Build a `Qwen3` from a Hugging Face model directory; `dtype` defaults to config.json's (else bf16).
+    A ModelOpt or compressed-tensors NVFP4 checkpoint keeps its codes and scales as they are
+    (`minite.models.import_nvfp4`)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a model folder (config.json and safetensors)"
@@ -198,8 +130,16 @@ def load_pretrained(path: str | Path, recipe: str | Recipe = "aligned", dtype: t
     with torch.device("meta"):
         model = Qwen3(config, recipe)
     expected = model.state_dict()
-    state = _read_state(path, files, expected, config, dtype, device)
+    nvfp4 = NVFP4Checkpoint.open(path, hf_config, model, files)  # None: not an NVFP4 checkpoint
+    quantized = {}
+    if nvfp4 is not None:  # its quantized modules are read apart, the rest as usual
+        quantized = nvfp4.read(_Reader(files), dtype, device)
+        files = {k: f for k, f in files.items() if k not in nvfp4.tensors}
+        expected = {k: v for k, v in expected.items() if k not in nvfp4.params}
+    state = {**_read_state(path, files, expected, config, dtype, device), **quantized}
     model.load_state_dict(state, strict=True, assign=True)
+    if nvfp4 is not None:
+        nvfp4.install(model)
     return model
 
 
@@ -210,14 +150,23 @@ def save_pretrained(model: Qwen3, path: str | Path, max_shard_size: int | str = 
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
     tensors = to_hf_tensors(model, dtype)
+    config = model.config.to_hf(dtype or next(iter(tensors.values())).dtype)
+    write_checkpoint(path, tensors, config, max_shard_size=max_shard_size)
+
+
+def write_checkpoint(path: Path, tensors: dict[str, torch.Tensor], config: dict,
+                     json_files: dict | None = None, max_shard_size: int | str = "5GB") -> None:
+    """config.json, the safetensors (sharded above `max_shard_size` by huggingface_hub's splitter, with
+    an index) and further JSON files {name: object} written into a temporary sibling directory, then
+    renamed to `path`."""
     split = split_torch_state_dict_into_shards(tensors, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=_parse_size(max_shard_size))
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     with writing(path):
         tmp.mkdir(parents=True)
     try:
-        config = model.config.to_hf(dtype or next(iter(tensors.values())).dtype)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for name, obj in {"config.json": config, **(json_files or {})}.items():
+            (tmp / name).write_text(json.dumps(obj, indent=2) + "\n")
         for file, names in split.filename_to_tensors.items():
             _save_file({name: tensors[name] for name in names}, tmp / file, path)
         if split.is_sharded:
@@ -296,7 +245,7 @@ class _Reader:
     def __init__(self, files: dict[str, Path]):
         self.files, self.open = files, {}
 
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def get(self, name: str, shape: tuple[int, ...] | None) -> torch.Tensor:
         file = self.files[name]
         if file not in self.open:
             self.open[file] = open_safetensors(file)
@@ -304,7 +253,7 @@ class _Reader:
         if name not in handle.keys():  # noqa: SIM118
             raise CheckpointError(f"tensor {name} is listed in {INDEX} but missing from {file.name}")
         tensor = handle.get_tensor(name)
-        if tuple(tensor.shape) != tuple(shape):
+        if shape is not None and tuple(tensor.shape) != tuple(shape):
             raise CheckpointError(f"tensor {name} has shape {list(tensor.shape)} in {file}, expected "
                                   f"{list(shape)}")
         return tensor

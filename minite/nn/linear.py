@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minite.nn import quantized_weight as qwm
 from minite.nn.nvfp4_matmul import (
     LinearMatmul,
     QuantizedActivation,
@@ -49,6 +50,7 @@ from minite.nn.nvfp4_matmul import (
     static_scale,
     use_kernels,
 )
+from minite.nn.pinned_weights import pinned
 from minite.nn.quantized_weight import (
     QuantizedWeight,
     _one_launch,
@@ -57,6 +59,7 @@ from minite.nn.quantized_weight import (
     weight_key,
 )
 from minite.nn.segmented_matmul import SegmentedCopy, SegmentedMatmul, operand_layout, segmented_copy
+from minite.nn.shared_scale import quantize_shared
 from minite.recipe import Recipe, get_recipe
 
 TE_AMAX_TO_SCALE = 2688.0  # 6 * 448: calibrated input_scale = amax / 2688 (ModelOpt's convention)
@@ -174,10 +177,12 @@ class SegmentedLinear(Linear):
     `forward` returns the segments' outputs `[..., N_j]` as a tuple.
 
     Each segment is quantized as a tensor of its own (its own global scale), so codes, scales and
-    outputs are those of separate `Linear`s with the same rows; the checkpoint code maps the segments
-    to Hugging Face's separate tensors (`minite.models.checkpoint`). Execution: bf16 recipes and
-    calibration run one `F.linear` per segment (the separate linears' bits); NVFP4 on the kernels with
-    more than `execution.decode_max_m` rows one GEMM launch over the segments' concatenated copy
+    outputs are those of separate `Linear`s with the same rows; under `fused_scale="shared"` all
+    segments share one global scale, as serving engines decode a fused group (`minite.nn.shared_scale`);
+    a checkpoint's NVFP4 containers are used as they are (`minite.nn.pinned_weights`). The checkpoint
+    code maps the segments to Hugging Face's separate tensors (`minite.models.hf_layout`).
+    Execution: bf16 recipes and calibration run one `F.linear` per segment (the separate linears'
+    bits); NVFP4 on the kernels with more than `execution.decode_max_m` rows one GEMM launch over the segments' concatenated copy
     (`minite.nn.segmented_matmul`, made once per weight update); otherwise each segment's GEMM on its
     own, sharing one quantization of the input (on the kernels; the reference quantizes per GEMM, as
     a Linear does). The input's quantization can be handed over by the op before (`quantized`: the
@@ -223,8 +228,22 @@ class SegmentedLinear(Linear):
             raise RuntimeError(f"recipe {self.recipe.name!r} does not quantize weights")
         views = self.segments()
         if qws is None or any(q.key != weight_key(v, spec) for q, v in zip(qws, views)):
-            self.install_quantized_weights(_quantize_segments(views, spec))
+            self.install_quantized_weights(self._quantize(views, spec))
         return self._qweights
+
+    def quantizes_whole(self) -> bool:
+        """Whether the segments are quantized together, not as separate weights: under one global
+        scale (`fused_scale="shared"`), or from a checkpoint's pinned containers."""
+        return self.recipe.fp4 and (self.recipe.fused_scale == "shared"
+                                    or pinned(self.weight, self.recipe.weight) is not None)
+
+    def _quantize(self, views: list[torch.Tensor], spec) -> list[QuantizedWeight]:
+        pins = pinned(self.weight, spec)
+        if pins is not None and len(pins) == len(views):  # a checkpoint's codes and scales, as they are
+            return [qwm.from_container(q, spec, weight_key(v, spec)) for q, v in zip(pins, views)]
+        if self.recipe.fused_scale == "shared":
+            return quantize_shared(self.weight, self.offsets, views, spec)
+        return _quantize_segments(views, spec)
 
     def install_quantized_weights(self, qweights) -> None:
         """Use `qweights` (one per segment, made from the segments' current rows) from now on."""

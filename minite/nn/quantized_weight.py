@@ -11,6 +11,9 @@ made once per quantized weight, i.e. once per update. The decode GEMM (few rows,
 reads `decode_weight(dtype)`: the codes in its decode layout with 16-bit block scales, also made
 once per update (0.625 more bytes per weight, on the device that samples).
 
+A weight read from an NVFP4 checkpoint carries its container (`minite.nn.pinned_weights`):
+`quantize_weight` takes it as it is instead of quantizing.
+
 Invalidation: a module caches its `QuantizedWeight` keyed on the parameter's autograd version
 counter (`weight._version`, bumped by every in-place update: optimizer steps, `copy_`,
 `load_state_dict`), its storage, dtype and the recipe's weight spec. Writes through `.data` bypass
@@ -26,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from minite import nvfp4
+from minite.nn.pinned_weights import pinned
 from minite.nvfp4 import NVFP4Tensor, quantize
 from minite.recipe import QuantSpec
 
@@ -189,7 +193,11 @@ def quantize_weight(weight: torch.Tensor, spec: QuantSpec, backend: str = "auto"
     key = weight_key(weight, spec)
     w = weight.detach()
     n, k = weight.shape[-2:]
-    if _one_launch(w, spec, backend):
+    pins = pinned(weight, spec)
+    if pins is not None and len(pins) == 1:  # a checkpoint's codes and scales, used as they are
+        q = pins[0]
+        unscaled = q.unscaled()[..., :n, :].to(torch.bfloat16)
+    elif _one_launch(w, spec, backend):
         if not _DEFERRED:
             nvfp4._check_finite(w)
         q, unscaled = _quantize_at_once(w, spec)
@@ -206,6 +214,13 @@ def quantize_weight(weight: torch.Tensor, spec: QuantSpec, backend: str = "auto"
     if _DEFERRED:
         _defer([(tuple(weight.shape), qw)], qw.global_scale, qw.amax)
     return qw
+
+
+def from_container(q: NVFP4Tensor, spec: QuantSpec, key: tuple) -> QuantizedWeight:
+    """A `QuantizedWeight` of an existing container (a checkpoint's, a share of a bigger one): its
+    exact bf16 copy made from the codes and scales, nothing quantized."""
+    n = q.shape[-2]
+    return QuantizedWeight(q, q.unscaled()[..., :n, :].to(torch.bfloat16), spec, key)
 
 
 def _one_launch(w: torch.Tensor, spec: QuantSpec, backend: str) -> bool:

@@ -14,6 +14,7 @@ import torch
 
 from minite.nn import quantized_weight as qw
 from minite.nn.linear import SegmentedLinear
+from minite.nn.pinned_weights import pinned
 
 # bytes of weights stacked for one `quantize_weights` launch (the stack is a transient copy)
 STACK_BYTES = 1 << 29
@@ -37,10 +38,14 @@ def refresh_quantized_weights(model: torch.nn.Module) -> int:
             recipe = getattr(m, "recipe", None)
             spec = getattr(recipe, "weight", None)
             w = getattr(m, "weight", None)
+            if isinstance(m, SegmentedLinear) and m.quantizes_whole():  # one quantization, or a checkpoint's
+                m.refresh_quantized_weight()
+                continue
             if isinstance(m, SegmentedLinear):
                 units = list(enumerate(m.segments())) if recipe.fp4 else []
                 segmented[m] = [None] * len(units)
-            elif getattr(recipe, "fp4", False) and isinstance(w, torch.Tensor) and w.ndim == 2:
+            elif (getattr(recipe, "fp4", False) and isinstance(w, torch.Tensor) and w.ndim == 2
+                  and pinned(w, spec) is None):
                 units = [(None, w)]
             else:
                 m.refresh_quantized_weight()

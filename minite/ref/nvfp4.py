@@ -28,9 +28,12 @@ The sign bit is the sign of x (that of x * e, e >= 0), so small negatives give t
 hardware cvt does. A NaN x * e (0 * inf, where a vllm/torchao element scale overflows in a row of
 subnormals; or a NaN input) saturates to magnitude 7, as the GPU's min and the cvt's satfinite do.
 
+RHT (`hadamard=True`): x is rotated first (`minite.ref.hadamard`: TE's transform, rounded to x's
+dtype as TE rounds it), then quantized as above.
+
 Bit-exact contract for kernels: codes, block scales and global scales of RNE quantization equal this
-reference bit for bit. The RHT (an fp32 16x16 product) and stochastic rounding (a different random
-stream) are matched in distribution and closely, not bitwise.
+reference bit for bit, with or without the RHT (the kernels rotate with the same function).
+Stochastic rounding (a different random stream) is matched in distribution, not bitwise.
 """
 
 import torch
@@ -129,7 +132,7 @@ def quantize_ref(x: torch.Tensor, scaling: str, block: tuple[int, int], rounding
 
     S_dec and amax are fp32 [] (tensor, static) or [..., R, 1] (row).
     """
-    xf = apply_rht(x) if hadamard else x.float()
+    xf = (apply_rht(x) if hadamard else x).float()
     if scaling == "static":
         s = torch.as_tensor(static_scale, dtype=torch.float32, device=x.device)
         amax = s * _f32(TE_AMAX_TO_SCALE, x.device)

@@ -221,3 +221,12 @@ def _spy(kernel, calls):
             calls.append(grid)
             return kernel[grid]
     return Spy()
+
+
+def test_hadamard_low_precision_input_is_rotated_in_its_dtype():
+    """fp16 input (bf16 on the GPU): the kernel quantizes TE's rotated values rounded to the input
+    dtype, the reference's bits."""
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float16
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(5)).to(dtype)
+    want = nvfp4.quantize(x, "tensor", hadamard=True, backend="ref")
+    assert_same(want, kq.quantize(x.to(device()), "tensor", hadamard=True))

@@ -8,8 +8,8 @@ mins, equal to the reference's thresholds). bf16/fp16 inputs with 1x16 blocks an
 kernel (`pairs.py`), about twice as fast, same bits. Tensor and static scaling get their
 global scales from the reference's own `global_scales` (torch, a handful of scalars); row scaling
 computes them in the kernel (pass 1: row amax; pass 2: quantize). The RHT, when asked for, is the
-reference's fp32 `apply_rht` applied first, so even RHT outputs match. Stochastic rounding uses
-Triton's Philox stream: matched in distribution, not bitwise.
+reference's `apply_rht` (TE's transform, rounded to the input dtype) applied first, so RHT outputs
+match too. Stochastic rounding uses Triton's Philox stream: matched in distribution, not bitwise.
 
 `quantize_unscaled` is the fused activation form of the compute-bound GEMM: row amax -> codes ->
 the exact values e2m1 * s_b (bf16 or fp16) and the fp32 row decode scales, in one pass.
