@@ -172,7 +172,7 @@ def write_checkpoint(path: Path, tensors: dict[str, torch.Tensor], config: dict,
         if split.is_sharded:
             index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
             (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        _swap_into_place(tmp, path)
+        swap_into_place(tmp, path)
     except OSError as e:  # a full disk or permissions: named by the checkpoint's path
         shutil.rmtree(tmp, ignore_errors=True)
         raise (e if isinstance(e, WriteError) else WriteError(path, e)) from e
@@ -286,7 +286,7 @@ def _parse_size(size: int | str) -> int:
     return int(float(number) * base ** " KMGT".index(unit or " "))
 
 
-def _swap_into_place(tmp: Path, path: Path) -> None:
+def swap_into_place(tmp: Path, path: Path) -> None:
     """Rename `tmp` to `path`; an existing `path` is moved aside first and removed after."""
     old = None
     if path.exists():

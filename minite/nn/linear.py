@@ -180,14 +180,15 @@ class SegmentedLinear(Linear):
     outputs are those of separate `Linear`s with the same rows; under `fused_scale="shared"` all
     segments share one global scale, as serving engines decode a fused group (`minite.nn.shared_scale`);
     a checkpoint's NVFP4 containers are used as they are (`minite.nn.pinned_weights`). The checkpoint
-    code maps the segments to Hugging Face's separate tensors (`minite.models.hf_layout`).
-    Execution: bf16 recipes and calibration run one `F.linear` per segment (the separate linears'
-    bits); NVFP4 on the kernels with more than `execution.decode_max_m` rows one GEMM launch over the segments' concatenated copy
-    (`minite.nn.segmented_matmul`, made once per weight update); otherwise each segment's GEMM on its
-    own, sharing one quantization of the input (on the kernels; the reference quantizes per GEMM, as
-    a Linear does). The input's quantization can be handed over by the op before (`quantized`: the
-    norm that quantized its output in the same launch). A calibrated static input scale is one for
-    all segments: they read the same input, so separate linears would each have found the same amax.
+    code maps the segments to Hugging Face's separate tensors (`minite.models.hf_layout`). Execution:
+    bf16 recipes and calibration run one `F.linear` per segment (the separate linears' bits); NVFP4 on
+    the kernels with more than `execution.decode_max_m` rows one GEMM launch over the segments'
+    concatenated copy (`minite.nn.segmented_matmul`, made once per weight update); otherwise each
+    segment's GEMM on its own, sharing one quantization of the input (on the kernels; the reference
+    quantizes per GEMM, as a Linear does). The input's quantization can be handed over by the op before
+    (`quantized`: the norm that quantized its output in the same launch). A calibrated static input
+    scale is one for all segments: they read the same input, so separate linears would each have found
+    the same amax.
     """
 
     def __init__(self, in_features: int, widths: tuple[int, ...], recipe: str | Recipe = "aligned",

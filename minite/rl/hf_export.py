@@ -16,13 +16,13 @@ tokenizer and generation files to a directory being written (a checkpoint's mode
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import uuid
 from pathlib import Path
 
 from minite.files import writing
 from minite.models import save_pretrained
+from minite.models.checkpoint import swap_into_place
 from minite.rl.prompts import GENERATION_CONFIG
 
 
@@ -55,13 +55,7 @@ def save_hf_directory(model, path: str | Path, tokenizer, stop_ids: tuple[int, .
     try:
         save_pretrained(model, tmp)
         write_hf_extras(tmp, tokenizer, stop_ids, source_dir)
-        old = None
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(path, old)
-        os.rename(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        swap_into_place(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
