@@ -73,12 +73,7 @@ def run(args) -> int:
                                init_std=args.init_std, seed=args.seed, dtype=dtype, device=args.device,
                                sampler_kwargs=kw)
     report["model"] = args.model or f"{args.preset}" + (f" ({args.layers} layers)" if args.layers else "")
-    if args.json:
-        json.dump(report, sys.stdout, indent=1)
-        print()
-    else:
-        _print_table(report)
-    return 0
+    return _emit(report, args.json)
 
 
 def _run_rollouts(args, source, dtype) -> int:
@@ -99,7 +94,11 @@ def _run_rollouts(args, source, dtype) -> int:
     report = rollout_agreement(source, rollouts, learner, temperature, args.top_k, args.top_p)
     report["model"] = args.model or args.preset
     report["rollouts"] = args.rollouts
-    if args.json:
+    return _emit(report, args.json)
+
+
+def _emit(report: dict, as_json: bool) -> int:
+    if as_json:
         json.dump(report, sys.stdout, indent=1)
         print()
     else:

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from minite.distributed import Group
 from minite.learner.batch import SequenceBatch
-from minite.learner.learner import Learner, LossFn, _freeze_gc, _to_floats, micro_batches
+from minite.learner.learner import Learner, LossFn, _freeze_gc, _to_floats, loss_counts, micro_batches
 from minite.learner.logprobs import sequence_logprobs
 from minite.loss_batch import AGGREGATIONS, Correction
 
@@ -122,9 +122,7 @@ class ShardedLearner(Learner):
         start = time.perf_counter()
         self.model.train()
         self.optimizer.zero_grad()
-        counted = batch.mask().sum(1)  # [S] tokens each sequence contributes to the loss
-        if aggregation == "seq_mean":
-            counted = (counted > 0).long()
+        counted = loss_counts(batch, aggregation)
         total = int(counted.sum())
         if total == 0:
             raise ValueError("the batch has no response tokens to train on")
@@ -137,13 +135,7 @@ class ShardedLearner(Learner):
             rows = groups[k] if k < len(groups) else [filler]
             # FSDP averages gradients over the ranks: times the world size, the sum of each rank's share
             weight = sum(lens[i] for i in rows) / total if k < len(groups) else 0.0
-            mb = batch.rows(rows)
-            lp = sequence_logprobs(self.model, mb, self.logprob_chunk_rows, self.activation_checkpointing)
-            rl = mb.to_rl_batch(lp)
-            if correction is None:
-                loss, metrics = loss_fn(rl)
-            else:
-                loss, metrics = loss_fn(rl, correction=correction.rows(torch.tensor(rows)))
+            loss, metrics = self.micro_batch_loss(batch, rows, loss_fn, correction)
             (loss * (weight * self.group.world_size)).backward()  # a filler's weight 0: it only kept pace
             for key, v in {"loss": loss, **metrics}.items():
                 v = v.detach().float() if torch.is_tensor(v) else torch.tensor(float(v))

@@ -79,6 +79,13 @@ def batch_logprobs(model: nn.Module, batch: SequenceBatch, micro_batch_tokens: i
     return out
 
 
+def loss_counts(batch: SequenceBatch, aggregation: str) -> torch.Tensor:
+    """[S] each sequence's share of the loss's normalizer: its response tokens (`token_mean`) or 1 (the
+    sequence-level aggregations); a micro-batch's loss weighs its sum over the batch's total."""
+    lens = batch.mask().sum(1)
+    return lens if aggregation == "token_mean" else (lens > 0).long()
+
+
 class Learner:
     def __init__(self, model: nn.Module, lr: float = 1e-6, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.999), max_grad_norm: float | None = 1.0,
@@ -106,6 +113,16 @@ class Learner:
         """log pi of the batch's response tokens, fp32 [S, T], 0 off the response (micro-batched)."""
         return batch_logprobs(self.model, batch, self.micro_batch_tokens, self.logprob_chunk_rows)
 
+    def micro_batch_loss(self, batch: SequenceBatch, rows: list[int], loss_fn: LossFn,
+                         correction: Correction | None) -> tuple[torch.Tensor, dict]:
+        """The loss and metrics of the batch's sequences `rows` (one micro-batch's forward)."""
+        mb = batch.rows(rows)
+        rl = mb.to_rl_batch(sequence_logprobs(self.model, mb, self.logprob_chunk_rows,
+                                              self.activation_checkpointing))
+        if correction is None:
+            return loss_fn(rl)
+        return loss_fn(rl, correction=correction.rows(torch.tensor(rows)))
+
     def step(self, batch: SequenceBatch, loss_fn: LossFn, correction: Correction | None = None,
              aggregation: str = "token_mean") -> dict[str, float]:
         """Forward/backward over micro-batches, one AdamW step, weight sync; returns metrics
@@ -115,24 +132,18 @@ class Learner:
         start = time.perf_counter()
         self.model.train()
         self.optimizer.zero_grad()
-        lens = batch.mask().sum(1)  # [S] tokens each sequence contributes to the loss
-        total = lens.sum() if aggregation == "token_mean" else (lens > 0).sum()
+        counted = loss_counts(batch, aggregation)
+        total = counted.sum()
         if total == 0:
             raise ValueError("the batch has no response tokens to train on")
         groups = micro_batches(batch, self.micro_batch_tokens)
         sums: dict[str, float] = {}
         for rows in groups:
-            part = lens[rows].sum() if aggregation == "token_mean" else (lens[rows] > 0).sum()
+            part = counted[rows].sum()
             if part == 0:
                 continue
             weight = (part / total).item()
-            mb = batch.rows(rows)
-            lp = sequence_logprobs(self.model, mb, self.logprob_chunk_rows, self.activation_checkpointing)
-            rl = mb.to_rl_batch(lp)
-            if correction is None:
-                loss, metrics = loss_fn(rl)
-            else:
-                loss, metrics = loss_fn(rl, correction=correction.rows(torch.tensor(rows)))
+            loss, metrics = self.micro_batch_loss(batch, rows, loss_fn, correction)
             (loss * weight).backward()
             for k, v in {"loss": loss, **metrics}.items():  # device tensors: no sync per micro-batch
                 sums[k] = sums.get(k, 0.0) + weight * (v.detach().float() if torch.is_tensor(v) else float(v))
