@@ -132,7 +132,9 @@ class SamplerSection:
     (`"every_sync"`), as a separate inference engine is deployed (`te` learner + `vllm` sampler: the
     naive setting). Sizing: sequences decoded together, and the KV cache: `kv_cache_tokens` slots, or
     (0) the share `kv_memory_fraction` of free GPU memory (the learner needs the rest; runs sharing a
-    GPU need a fixed size). `engine = "fast"`: an unaligned bf16 sampler with its own model, as a
+    GPU need a fixed size); `release_kv_cache`: give the KV cache back between rollouts, so the
+    learner phase has that memory (re-made for the next rollout; its cost is logged as
+    `time/kv_remake_s`). `engine = "fast"`: an unaligned bf16 sampler with its own model, as a
     serving engine computes (cuBLAS GEMMs, torch SDPA attention, rows that depend on their batch): the
     bf16 mismatch baseline; `"aligned"` (default): the learner's kernels and their bits."""
 
@@ -143,6 +145,7 @@ class SamplerSection:
     max_num_seqs: int = 256
     kv_cache_tokens: int = 0
     kv_memory_fraction: float = 0.3
+    release_kv_cache: bool = True
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or not 0 < self.kv_memory_fraction < 1 or self.kv_cache_tokens < 0:

@@ -6,28 +6,39 @@ max_tokens), random prompts of 128 tokens, temperature 1, no truncation. Models 
 - dense: Qwen3-1.7B shape (hidden 2048, 28 layers, 16 heads / 8 KV heads, head_dim 128, FFN 6144,
   vocab 151936, tied embeddings), all 28 layers by default;
 - moe: Qwen3-30B-A3B shape (hidden 2048, 32 heads / 4 KV heads, head_dim 128, 128 experts, top-8,
-  expert FFN 768, vocab 151936), 24 of its 48 layers by default (`--moe-layers`) so that our copy
-  and the Hugging Face copy of the weights fit on one GPU together with the KV cache.
+  expert FFN 768, vocab 151936), all 48 layers by default (`--moe-layers`).
 
-Same process, same weights: the Hugging Face model (`Qwen3ForCausalLM` / `Qwen3MoeForCausalLM`, bf16,
-SDPA attention) gets our state dict under Hugging Face names; the largest logit difference on one
-prompt is reported as a mapping check. Each engine runs a short warm-up (graph capture, kernel
-compilation) before the timed run. `--tiny` runs tiny models on the CPU in seconds (smoke test).
-Prints a table and writes JSON (GPU, date, commit, arguments, rows) to `--out`.
+A recipe is a name, optionally with a KV cache format: `aligned/fp8` is the `aligned` recipe with
+an FP8 KV cache (`Recipe.kv_cache`). Each row reports the mean decode step (wall time of the decode
+steps over their number) and its roofline (`decode_roofline`: the bytes and FLOPs of a decode step at
+the workload's mean context, against the H200's measured ceilings) and the fraction of it reached.
+`--max-batch`: each recipe runs as many sequences as the memory its weights leave holds in KV cache
+(prompts of `--samples` each), so recipes are compared at their own maximum batch.
+
+The Hugging Face baseline (`Qwen3ForCausalLM` / `Qwen3MoeForCausalLM`, bf16, SDPA attention) gets our
+state dict under Hugging Face names where both copies fit on the GPU (the largest logit difference on
+one prompt is reported as a mapping check); otherwise (the full MoE) it is built after ours is freed,
+with its own random weights of the same shape (no stop token: the weights do not change the work).
+Each engine runs a short warm-up (graph capture, kernel compilation) before the timed run. `--tiny`
+runs tiny models on the CPU in seconds (smoke test). Prints a table and writes JSON (GPU, date,
+commit, arguments, rows) to `--out`.
 
     python -m benchmarks.e2e.bench_rollout --models dense --out OUT.json
     python -m benchmarks.e2e.bench_rollout --models moe --new-tokens 256 --no-hf --rounds 3
+    python -m benchmarks.e2e.bench_rollout --models dense --recipes bf16,aligned/fp8 --max-batch
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import time
 
 import torch
 
 from benchmarks.common import ratio_stats, report, sync
+from benchmarks.e2e.decode_roofline import KV_BYTES, decode_step
 from minite.models import ModelConfig, Qwen3, tiny_qwen3, tiny_qwen3_moe
 from minite.models.checkpoint import EXPERT_PARAM, fused_expert_name, hf_tensors
 from minite.models.presets import qwen3_1_7b, qwen3_30b_a3b
@@ -49,9 +60,13 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=512)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--dense-layers", type=int, default=28)
-    p.add_argument("--moe-layers", type=int, default=24)
+    p.add_argument("--moe-layers", type=int, default=48)
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="default: enough for the workload")
+    p.add_argument("--max-batch", action="store_true",
+                   help="each recipe: as many sequences as its free memory holds in KV cache")
+    p.add_argument("--memory-fraction", type=float, default=0.85,
+                   help="with --max-batch: the share of the memory left by the weights for KV cache")
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--sync-recipes", default="",
                    help="recipes also run without lookahead decode (Sampler(async_decode=False)), e.g. bf16")
@@ -84,31 +99,86 @@ def build_model(config: ModelConfig, device, dtype, seed: int) -> Qwen3:
     return model.eval()
 
 
-def run_ours(model, recipe: str, prompts, args, device, async_decode: bool | None = None) -> dict:
-    model.set_recipe(get_recipe(recipe).with_execution(backend=args.backend))
+def recipe_of(spec: str, backend: str):
+    """`name` or `name/kv` (a KV cache format) -> the recipe, on `backend`."""
+    name, _, kv = spec.partition("/")
+    recipe = get_recipe(name).with_execution(backend=backend)
+    return dataclasses.replace(recipe, kv_cache=kv) if kv else recipe
+
+
+def max_sequences(model, recipe, args, device) -> int:
+    """Sequences of the workload whose KV cache fits in `--memory-fraction` of the free memory the
+    model's weights leave (a multiple of `--samples`)."""
+    cfg = model.config
+    kv = getattr(recipe, "kv_cache", "bf16")
+    elt, scale = KV_BYTES[kv]
+    per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (cfg.head_dim * elt + scale)
+    free, _ = torch.cuda.mem_get_info(device)
+    tokens = int(free * args.memory_fraction / per_token)
+    seqs = tokens // (args.prompt_len + args.new_tokens + 16) - 16
+    return max(args.samples, seqs // args.samples * args.samples)
+
+
+def run_ours(model, spec: str, prompts, args, device, async_decode: bool | None = None) -> dict:
+    recipe = recipe_of(spec, args.backend)
+    model.set_recipe(recipe)
+    if args.max_batch and device.type == "cuda":
+        model(torch.tensor([prompts[0][:8]], device=device))  # quantize the weights before measuring
+        sync()
+        prompts = workload_prompts(model.config, max_sequences(model, recipe, args, device) // args.samples,
+                                   args)
     params = SamplingParams(n=args.samples, max_tokens=args.new_tokens, seed=args.seed)
     seqs = len(prompts) * args.samples
     kv_tokens = args.kv_cache_tokens or (seqs + 16) * (args.prompt_len + args.new_tokens + 16)
-    sampler = Sampler(model, max_num_seqs=args.max_num_seqs, kv_cache_tokens=kv_tokens,
+    max_num_seqs = max(args.max_num_seqs, seqs) if args.max_batch else args.max_num_seqs
+    sampler = Sampler(model, max_num_seqs=max_num_seqs, kv_cache_tokens=kv_tokens,
                       cuda_graphs=False if args.no_cuda_graphs else None, async_decode=async_decode)
-    sampler.generate(prompts, SamplingParams(n=args.samples, max_tokens=min(16, args.new_tokens), seed=1))
+    sampler.generate(prompts[:8], SamplingParams(n=args.samples, max_tokens=min(16, args.new_tokens), seed=1))
     sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    decode_s, step, stats = [0.0], sampler.step, sampler.stats
+
+    def timed_step():
+        t, before = time.perf_counter(), stats["decode_steps"]
+        out = step()
+        if stats["decode_steps"] > before:
+            decode_s[0] += time.perf_counter() - t
+        return out
+
+    sampler.step = timed_step
+    decode_before = sampler.stats["decode_steps"]
     start = time.perf_counter()
     out = sampler.generate(prompts, params)
     sync()
     seconds = time.perf_counter() - start
     tokens = sum(len(s.token_ids) for r in out for s in r.samples)
-    row = dict(engine="minite", recipe=recipe, seconds=seconds, gen_tokens=tokens,
-               tokens_per_s=tokens / seconds,
+    decode_steps = sampler.stats["decode_steps"] - decode_before
+    step_ms = 1e3 * decode_s[0] / max(decode_steps, 1)
+    batch = min(seqs, sampler.max_num_seqs)
+    weight_format = "bf16" if recipe.name == "bf16" else "nvfp4"
+    roof = decode_step(model.config, batch, args.prompt_len + (args.new_tokens + 1) / 2, weight_format,
+                       getattr(recipe, "kv_cache", "bf16"))
+    row = dict(engine="minite", recipe=spec, seconds=seconds, gen_tokens=tokens, sequences=seqs,
+               tokens_per_s=tokens / seconds, decode_step_ms=step_ms, decode_steps=decode_steps,
+               roofline_ms=roof["roofline_ms"], roofline_frac=roof["roofline_ms"] / step_ms,
+               step_weight_gb=roof["weight_gb"], step_kv_gb=roof["kv_gb"], step_tflop=roof["tflop"],
                cuda_graphs=sampler.use_graphs, async_decode=sampler.async_decode,
-               preemptions=sampler.num_preemptions,
-               steps=sampler.stats["steps"])
+               preemptions=sampler.num_preemptions, steps=sampler.stats["steps"])
+    if device.type == "cuda":
+        row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
     del sampler, out
     model.set_recipe("bf16")  # drops the quantized weight copies before the next engine runs
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def workload_prompts(config, n: int, args) -> list[list[int]]:
+    """n random prompts of `--prompt-len` tokens (the same first prompts for any n)."""
+    g = torch.Generator().manual_seed(args.seed + 1)
+    return torch.randint(0, config.vocab_size, (n, args.prompt_len), generator=g).tolist()
 
 
 def hf_model_from(model: Qwen3, device, dtype):
@@ -135,11 +205,29 @@ def hf_model_from(model: Qwen3, device, dtype):
     return hf
 
 
+def model_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def hf_own_model(config, device, dtype):
+    """A transformers model of `config`'s shape with its own random weights."""
+    import transformers
+
+    hf_cfg = (transformers.Qwen3MoeConfig if config.is_moe else transformers.Qwen3Config)(**config.to_hf())
+    cls = transformers.Qwen3MoeForCausalLM if config.is_moe else transformers.Qwen3ForCausalLM
+    with torch.device(device):
+        return cls(hf_cfg).to(dtype).eval()
+
+
 @torch.no_grad()
-def run_hf(model: Qwen3, prompts, args, device, dtype) -> dict:
-    hf = hf_model_from(model, device, dtype)
+def run_hf(model: Qwen3 | None, config, prompts, args, device, dtype) -> dict:
+    """HF generate on a copy of `model`'s weights, or (model None) on its own weights of `config`'s shape."""
     probe = torch.tensor([prompts[0]], device=device)
-    logit_diff = (hf(probe).logits.float() - model(probe).float()).abs().max().item()
+    if model is None:
+        hf, logit_diff = hf_own_model(config, device, dtype), None
+    else:
+        hf = hf_model_from(model, device, dtype)
+        logit_diff = (hf(probe).logits.float() - model(probe).float()).abs().max().item()
     ids = torch.tensor(prompts, device=device)
     kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                   num_return_sequences=args.samples, pad_token_id=0, eos_token_id=None)
@@ -156,7 +244,8 @@ def run_hf(model: Qwen3, prompts, args, device, dtype) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return dict(engine="hf_generate", recipe="bf16", seconds=seconds, gen_tokens=tokens,
-                tokens_per_s=tokens / seconds, hf_logit_max_abs_diff=logit_diff)
+                tokens_per_s=tokens / seconds, hf_logit_max_abs_diff=logit_diff,
+                hf_weights="own random" if model is None else "ours")
 
 
 def main(argv=None):
@@ -167,8 +256,7 @@ def main(argv=None):
     for kind in args.models.split(","):
         config = model_config(kind, args)
         model = build_model(config, device, dtype, args.seed)
-        g = torch.Generator().manual_seed(args.seed + 1)
-        prompts = torch.randint(0, config.vocab_size, (args.prompts, args.prompt_len), generator=g).tolist()
+        prompts = workload_prompts(config, args.prompts, args)
         shape = dict(model=kind, layers=config.num_hidden_layers)
         runs = [(r, None) for r in args.recipes.split(",")]
         runs += [(r, False) for r in args.sync_recipes.split(",") if r]
@@ -178,9 +266,15 @@ def main(argv=None):
                 rows.append(dict(shape, round=rnd, **row))
                 print(rows[-1], flush=True)
         if not args.no_hf:
-            rows.append(dict(shape, **run_hf(model, prompts, args, device, dtype)))
+            # a second copy of the weights must leave room for the KV cache, else HF gets its own weights
+            copy = device.type != "cuda" or 2 * model_bytes(model) < 0.6 * torch.cuda.mem_get_info(device)[1]
+            if not copy:
+                del model
+                gc.collect()
+                torch.cuda.empty_cache()
+                model = None
+            rows.append(dict(shape, **run_hf(model, config, prompts, args, device, dtype)))
             print(rows[-1], flush=True)
-        if not args.no_hf:
             hf_tps = next(r["tokens_per_s"] for r in rows
                           if r["model"] == kind and r["engine"] == "hf_generate")
             for r in rows:

@@ -81,6 +81,7 @@ from minite.rl.evaluation import evaluate_examples, read_eval_file
 from minite.rl.hf_export import save_hf_directory, write_hf_extras
 from minite.rl.losses import policy_loss
 from minite.rl.lr_schedule import lr_at
+from minite.rl.phase_memory import PhaseMemory
 from minite.rl.prompts import PromptFormat, cut_at_stop_strings, stop_token_ids
 from minite.rl.run_folder import RunFolder, existing_run_files
 from minite.rl.run_logging import SUMMARY_FILE, MetricsLog, Progress, write_report
@@ -619,6 +620,8 @@ class Trainer:
             outs = self.dist.generate(self.sampler, prompts, params)
         else:
             outs = sorted(self.sampler.generate(prompts, params), key=lambda o: o.index)
+        if self.cfg.sampler.release_kv_cache:
+            self.sampler.release()
         stops = list(self.cfg.sampling.stop)
         for o in outs:
             o.samples = [cut_at_stop_strings(smp, self.tokenizer, stops) for smp in o.samples]
@@ -627,6 +630,8 @@ class Trainer:
     def rl_step(self) -> dict:
         cfg, rl, s = self.cfg, self.cfg.rl, self.cfg.sampling
         t0 = time.perf_counter()
+        memory = PhaseMemory(self.model.embed_tokens.weight.device)
+        remake_s = self.sampler.stats["kv_remake_s"]
         examples = self.task.batch("train", self.data_pos, rl.prompts)
         prompts = [self.encode_prompt(ex.prompt) for ex in examples]
         seed = cfg.seed * 1_000_003 + self.step
@@ -635,6 +640,7 @@ class Trainer:
         samples = [(ex, p, smp) for ex, p, o in zip(examples, prompts, self._generate(prompts, params))
                    for smp in o.samples]
         t_rollout = time.perf_counter() - t0
+        memory.end("rollout")
         rewards = torch.tensor([self.task.reward(self.tokenizer.decode(smp.token_ids), ex)
                                 for ex, _, smp in samples])
         advantages = group_advantages(rewards, rl.n, rl.advantage)
@@ -662,6 +668,7 @@ class Trainer:
         self.data_pos += rl.prompts
         now = time.perf_counter()
         t_sync = self.sync_sampler()
+        memory.end("learner")
         generated = int(mask.sum())
         record = {"kind": "rl", "step": self.step, "reward": rewards.mean().item(),
                   "reward_std": rewards.std().item(), "response_len": generated / len(samples),
@@ -678,6 +685,7 @@ class Trainer:
                   "rollout/tokens_per_s": generated / max(t_rollout, 1e-9),
                   "learner/tokens_per_s": sum(u["tokens"] for u in updates) / max(now - t_update, 1e-9),
                   "time/rollout_s": t_rollout, "time/update_s": now - t_update, "time/weight_sync_s": t_sync,
+                  "time/kv_remake_s": self.sampler.stats["kv_remake_s"] - remake_s, **memory.metrics,
                   "time/step_s": time.perf_counter() - t0}
         self.log.log(record)
         self._check_step(updates, record["reward"])

@@ -15,6 +15,11 @@ step's token is discarded (its KV write lands in the sequence's own blocks befor
 stream order). Tokens and log-probs are those of the synchronous engine, up to the effect of batch
 shapes (a stopped sequence rides along one extra step) on paths that are not batch invariant.
 
+Memory between rollouts (`release`): an idle sampler can give its KV cache, and the decode graphs
+that point into it, back to the allocator (a colocated learner phase then has that memory); the
+next `generate` makes a cache of the same number of blocks again (`stats["kv_remakes"]`,
+`stats["kv_remake_s"]`: the cost).
+
 Randomness: sample s of request r draws its t-th token from the uniform `rng.uniforms(key, t)` with
 `key = sample_key(seed, r, s)`; r is the request's index in the `generate` call. The tokens therefore
 do not depend on batch composition, scheduling or preemption (up to the floating-point effect of
@@ -23,6 +28,8 @@ a seed from torch's global CPU generator.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import torch
@@ -64,11 +71,9 @@ class Sampler:
                  async_decode: bool | None = None):
         param = next(model.parameters())
         self.model, self.device, self.dtype = model, param.device, param.dtype
-        cfg = model.config
-        num_blocks = num_kv_blocks(cfg, block_size, self.dtype, self.device, kv_cache_tokens,
+        num_blocks = num_kv_blocks(model.config, block_size, self.dtype, self.device, kv_cache_tokens,
                                    kv_memory_fraction)
-        self.cache = KVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
-                             cfg.head_dim, self.dtype, self.device)
+        self.cache: KVCache | None = self._make_cache(num_blocks, block_size)
         self.blocks = BlockManager(num_blocks)
         self.scheduler = Scheduler(self.blocks, block_size, max_num_seqs, max_num_batched_tokens,
                                    prefix_sharing)
@@ -78,7 +83,39 @@ class Sampler:
         self._launched: _Launched | None = None
         self.graphs: DecodeGraphs | None = None
         self._weights_seen = None
-        self.stats = dict(steps=0, prefill_steps=0, decode_steps=0, graph_steps=0, peak_blocks_used=0)
+        self.stats = dict(steps=0, prefill_steps=0, decode_steps=0, graph_steps=0, peak_blocks_used=0,
+                          kv_remakes=0, kv_remake_s=0.0)
+
+    def _make_cache(self, num_blocks: int, block_size: int) -> KVCache:
+        cfg = self.model.config
+        return KVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
+                       self.dtype, self.device)
+
+    def release(self) -> None:
+        """Give the KV cache and the decode graphs back to the allocator (and, on CUDA, the freed
+        memory to the device); the next `generate` makes them again. Only between rollouts."""
+        if self.has_unfinished():
+            raise RuntimeError("release() needs an idle sampler: requests are still running")
+        if self.cache is None:
+            return
+        self.cache = self.graphs = self._weights_seen = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @property
+    def released(self) -> bool:
+        return self.cache is None
+
+    def _ensure_cache(self) -> None:
+        """The KV cache again after `release`: the same number of blocks, all free."""
+        if self.cache is not None:
+            return
+        start = time.perf_counter()
+        self.cache = self._make_cache(self.blocks.num_blocks, self.block_size)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stats["kv_remakes"] += 1
+        self.stats["kv_remake_s"] += time.perf_counter() - start
 
     def _want_graphs(self, flag: bool | None) -> bool:
         if self.device.type != "cuda":
@@ -97,6 +134,7 @@ class Sampler:
 
     def add_request(self, prompt: list[int], params: SamplingParams, index: int) -> Group:
         """Queue one request (`n` samples); `index` enters the samples' random keys."""
+        self._ensure_cache()
         prompt = [int(t) for t in prompt]
         vocab = self.model.config.vocab_size
         if not prompt:
@@ -233,6 +271,7 @@ class Sampler:
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        self._ensure_cache()
         self._prepare_graphs(prompts, params)
         groups = [self.add_request(p, sp, first_index + i) for i, (p, sp) in enumerate(zip(prompts, params))]
         while self.has_unfinished():

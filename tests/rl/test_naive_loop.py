@@ -113,3 +113,15 @@ def test_the_fast_bf16_sampler_has_its_own_model_and_a_gap(tmp_path):
 def test_the_fast_engine_refuses_a_quantized_recipe():
     with pytest.raises(ConfigError, match="engine='fast' samples in bf16"):
         load_config(None, TINY + ["--sampler.engine=fast", "--sampler.recipe=vllm"])
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_the_kv_cache_is_released_between_rollouts_unless_kept(tmp_path, release):
+    cfg = load_config(None, TINY + ["--rl.steps=2", f"--sampler.release_kv_cache={str(release).lower()}"])
+    trainer = Trainer(cfg, tmp_path / "run")
+    trainer.task.reward = parity_reward
+    trainer.run()
+    assert trainer.sampler.released == release
+    rl = [r for r in _records(tmp_path / "run") if r["kind"] == "rl"]
+    assert (rl[-1]["time/kv_remake_s"] > 0) == release  # step 2 re-makes the cache step 1 gave back
+    assert trainer.sampler.stats["kv_remakes"] >= (len(rl) if release else 0)

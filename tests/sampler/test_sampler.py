@@ -127,3 +127,24 @@ def test_bad_prompts_are_rejected(model):
         sampler.generate([[500]], SamplingParams())
     with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
         sampler.generate([[1]], [SamplingParams()] * 2)
+
+
+def test_release_gives_the_cache_back_and_the_next_generate_remakes_it(model, reference):
+    prompts, ref = reference
+    sampler = Sampler(model, max_num_seqs=64, block_size=4)
+    first = sampler.generate(prompts, PARAMS)
+    blocks = sampler.cache.num_blocks
+    sampler.release()
+    assert sampler.released and sampler.cache is None
+    sampler.release()  # releasing twice is a no-op
+    again = sampler.generate(prompts, PARAMS)
+    assert tokens_of(first) == tokens_of(again) == tokens_of(ref)
+    assert sampler.cache.num_blocks == blocks and sampler.blocks.num_free == blocks
+    assert sampler.stats["kv_remakes"] == 1 and sampler.stats["kv_remake_s"] > 0
+
+
+def test_release_refuses_a_busy_sampler(model):
+    sampler = Sampler(model, max_num_seqs=4, block_size=4)
+    sampler.add_request([1, 2, 3], PARAMS, 0)
+    with pytest.raises(RuntimeError, match="idle sampler"):
+        sampler.release()
