@@ -48,6 +48,30 @@ def cuda_ms(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
+def evented(marks: list, kind: str, fn, before: bool):
+    def wrapper(*a, **k):
+        if before:
+            marks.append((kind, torch.cuda.Event(enable_timing=True)))
+            marks[-1][1].record()
+        out = fn(*a, **k)
+        if not before:
+            marks.append((kind, torch.cuda.Event(enable_timing=True)))
+            marks[-1][1].record()
+        return out
+    return wrapper
+
+
+def gpu_busy_idle(marks: list) -> tuple[float, float]:
+    """(ms between each step's start and end events, ms between one step's end and the next start)."""
+    busy = idle = 0.0
+    for (k0, e0), (k1, e1) in zip(marks, marks[1:]):
+        if k0 == "start" and k1 == "end":
+            busy += e0.elapsed_time(e1)
+        elif k0 == "end" and k1 == "start":
+            idle += e0.elapsed_time(e1)
+    return busy, idle
+
+
 def kernel_table(model, prompts, params, n_steps: int, kv_tokens: int) -> list[dict]:
     """CUDA time per kernel over eager decode steps taken mid-generation (per step)."""
     sampler = Sampler(model, max_num_seqs=512, kv_cache_tokens=kv_tokens, cuda_graphs=False)
@@ -87,6 +111,11 @@ def main():
     sampler._forward = timed(phases, "forward_launch", sampler._forward)
     engine.sample = timed(phases, "sample_launch", engine.sample)
     engine.key_tensor = timed(phases, "key_tensor", engine.key_tensor)
+    # CUDA events around each step's GPU work (forward launch .. draw): the time between one step's
+    # last event and the next step's first is GPU idle (the host had not queued the next step yet)
+    marks: list[tuple[str, torch.cuda.Event]] = []
+    sampler._forward = evented(marks, "start", sampler._forward, before=True)
+    engine.sample = evented(marks, "end", engine.sample, before=False)
     groups = [sampler.add_request(pr, params, i) for i, pr in enumerate(prompts)]
     step_times, kinds = [], []
     t_all = time.perf_counter()
@@ -99,6 +128,7 @@ def main():
         kinds.append("decode" if sampler.stats["decode_steps"] > before else "prefill")
     torch.cuda.synchronize()
     wall = time.perf_counter() - t_all
+    busy, idle = gpu_busy_idle(marks)
     tokens = sum(s.num_generated for gr in groups for s in gr.seqs)
     decode = [s for s, k in zip(step_times, kinds) if k == "decode"]
     n = len(step_times)
@@ -120,6 +150,7 @@ def main():
                   decode_step_ms_mean=1e3 * sum(decode) / max(len(decode), 1),
                   phase_ms_per_step={k: 1e3 * v / n for k, v in phases.items()},
                   other_ms_per_step=1e3 * other / n, graph_key=list(key),
+                  gpu_busy_ms_per_step=busy / n, gpu_idle_ms_per_step=idle / n,
                   graph_replay_gpu_ms=replay_ms, sample_gpu_ms=sample_ms)
     if args.kernels:
         del sampler, graphs, graph
