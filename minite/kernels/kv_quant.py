@@ -18,7 +18,7 @@ from minite.kernels import interpreted
 from minite.kernels.launch import cdiv
 from minite.kernels.launch import launch as launch_kernel
 from minite.kernels.nvfp4.blocks import _global_scales, _quantize_chunk, _to_e4m3
-from minite.ref.kv_quant import QuantizedKV, check_input
+from minite.ref.kv_quant import QuantizedKV, check_input, zeros
 
 ELEMS = 4096  # values per program (BLOCK_R = ELEMS // D rows)
 
@@ -57,17 +57,6 @@ def _kv_quant_kernel(x_ptr, slots_ptr, pay_ptr, bs_ptr, sc_ptr, R, H, stride_xn,
     tl.store(sc_ptr + slot * stride_sn + h * stride_sh, scale, mask=ok)
 
 
-def empty(kv_format: str, lead: tuple[int, ...], num_heads: int, head_dim: int, device) -> QuantizedKV:
-    """A zeroed `QuantizedKV` `[*lead, num_heads, head_dim]` of `kv_format` (fp8 / nvfp4)."""
-    shape = (*lead, num_heads)
-    if kv_format == "fp8":
-        return QuantizedKV("fp8", torch.zeros((*shape, head_dim), dtype=torch.float8_e4m3fn, device=device),
-                           torch.zeros(shape, device=device))
-    return QuantizedKV("nvfp4", torch.zeros((*shape, head_dim // 2), dtype=torch.uint8, device=device),
-                       torch.zeros(shape, device=device),
-                       torch.zeros((*shape, head_dim // 16), dtype=torch.float8_e4m3fn, device=device))
-
-
 def quantize_kv(x: torch.Tensor, kv_format: str, out: QuantizedKV | None = None,
                 slots: torch.Tensor | None = None) -> QuantizedKV:
     """x `[N, H, D]` -> its `QuantizedKV` (`minite.ref.kv_quant`'s bits). With `out` (`[M, H, ...]`, of
@@ -80,7 +69,7 @@ def quantize_kv(x: torch.Tensor, kv_format: str, out: QuantizedKV | None = None,
     if D & (D - 1):
         raise ValueError(f"quantize_kv (kernel) needs a power-of-two head dim, got {D}")
     if out is None:
-        out = empty(kv_format, (N,), H, D, x.device)
+        out = zeros(kv_format, (N,), H, D, x.device)
         slots = torch.arange(N, device=x.device)
     elif slots is None or slots.shape != (N,) or out.format != kv_format or out.shape[-2:] != (H, D):
         raise ValueError(f"quantize_kv: out {out.format} {out.shape} and slots must match x {tuple(x.shape)}")

@@ -122,6 +122,17 @@ def quantize_kv(x: torch.Tensor, kv_format: str) -> QuantizedKV:
     return QuantizedKV("nvfp4", pack(codes), s_dec.squeeze(-1), sb)
 
 
+def zeros(kv_format: str, lead: tuple[int, ...], num_heads: int, head_dim: int, device) -> QuantizedKV:
+    """A zeroed `QuantizedKV` `[*lead, num_heads, head_dim]` of `kv_format` (fp8 / nvfp4)."""
+    shape = (*lead, num_heads)
+    scale = torch.zeros(shape, device=device)
+    if kv_format == "fp8":
+        payload = torch.zeros((*shape, head_dim), dtype=torch.float8_e4m3fn, device=device)
+        return QuantizedKV("fp8", payload, scale)
+    return QuantizedKV("nvfp4", torch.zeros((*shape, head_dim // 2), dtype=torch.uint8, device=device), scale,
+                       torch.zeros((*shape, head_dim // BLOCK), dtype=torch.float8_e4m3fn, device=device))
+
+
 def bytes_per_token(kv_format: str, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes one token's keys and values take in one layer's cache."""
     check_format(kv_format)

@@ -65,10 +65,11 @@ class Sampler:
         param = next(model.parameters())
         self.model, self.device, self.dtype = model, param.device, param.dtype
         cfg = model.config
+        recipe = model.recipe  # kv_cache: the cache's format (the learner's forward quantizes alike)
         num_blocks = num_kv_blocks(cfg, block_size, self.dtype, self.device, kv_cache_tokens,
-                                   kv_memory_fraction)
+                                   kv_memory_fraction, recipe.kv_cache)
         self.cache = KVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
-                             cfg.head_dim, self.dtype, self.device)
+                             cfg.head_dim, self.dtype, self.device, recipe.kv_cache, recipe.execution)
         self.blocks = BlockManager(num_blocks)
         self.scheduler = Scheduler(self.blocks, block_size, max_num_seqs, max_num_batched_tokens,
                                    prefix_sharing)
