@@ -142,3 +142,12 @@ def test_gpu_aligned_sampler_logprobs_equal_learner_bitwise(fmt, moe):
     equal = (sampler == learner).float().mean().item()
     worst = (sampler - learner).abs().max().item()
     assert equal == 1.0, f"{fmt}: bitwise {equal:.4f} of {sampler.numel()} tokens, max |diff| {worst:.3g}"
+
+
+def test_an_unknown_format_in_the_config_is_one_clear_line(capsys):
+    from minite.cli import main
+
+    assert main(["train", "--recipe.overrides.kv_cache=int8", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("minite train: error: recipe: kv_cache='int8' is not supported; choose one of "
+                       "['bf16', 'fp8', 'nvfp4']")
