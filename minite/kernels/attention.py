@@ -10,6 +10,13 @@ are masked). The program walks its sequence's keys in position order, in chunks 
 s = (q @ k^T) * scale * log2(e) in an fp32-accumulating MMA, fp32 online softmax (exp2), p cast to
 the value dtype, acc += p @ v (fp32 accumulation), out = acc / l.
 
+Quantized keys and values (`minite.ref.kv_quant.QuantizedKV`, the `kv_cache` formats; constexpr KV:
+0 the model dtype, 1 fp8, 2 nvfp4): the payload is loaded as bytes and turned into the exact
+unscaled values in registers (E4M3 by the GPU's cvt, E2M1 codes and E4M3 block scales from their
+bits), the MMAs run on those in the value dtype, and each key's / value's fp32 row scale multiplies its
+column of s before the softmax scale and of p before its cast; no other pass. bf16 keys take the
+unchanged loads and arithmetic above, so their bits are those of the unquantized kernel.
+
 Batch invariance: one fixed launch configuration per operand dtype (CONFIGS["gpu"] for bf16/fp16)
 for every call, decode or prefill, paged or contiguous; no split over keys; a row's arithmetic
 never depends on the other rows of its tile (MMA rows are independent, row reductions run along N
@@ -51,9 +58,11 @@ CONFIGS = {
 
 @triton.jit
 def _e4m3_signed(b, HW: tl.constexpr):
-    """Signed E4M3 bytes (int32) -> fp32 values (exact): the GPU's cvt, or built from the bits."""
+    """Signed E4M3 bytes (uint8) -> exact values: fp16 by the GPU's cvt (two bytes per instruction), or
+    fp32 built from the bits (the interpreter)."""
     if HW:
-        return b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return b.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    b = b.to(tl.int32)
     mag = b & 0x7F
     normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
     v = tl.where(mag < 8, (mag & 7).to(tl.float32) * 0.001953125, normal)
@@ -67,7 +76,7 @@ def _kv_tile(ptr, bs_ptr, slots, in_seq, kvh, stride_s, stride_h, stride_bs, str
     unscaled values [BLOCK_N, D] in DT (KV 1: E4M3 bytes; 2: packed E2M1 codes times E4M3 block scales)."""
     rows = slots[:, None] * stride_s + kvh * stride_h
     if KV == 1:
-        b = tl.load(ptr + rows + tl.arange(0, D)[None, :], mask=in_seq[:, None], other=0).to(tl.int32)
+        b = tl.load(ptr + rows + tl.arange(0, D)[None, :], mask=in_seq[:, None], other=0)  # uint8
         return _e4m3_signed(b, HW).to(DT)
     p = tl.load(ptr + rows + tl.arange(0, D // 2)[None, :], mask=in_seq[:, None], other=0)  # [BLOCK_N, D/2]
     f16: tl.constexpr = DT != tl.bfloat16

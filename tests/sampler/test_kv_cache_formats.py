@@ -151,3 +151,14 @@ def test_an_unknown_format_in_the_config_is_one_clear_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == ("minite train: error: recipe: kv_cache='int8' is not supported; choose one of "
                        "['bf16', 'fp8', 'nvfp4']")
+
+
+def test_agreement_cli_takes_the_kv_format(capsys):
+    import json
+
+    from minite.cli import main
+
+    assert main(["agreement", "--preset", "tiny-qwen3", "--kv-cache", "nvfp4", "--num-prompts", "2",
+                 "--n", "2", "--max-tokens", "4", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["logprob_abs_diff_max"] < CPU_AGREEMENT_ATOL and report["n_tokens"] > 0
