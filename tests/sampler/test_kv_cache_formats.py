@@ -162,3 +162,14 @@ def test_agreement_cli_takes_the_kv_format(capsys):
                  "--n", "2", "--max-tokens", "4", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["logprob_abs_diff_max"] < CPU_AGREEMENT_ATOL and report["n_tokens"] > 0
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_sdpa_sampler_reads_the_dequantized_cache(fmt):
+    """The fast engine's SDPA backend gathers the quantized blocks dequantized: the reference's
+    log-probs up to SDPA's own summation order."""
+    model = quantized("bf16", fmt)
+    want, _ = sampler_vs_learner(model, prompts_of([9, 4]), PARAMS, max_num_seqs=4, kv_cache_tokens=64)
+    model.set_recipe(model.recipe.with_execution(attention="sdpa"))
+    got, _ = sampler_vs_learner(model, prompts_of([9, 4]), PARAMS, max_num_seqs=4, kv_cache_tokens=64)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
