@@ -2,9 +2,12 @@
 
 A `Recipe` says how each operand of a linear layer is quantized (`QuantSpec`: scaling policy, block
 shape, rounding, scale chain, Hadamard), how the GEMM epilogue applies the global scales, how the
-backward pass is computed, which layers stay bf16, and how it executes (`execution`, a
-`minite.execution.Execution`: reference or kernels, fast paths, thresholds; by default the Triton
-kernels on CUDA where they cover the recipe and the reference elsewhere). Named recipes:
+backward pass is computed, which layers stay bf16, how the attention's keys and values are stored
+(`kv_cache`: the model dtype, or quantized per token and kv head to fp8 or NVFP4 by
+`minite.ref.kv_quant`, in the sampler's cache and the learner's forward alike), and how it executes
+(`execution`, a `minite.execution.Execution`: reference or kernels, fast paths, thresholds; by
+default the Triton kernels on CUDA where they cover the recipe and the reference elsewhere). Every
+named recipe keeps keys and values in the model dtype. Named recipes:
 
 - `bf16`: no quantization (the baseline).
 - `aligned` (project default for RL): per-token activation scale, 1x16 weight blocks with a per-tensor
@@ -30,6 +33,7 @@ CHAINS = ("te", "vllm", "torchao")
 EPILOGUES = ("sdec", "alpha", "bf16_scalar")
 BACKWARDS = ("dequantized", "nvfp4")
 FUSED_SCALES = ("separate", "shared")
+KV_CACHES = ("bf16", "fp8", "nvfp4")  # bf16: the model dtype, unquantized
 
 
 def _check(what: str, value, allowed) -> None:
@@ -72,11 +76,14 @@ class Recipe:
     # "shared": q/k/v and gate/up quantize with one weight global scale per group, as serving engines
     # run them (`minite.nn.linear.SegmentedLinear`); "separate": each projection its own
     fused_scale: str = "separate"
+    # how attention stores k and v (`minite.ref.kv_quant`); every named recipe keeps the model dtype
+    kv_cache: str = "bf16"
 
     def __post_init__(self):
         _check("epilogue", self.epilogue, EPILOGUES)
         _check("fused_scale", self.fused_scale, FUSED_SCALES)
         _check("backward", self.backward, BACKWARDS)
+        _check("kv_cache", self.kv_cache, KV_CACHES)
         if isinstance(self.execution, dict):  # a config's table
             object.__setattr__(self, "execution", Execution(**self.execution))
         if not isinstance(self.execution, Execution):

@@ -38,12 +38,13 @@ import time
 import torch
 
 from benchmarks.common import ratio_stats, report, sync
-from benchmarks.e2e.decode_roofline import KV_BYTES, decode_step
+from benchmarks.e2e.decode_roofline import decode_step
 from minite.models import ModelConfig, Qwen3, tiny_qwen3, tiny_qwen3_moe
 from minite.models.checkpoint import EXPERT_PARAM, fused_expert_name, hf_tensors
 from minite.models.presets import qwen3_1_7b, qwen3_30b_a3b
 from minite.recipe import get_recipe
 from minite.sampler import Sampler
+from minite.sampler.kv_cache import KVCache
 from minite.sampling import SamplingParams
 
 
@@ -110,9 +111,8 @@ def max_sequences(model, recipe, args, device) -> int:
     """Sequences of the workload whose KV cache fits in `--memory-fraction` of the free memory the
     model's weights leave (a multiple of `--samples`)."""
     cfg = model.config
-    kv = getattr(recipe, "kv_cache", "bf16")
-    elt, scale = KV_BYTES[kv]
-    per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (cfg.head_dim * elt + scale)
+    per_token = KVCache.bytes_per_block(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim,
+                                        torch.bfloat16, recipe.kv_cache)
     free, _ = torch.cuda.mem_get_info(device)
     tokens = int(free * args.memory_fraction / per_token)
     seqs = tokens // (args.prompt_len + args.new_tokens + 16) - 16
@@ -158,7 +158,7 @@ def run_ours(model, spec: str, prompts, args, device, async_decode: bool | None 
     batch = min(seqs, sampler.max_num_seqs)
     weight_format = "bf16" if recipe.name == "bf16" else "nvfp4"
     roof = decode_step(model.config, batch, args.prompt_len + (args.new_tokens + 1) / 2, weight_format,
-                       getattr(recipe, "kv_cache", "bf16"))
+                       recipe.kv_cache)
     row = dict(engine="minite", recipe=spec, seconds=seconds, gen_tokens=tokens, sequences=seqs,
                tokens_per_s=tokens / seconds, decode_step_ms=step_ms, decode_steps=decode_steps,
                roofline_ms=roof["roofline_ms"], roofline_frac=roof["roofline_ms"] / step_ms,

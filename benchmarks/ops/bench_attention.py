@@ -1,14 +1,20 @@
-"""Decode attention (one query per sequence) over a paged bf16 KV cache, Qwen3-1.7B heads (16 q / 8 kv,
+"""Decode attention (one query per sequence) over a paged KV cache, Qwen3-1.7B heads (16 q / 8 kv,
 head_dim 128), 512 sequences x context {512, 1024}:
 
-- ours: `kernels.attention.paged_attention` (the batch-invariant config, keys read in place);
-- sdpa: torch SDPA on a contiguous padded cache [B, Hkv, T, D] with enable_gqa (the HF-like baseline);
+- ours: `kernels.attention.paged_attention` (the batch-invariant config, keys read in place) on the
+  bf16 cache, and `ours_fp8` / `ours_nvfp4` on the same keys and values quantized by the cache's
+  formats (`Recipe.kv_cache`, `minite.ref.kv_quant`; one kernel, dequantized in registers);
+- sdpa: torch SDPA on a contiguous padded bf16 cache [B, Hkv, T, D] with enable_gqa (the HF-like
+  baseline);
 - gather_ref: the reference, keys gathered into a padded copy + `minite.nn.attention.attention`.
 
-Bandwidth: KV bytes read (B x T x Hkv x D x 2 B x 2) / time, as a fraction of the 4.25 TB/s HBM copy
-rate (docs/facts.md). Also: a prefill row (causal, 8 x 1024 tokens) vs SDPA's flash path, and a small
-sweep of launch configs (measurements only; the config in use stays CONFIGS["gpu"]). Whether sampler
-and learner agree through the kernel is the GPU tests' and `minite agreement`'s job.
+Bandwidth: KV bytes read per format (B x T x `kv_quant.bytes_per_token`: bf16 4 x Hkv x D, fp8 2 x Hkv x
+(D + 4), nvfp4 2 x Hkv x (D / 2 + D / 16 + 4)) / time, as a fraction of the 4.25 TB/s HBM copy rate
+(docs/facts.md); `speedup_<fmt>_vs_bf16` is the bf16 kernel's time over the quantized one's,
+`max_abs_<fmt>_vs_ref` the kernel against `minite.ref.attention` on the same quantized cache. Also: a
+prefill row (causal, 8 x 1024 tokens) vs SDPA's flash path, and a small sweep of launch configs
+(measurements only; the config in use stays CONFIGS["gpu"]). Whether sampler and learner agree through
+the kernel is the GPU tests' and `minite agreement`'s job.
 
     python -m benchmarks.ops.bench_attention --out OUT.json [--quick]
 """
@@ -21,9 +27,12 @@ import triton
 from benchmarks.common import HBM_COPY_TBPS, bench_ms, parse_args, report
 from minite.kernels import attention as ka
 from minite.nn.attention import attention
+from minite.ref import attention as ref
+from minite.ref.kv_quant import bytes_per_token
 from minite.sampler.kv_cache import KVCache
 
 HQ, HKV, D, BLOCK = 16, 8, 128, 16
+KV_FORMATS = ("fp8", "nvfp4")
 SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
          for bm, bn, w, st in ((16, 64, 4, 2), (32, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 2),
                                (128, 64, 8, 2), (16, 128, 4, 3))]
@@ -44,14 +53,22 @@ def decode_inputs(B: int, T: int):
     return cache, tables, q, seq, pos, lens
 
 
+def quantized_cache(cache: KVCache, kv_format: str) -> KVCache:
+    """`cache`'s keys and values in `kv_format`, quantized as the sampler's writes quantize them."""
+    out = KVCache(1, cache.num_blocks, BLOCK, HKV, D, torch.bfloat16, "cuda", kv_format)
+    slots = torch.arange((cache.num_blocks + 1) * BLOCK, device="cuda")
+    out.write(0, slots, cache.k[0].flatten(0, 1), cache.v[0].flatten(0, 1))
+    return out
+
+
 def decode_rows(B: int, T: int, configs: list[dict]) -> tuple[list[dict], list[dict]]:
     cache, tables, q, seq, pos, lens = decode_inputs(B, T)
-    kv_bytes = B * T * HKV * D * 2 * 2
-    def ours(cfg=None):
+    kv_bytes = B * T * bytes_per_token("bf16", HKV, D, torch.bfloat16)
+
+    def ours(cfg=None, c=cache):
         cfg = cfg or ka.CONFIGS["gpu"]
         tiles = ka.plan_tiles(seq, B, HQ // HKV, cfg["BLOCK_M"])  # once per forward, shared by all layers
-        return lambda: ka.paged_attention(q, cache.k[0], cache.v[0], seq, pos, tables, lens, tiles=tiles,
-                                          cfg=cfg)
+        return lambda: ka.paged_attention(q, c.k[0], c.v[0], seq, pos, tables, lens, tiles=tiles, cfg=cfg)
 
     k_pad, v_pad = cache.gather(0, tables)  # [B, T, Hkv, D]
     k_sdpa, v_sdpa = k_pad.transpose(1, 2).contiguous(), v_pad.transpose(1, 2).contiguous()  # [B, Hkv, T, D]
@@ -72,6 +89,21 @@ def decode_rows(B: int, T: int, configs: list[dict]) -> tuple[list[dict], list[d
         row[f"{name}_hbm_frac"] = kv_bytes / (t * 1e-3) / (HBM_COPY_TBPS * 1e12)
     row["speedup_vs_sdpa"] = row["sdpa_us"] / row["ours_us"]
     row["speedup_vs_gather_ref"] = row["gather_ref_us"] / row["ours_us"]
+    bf16_out = ours()().float()
+    for fmt in KV_FORMATS:
+        qc = quantized_cache(cache, fmt)
+        fmt_bytes = B * T * bytes_per_token(fmt, HKV, D, torch.bfloat16)
+        fn = ours(c=qc)
+        got = fn().float()
+        want = ref.paged_attention(q, qc.k[0], qc.v[0], seq, pos, tables, lens).float()
+        t = bench_ms(fn)
+        row.update({f"kv_{fmt}_MB": fmt_bytes / 2**20, f"ours_{fmt}_us": t * 1e3,
+                    f"ours_{fmt}_hbm_frac": fmt_bytes / (t * 1e-3) / (HBM_COPY_TBPS * 1e12),
+                    f"speedup_{fmt}_vs_bf16": row["ours_us"] / (t * 1e3),
+                    f"speedup_{fmt}_vs_sdpa": row["sdpa_us"] / (t * 1e3),
+                    f"max_abs_{fmt}_vs_ref": (got - want).abs().max().item(),
+                    f"max_abs_{fmt}_vs_bf16_kv": (got - bf16_out).abs().max().item()})
+        del qc
     sweep = []
     for cfg in configs:
         try:
@@ -125,7 +157,7 @@ def main():
     prefill, psweep = prefill_rows(configs)
     report("attention prefill (packed, causal; ours includes planning its tiles)", prefill, None)
     report("attention config sweep (measurement only)", sweep + psweep, None)
-    report("attention decode (512 seqs, Qwen3-1.7B heads)", rows, args.out,
+    report("attention decode (512 seqs, Qwen3-1.7B heads; bf16, fp8 and nvfp4 KV)", rows, args.out,
            extra=dict(config=ka.CONFIGS["gpu"], prefill=prefill, sweep=sweep + psweep))
 
 

@@ -9,7 +9,7 @@ from minite.commands.args import nonnegative_int, positive_int
 from minite.devices import check_device
 from minite.diagnostics.agreement import measure_agreement, random_prompts
 from minite.models.presets import MODEL_PRESETS, model_preset
-from minite.recipe import RECIPES, get_recipe
+from minite.recipe import KV_CACHES, RECIPES, get_recipe
 from minite.sampling import SamplingParams
 
 HELP = "learner-vs-sampler agreement on sampled tokens (bitwise share, |log-prob diff|, k3_kl)"
@@ -40,6 +40,8 @@ def add_parser(sub, name):
     p.add_argument("--backend", choices=["auto", "ref", "triton"], default="auto",
                    help="NVFP4 execution backend of both recipes (auto: the kernels on CUDA, the "
                         "reference elsewhere)")
+    p.add_argument("--kv-cache", choices=list(KV_CACHES), default="bf16",
+                   help="KV cache format of both recipes (recipe.kv_cache: bf16 = the model dtype)")
     p.add_argument("--kv-cache-tokens", type=positive_int, default=None,
                    help="sampler KV slots (default: auto; fewer than the rollout needs: preemption)")
     p.add_argument("--max-num-seqs", type=positive_int, default=None, help="sequences decoded together "
@@ -67,8 +69,9 @@ def run(args) -> int:
     prompts = random_prompts(args.num_prompts, args.prompt_len, vocab, args.seed)
     kw = {k: v for k, v in (("kv_cache_tokens", args.kv_cache_tokens), ("max_num_seqs", args.max_num_seqs))
           if v is not None}
-    learner = get_recipe(args.learner_recipe).with_execution(backend=args.backend)
-    sampler = get_recipe(args.sampler_recipe or args.learner_recipe).with_execution(backend=args.backend)
+    learner = get_recipe(args.learner_recipe, kv_cache=args.kv_cache).with_execution(backend=args.backend)
+    sampler = get_recipe(args.sampler_recipe or args.learner_recipe, kv_cache=args.kv_cache).with_execution(
+        backend=args.backend)
     report = measure_agreement(source, prompts, params, learner, sampler,
                                init_std=args.init_std, seed=args.seed, dtype=dtype, device=args.device,
                                sampler_kwargs=kw)
@@ -90,7 +93,7 @@ def _run_rollouts(args, source, dtype) -> int:
         source = model.to(device=args.device, dtype=dtype)
     check_vocab(rollouts, source.config.vocab_size, args.rollouts)
     temperature = temperature_of(rollouts, args.temperature)
-    learner = get_recipe(args.learner_recipe).with_execution(backend=args.backend)
+    learner = get_recipe(args.learner_recipe, kv_cache=args.kv_cache).with_execution(backend=args.backend)
     report = rollout_agreement(source, rollouts, learner, temperature, args.top_k, args.top_p)
     report["model"] = args.model or args.preset
     report["rollouts"] = args.rollouts

@@ -32,7 +32,7 @@ from minite.diagnostics.rollouts import check_vocab, groups, read_rollouts, temp
 from minite.diagnostics.topk import has_topk, learner_distributions, topk_metrics
 from minite.files import check_output_dir
 from minite.models.presets import MODEL_PRESETS, model_preset
-from minite.recipe import RECIPES
+from minite.recipe import KV_CACHES, RECIPES, get_recipe
 from minite.rl.advantages import group_advantages
 from minite.rl.rewards import exact_match_reward
 from minite.rl.tasks import Example
@@ -56,6 +56,9 @@ def add_parser(sub, name):
                          "(.jsonl / .parquet / .pt, docs/diagnostics.md) to diagnose instead of sampling")
     p.add_argument("--learner-recipe", default="te", choices=list(RECIPES))
     p.add_argument("--sampler-recipe", default="vllm", choices=list(RECIPES))
+    for side in ("learner", "sampler"):
+        p.add_argument(f"--{side}-kv-cache", default="bf16", choices=list(KV_CACHES),
+                       help=f"the {side} recipe's KV cache format (recipe.kv_cache)")
     p.add_argument("--learner-batching", default="packed", choices=["packed", "alone"])
     p.add_argument("--sampler-batching", default="alone", choices=["packed", "alone"],
                    help="batching of the sampler recipe's full forward (attribution's target side)")
@@ -115,8 +118,8 @@ def run(args) -> int:
         phase(f"warm start: {steps} supervised steps")
         _warm_start(model, tok, task, steps, args.seed)
     model.to(device=args.device, dtype=DTYPES[args.dtype]).eval()
-    learner = Side(args.learner_recipe, args.learner_batching)
-    sampler = Side(args.sampler_recipe, args.sampler_batching)
+    learner = Side(get_recipe(args.learner_recipe, kv_cache=args.learner_kv_cache), args.learner_batching)
+    sampler = Side(get_recipe(args.sampler_recipe, kv_cache=args.sampler_kv_cache), args.sampler_batching)
     temperature = args.temperature
     if rollouts is None:
         prompts = [tok.encode(ex.prompt, add_bos=tok.bos_token_id is not None) for ex in examples]

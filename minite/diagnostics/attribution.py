@@ -17,6 +17,7 @@ the gap is a mismatch metric of (pi, mu) over the response tokens (`k3_kl` by de
     scale_chain       recipe.activation.chain and recipe.weight.chain (te / vllm / torchao)
     gemm_epilogue     recipe.epilogue (sdec / alpha / bf16_scalar)
     gemm_kernel       recipe.execution.backend (ref / triton)
+    kv_cache          recipe.kv_cache (bf16 / fp8 / nvfp4): how attention stores keys and values
     batch_composition Side.batching (packed with the other sequences / each sequence alone)
     other_recipe      the remaining forward fields: fp4, rounding, hadamard, bf16 first/last layers,
                       fused-group scales
@@ -93,6 +94,8 @@ KNOBS = (
         recipe=a.recipe.replace(epilogue=b.recipe.epilogue))),
     Knob("gemm_kernel", "GEMM kernel (ref / triton backend)", lambda a, b: a.replace(
         recipe=a.recipe.with_execution(backend=b.recipe.execution.backend)), _kernel_reason),
+    Knob("kv_cache", "KV cache format (bf16 / fp8 / nvfp4)", lambda a, b: a.replace(
+        recipe=a.recipe.replace(kv_cache=b.recipe.kv_cache))),
     Knob("batch_composition", "token computed with its batch (packed) or alone",
          lambda a, b: a.replace(batching=b.batching)),
     Knob("other_recipe", "fp4 on/off, rounding, Hadamard, bf16 first/last layers", _other),
@@ -178,6 +181,7 @@ def _setting(knob: Knob, side: Side) -> str:
         "scale_chain": f"{r.activation.chain}/{r.weight.chain}",
         "gemm_epilogue": r.epilogue,
         "gemm_kernel": r.execution.backend,
+        "kv_cache": r.kv_cache,
         "batch_composition": side.batching,
         "other_recipe": f"fp4={r.fp4} rounding={r.activation.rounding}/{r.weight.rounding} "
                         f"hadamard={r.activation.hadamard}/{r.weight.hadamard} "

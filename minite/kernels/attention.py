@@ -10,6 +10,13 @@ are masked). The program walks its sequence's keys in position order, in chunks 
 s = (q @ k^T) * scale * log2(e) in an fp32-accumulating MMA, fp32 online softmax (exp2), p cast to
 the value dtype, acc += p @ v (fp32 accumulation), out = acc / l.
 
+Quantized keys and values (`minite.ref.kv_quant.QuantizedKV`, the `kv_cache` formats; constexpr KV:
+0 the model dtype, 1 fp8, 2 nvfp4): the payload is loaded as bytes and turned into the exact
+unscaled values in registers (E4M3 by the GPU's cvt, E2M1 codes and E4M3 block scales from their
+bits), the MMAs run on those in the value dtype, and each key's / value's fp32 row scale multiplies its
+column of s before the softmax scale and of p before its cast; no other pass. bf16 keys take the
+unchanged loads and arithmetic above, so their bits are those of the unquantized kernel.
+
 Batch invariance: one fixed launch configuration per operand dtype (CONFIGS["gpu"] for bf16/fp16)
 for every call, decode or prefill, paged or contiguous; no split over keys; a row's arithmetic
 never depends on the other rows of its tile (MMA rows are independent, row reductions run along N
@@ -29,8 +36,12 @@ import triton
 import triton.language as tl
 
 from minite.kernels import interpreted
+from minite.kernels.gemm import _e2m1_to_float, _e4m3_to_float
 from minite.kernels.launch import launch as launch_kernel
 from minite.ref.attention import KV_BLOCK, LOG2E
+from minite.ref.kv_quant import QuantizedKV
+
+KV_IDS = {"bf16": 0, "fp8": 1, "nvfp4": 2}
 
 CONFIGS = {
     # The one configuration of every GPU call (decode, prefill, learner): never switch per batch.
@@ -46,10 +57,44 @@ CONFIGS = {
 
 
 @triton.jit
-def _chunk(q, qpos, m_i, l_i, acc, j0, kv_end, seq, kv_base, kvh, k_ptr, v_ptr, table_ptr, qk_scale,
-           stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-           PAGED: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys j0 .. j0 + BLOCK_N of the sequence: one online-softmax step -> (m_i, l_i, acc)."""
+def _e4m3_signed(b, HW: tl.constexpr):
+    """Signed E4M3 bytes (uint8) -> exact values: fp16 by the GPU's cvt (two bytes per instruction), or
+    fp32 built from the bits (the interpreter)."""
+    if HW:
+        return b.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    b = b.to(tl.int32)
+    mag = b & 0x7F
+    normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    v = tl.where(mag < 8, (mag & 7).to(tl.float32) * 0.001953125, normal)
+    return tl.where((b & 0x80) != 0, -v, v)
+
+
+@triton.jit
+def _kv_tile(ptr, bs_ptr, slots, in_seq, kvh, stride_s, stride_h, stride_bs, stride_bh, D: tl.constexpr,
+             KV: tl.constexpr, HW: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr):
+    """Keys or values of slots [BLOCK_N], kv head kvh, from their quantized payload -> the exact
+    unscaled values [BLOCK_N, D] in DT (KV 1: E4M3 bytes; 2: packed E2M1 codes times E4M3 block scales)."""
+    rows = slots[:, None] * stride_s + kvh * stride_h
+    if KV == 1:
+        b = tl.load(ptr + rows + tl.arange(0, D)[None, :], mask=in_seq[:, None], other=0)  # uint8
+        return _e4m3_signed(b, HW).to(DT)
+    p = tl.load(ptr + rows + tl.arange(0, D // 2)[None, :], mask=in_seq[:, None], other=0)  # [BLOCK_N, D/2]
+    f16: tl.constexpr = DT != tl.bfloat16
+    v = tl.reshape(tl.join(_e2m1_to_float(p & 15, f16), _e2m1_to_float(p >> 4, f16)), [BLOCK_N, D])
+    sb = tl.load(bs_ptr + slots[:, None] * stride_bs + kvh * stride_bh + tl.arange(0, D // 16)[None, :],
+                 mask=in_seq[:, None], other=0)
+    sb = _e4m3_to_float(sb).to(DT)
+    return tl.reshape(tl.reshape(v.to(DT), [BLOCK_N, D // 16, 16]) * sb[:, :, None], [BLOCK_N, D])
+
+
+@triton.jit
+def _chunk(q, qpos, m_i, l_i, acc, j0, kv_end, seq, kv_base, kvh, k_ptr, v_ptr, ks_ptr, vs_ptr, kb_ptr,
+           vb_ptr, table_ptr, qk_scale, stride_ks, stride_kh, stride_vs, stride_vh, stride_ss, stride_sh,
+           stride_bs, stride_bh, stride_bt, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+           PAGED: tl.constexpr, KV: tl.constexpr, HW: tl.constexpr, DT: tl.constexpr,
+           DOT_F32: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys j0 .. j0 + BLOCK_N of the sequence: one online-softmax step -> (m_i, l_i, acc). KV 0: k, v
+    in DT; 1 (fp8) / 2 (nvfp4): quantized, each key's and value's row scale folded into s and p."""
     offs_d = tl.arange(0, D)
     offs_n = j0 + tl.arange(0, BLOCK_N)
     in_seq = offs_n < kv_end
@@ -58,13 +103,25 @@ def _chunk(q, qpos, m_i, l_i, acc, j0, kv_end, seq, kv_base, kvh, k_ptr, v_ptr, 
         slots = blk.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
     else:
         slots = kv_base + offs_n
-    kt = tl.load(k_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
-                 mask=in_seq[None, :], other=0.0)  # [D, BLOCK_N]
-    v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
-                mask=in_seq[:, None], other=0.0)  # [BLOCK_N, D]
+    if KV == 0:
+        kt = tl.load(k_ptr + slots[None, :] * stride_ks + kvh * stride_kh + offs_d[:, None],
+                     mask=in_seq[None, :], other=0.0)  # [D, BLOCK_N]
+        v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+                    mask=in_seq[:, None], other=0.0)  # [BLOCK_N, D]
+    else:
+        kt = tl.trans(_kv_tile(k_ptr, kb_ptr, slots, in_seq, kvh, stride_ks, stride_kh, stride_bs, stride_bh,
+                               D, KV, HW, BLOCK_N, DT))
+        v = _kv_tile(v_ptr, vb_ptr, slots, in_seq, kvh, stride_vs, stride_vh, stride_bs, stride_bh, D, KV, HW,
+                     BLOCK_N, DT)
+        srow = slots * stride_ss + kvh * stride_sh
+        k_scale = tl.load(ks_ptr + srow, mask=in_seq, other=0.0)  # [BLOCK_N] fp32
+        v_scale = tl.load(vs_ptr + srow, mask=in_seq, other=0.0)
     if DOT_F32:
         kt = kt.to(tl.float32)
-    s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
+    s = tl.dot(q, kt, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] fp32
+    if KV != 0:
+        s = s * k_scale[None, :]
+    s = s * qk_scale
     visible = (offs_n[None, :] <= qpos[:, None]) & in_seq[None, :]
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -72,7 +129,9 @@ def _chunk(q, qpos, m_i, l_i, acc, j0, kv_end, seq, kv_base, kvh, k_ptr, v_ptr, 
     alpha = tl.exp2(m_i - u)
     p = tl.exp2(s - u[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    p = p.to(v_ptr.dtype.element_ty)
+    if KV != 0:
+        p = p * v_scale[None, :]
+    p = p.to(DT)
     if DOT_F32:
         p = p.to(tl.float32)
         v = v.to(tl.float32)
@@ -81,11 +140,12 @@ def _chunk(q, qpos, m_i, l_i, acc, j0, kv_end, seq, kv_base, kvh, k_ptr, v_ptr, 
 
 
 @triton.jit
-def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, tiles_ptr, pos_ptr, table_ptr, start_ptr,
-                      ctx_ptr, qk_scale, stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+def _attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kb_ptr, vb_ptr, out_ptr, lse_ptr, tiles_ptr,
+                      pos_ptr, table_ptr, start_ptr, ctx_ptr, qk_scale, stride_qn, stride_qh, stride_ks,
+                      stride_kh, stride_vs, stride_vh, stride_ss, stride_sh, stride_bs, stride_bh,
                       stride_on, stride_oh, stride_bt, stride_ln,
                       G: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
-                      STORE_LSE: tl.constexpr,
+                      STORE_LSE: tl.constexpr, KV: tl.constexpr, HW: tl.constexpr,
                       DOT_F32: tl.constexpr, PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     tile = tl.program_id(0)
@@ -119,14 +179,18 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, tiles_ptr, pos_ptr,
             j0 = 0
             while j0 < kv_end:
                 m_i, l_i, acc = _chunk(q, qpos, m_i, l_i, acc, j0, kv_end, seq, kv_base, kvh, k_ptr, v_ptr,
-                                       table_ptr, qk_scale, stride_ks, stride_kh, stride_vs, stride_vh,
-                                       stride_bt, D, BLOCK_SIZE, PAGED, DOT_F32, PRECISION, BLOCK_N)
+                                       ks_ptr, vs_ptr, kb_ptr, vb_ptr, table_ptr, qk_scale, stride_ks,
+                                       stride_kh, stride_vs, stride_vh, stride_ss, stride_sh, stride_bs,
+                                       stride_bh, stride_bt, D, BLOCK_SIZE, PAGED, KV, HW,
+                                       out_ptr.dtype.element_ty, DOT_F32, PRECISION, BLOCK_N)
                 j0 += BLOCK_N
         else:
             for j0 in range(0, kv_end, BLOCK_N):
                 m_i, l_i, acc = _chunk(q, qpos, m_i, l_i, acc, j0, kv_end, seq, kv_base, kvh, k_ptr, v_ptr,
-                                       table_ptr, qk_scale, stride_ks, stride_kh, stride_vs, stride_vh,
-                                       stride_bt, D, BLOCK_SIZE, PAGED, DOT_F32, PRECISION, BLOCK_N)
+                                       ks_ptr, vs_ptr, kb_ptr, vb_ptr, table_ptr, qk_scale, stride_ks,
+                                       stride_kh, stride_vs, stride_vh, stride_ss, stride_sh, stride_bs,
+                                       stride_bh, stride_bt, D, BLOCK_SIZE, PAGED, KV, HW,
+                                       out_ptr.dtype.element_ty, DOT_F32, PRECISION, BLOCK_N)
         out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
         tl.store(out_ptr + rows[:, None] * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
@@ -175,9 +239,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float | None = None, tiles: torch.Tensor | None = None,
                     cfg: dict | None = None) -> torch.Tensor:
     """q [N, Hq, D], k_cache / v_cache [num_blocks, block_size, Hkv, D] (unit stride along D, slots of
-    a block adjacent), query_seq / query_pos [N] (a sequence's rows consecutive), block_tables [S, W]
-    int32/int64, context_lens [S] -> [N, Hq, D] in q's dtype. `tiles`: `plan_tiles(...)` computed
-    once and reused across layers; `cfg`: a launch configuration (benchmarks only)."""
+    a block adjacent; tensors of q's dtype, or both `QuantizedKV` of one format), query_seq /
+    query_pos [N] (a sequence's rows consecutive), block_tables [S, W] int32/int64, context_lens [S]
+    -> [N, Hq, D] in q's dtype. `tiles`: `plan_tiles(...)` computed once and reused across layers;
+    `cfg`: a launch configuration (benchmarks only)."""
     _check_common(q, k_cache, v_cache, query_seq, query_pos, context_lens, "k_cache", 4)
     S, block_size = context_lens.shape[0], k_cache.shape[1]
     if block_tables.ndim != 2 or block_tables.shape[0] != S or block_tables.dtype not in (torch.int32,
@@ -187,6 +252,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if block_tables.stride(1) != 1:
         raise ValueError("block_tables needs unit stride along W")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        c = c.payload if isinstance(c, QuantizedKV) else c
         if c.stride(0) != block_size * c.stride(1):
             raise ValueError(f"{name}: the slots of a block must be adjacent (stride(0) == block_size * "
                              f"stride(1)), got strides {c.stride()}")
@@ -198,7 +264,8 @@ def contiguous_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, quer
                          query_pos: torch.Tensor, kv_start: torch.Tensor, context_lens: torch.Tensor,
                          scale: float | None = None, tiles: torch.Tensor | None = None,
                          cfg: dict | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
-    """q [N, Hq, D], k / v [M, Hkv, D] (sequence s's keys at rows kv_start[s] + 0, 1, ...),
+    """q [N, Hq, D], k / v [M, Hkv, D] (tensors or `QuantizedKV`, as for `paged_attention`; sequence
+    s's keys at rows kv_start[s] + 0, 1, ...),
     query_seq / query_pos [N], kv_start / context_lens [S] -> [N, Hq, D]: the same arithmetic as
     `paged_attention`, for packed sequences whose keys were not written to a cache. `lse`: a
     contiguous fp32 [N, Hq] the kernel fills with each row's base-2 log-sum-exp of its scaled scores
@@ -231,19 +298,54 @@ def _launch(q, k, v, query_seq, query_pos, table, start, context_lens, block_siz
     scale = D ** -0.5 if scale is None else scale
     dot_f32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreted())
     grid = (tiles.shape[0], Hkv)
+    kv = KV_IDS[k.format] if isinstance(k, QuantizedKV) else 0
+    if kv:  # payload and block scales as bytes; k's and v's scale tensors are laid out alike
+        ks, vs = k.scale, v.scale
+        kb, vb = (k.block_scales, v.block_scales) if kv == 2 else (ks, vs)
+        k, v = k.payload.view(torch.uint8), v.payload.view(torch.uint8)
+        kb, vb = kb.view(torch.uint8), vb.view(torch.uint8)
+        scale_strides = (ks.stride(0), ks.stride(1), kb.stride(0), kb.stride(1))
+    else:
+        ks = vs = kb = vb = k
+        scale_strides = (0, 0, 0, 0)
     launch_kernel(_attention_kernel, grid, (
-        q, k, v, out, out if lse is None else lse, tiles, query_pos, table, start, context_lens,
-        scale * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), table.stride(0) if paged else 0, 0 if lse is None else lse.stride(0)),
-        G=G, D=D, BLOCK_SIZE=block_size, PAGED=paged, STORE_LSE=lse is not None, DOT_F32=dot_f32,
+        q, k, v, ks, vs, kb, vb, out, out if lse is None else lse, tiles, query_pos, table, start,
+        context_lens, scale * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), *scale_strides, out.stride(0), out.stride(1), table.stride(0) if paged else 0,
+        0 if lse is None else lse.stride(0)),
+        G=G, D=D, BLOCK_SIZE=block_size, PAGED=paged, STORE_LSE=lse is not None, KV=kv,
+        HW=not interpreted(), DOT_F32=dot_f32,
         PRECISION="ieee" if dot_f32 else "tf32", WHILE_LOOP=interpreted(),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     return out
 
 
+def _check_kv(k, v, q, kname):
+    """Quantized k / v: one format, scale tensors laid out alike (the kernel takes one set of strides)."""
+    if not isinstance(v, QuantizedKV) or v.format != k.format:
+        raise TypeError(f"{kname} is a {k.format} QuantizedKV: v must be one too, got "
+                        f"{getattr(v, 'format', type(v).__name__)}")
+    if k.payload.stride() != v.payload.stride() or k.scale.stride() != v.scale.stride() or (
+            k.block_scales is not None and k.block_scales.stride() != v.block_scales.stride()):
+        raise ValueError(f"quantized {kname} and v must share their layout (strides)")
+    if any(t.stride(-1) != 1 for t in (*k.fields(), *v.fields()) if t.ndim == k.payload.ndim):
+        raise ValueError(f"quantized {kname} and v need unit stride along D")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"q must be bf16/fp16/fp32, got {q.dtype}")
+
+
 def _check_common(q, k, v, query_seq, query_pos, context_lens, kname, kdim):
-    if q.ndim != 3 or k.ndim != kdim or v.shape != k.shape:
+    if isinstance(k, QuantizedKV) or isinstance(v, QuantizedKV):
+        if not isinstance(k, QuantizedKV):
+            k, v = v, k
+        _check_kv(k, v, q, kname)
+    elif q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or {k.dtype, v.dtype} != {q.dtype}:
+        raise TypeError(f"q, {kname}, v must share one dtype of bf16/fp16/fp32, got {q.dtype}, {k.dtype}, "
+                        f"{v.dtype}")
+    elif k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("q, k and v need unit stride along D")
+    if q.ndim != 3 or len(k.shape) != kdim or v.shape != k.shape:
         raise ValueError(f"q must be [N, Hq, D] and {kname} / v {kdim}-D of the same shape; got q "
                          f"{tuple(q.shape)}, {kname} {tuple(k.shape)}, v {tuple(v.shape)}")
     N, Hq, D = q.shape
@@ -253,10 +355,7 @@ def _check_common(q, k, v, query_seq, query_pos, context_lens, kname, kdim):
                          f"{kname} {tuple(k.shape)}")
     if D < 16 or D & (D - 1):
         raise ValueError(f"head_dim={D} must be a power of two >= 16")
-    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or {k.dtype, v.dtype} != {q.dtype}:
-        raise TypeError(f"q, {kname}, v must share one dtype of bf16/fp16/fp32, got {q.dtype}, {k.dtype}, "
-                        f"{v.dtype}")
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+    if q.stride(-1) != 1:
         raise ValueError("q, k and v need unit stride along D")
     if query_seq.shape != (N,) or query_pos.shape != (N,):
         raise ValueError(f"query_seq {tuple(query_seq.shape)} and query_pos {tuple(query_pos.shape)} must be "

@@ -135,7 +135,8 @@ class Qwen3(nn.Module):
         Without `context`: the forward over whole sequences of `minite.nn.context.sequence_context`
         (`[B, T]`, or `[1, N]` packed with `cu_seqlens`; `check` as there)."""
         if context is None:
-            context = sequence_context(input_ids, position_ids, cu_seqlens, check, self.recipe.execution)
+            context = sequence_context(input_ids, position_ids, cu_seqlens, check, self.recipe.execution,
+                                       self.recipe.kv_cache)
         elif position_ids is not None or cu_seqlens is not None:
             raise ValueError("position_ids / cu_seqlens make a full-sequence context: give them or `context`")
         checkpointed = activation_checkpointing and torch.is_grad_enabled()

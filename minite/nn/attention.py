@@ -23,6 +23,11 @@ position j, so it is taken only when the positions are 0, 1, ... within each seq
 default); its backward is the Triton backward (`minite.kernels.attention_backward`), or, with
 `Execution.attention_backward = "reference"`, the reference math recomputed under autograd. The CPU
 runs the reference functions above (the kernel only under the interpreter, `attention = "triton"`).
+
+A quantized KV format (`Recipe.kv_cache`, `minite.nn.kv_quant`): the learner's k and v, after RoPE,
+go through the sampler's quantizer; the kernel reads the quantized form (the sampler's bits), the
+reference reads its dequantized values, and the backward runs on the dequantized values the forward
+used, its k and v gradients passed straight through the quantization.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from torch import nn
 
 from minite.execution import DEFAULT, Execution
 from minite.kernels import lazy
+from minite.nn.kv_quant import quantize_kv
 from minite.nn.linear import Linear, SegmentedLinear
 from minite.nn.norm import RMSNorm
 from minite.nn.rope import apply_rope, rope_cos_sin
@@ -209,16 +215,22 @@ class KernelAttention(torch.autograd.Function):
     needed). Backward: the Triton backward (`minite.kernels.attention_backward`), or where the layout
     says so (`Execution.attention_backward = "reference"`) the reference math (`varlen_attention`, fp32,
     padded groups of sequences) recomputed under autograd. The layout (tiles, backward plan) is shared
-    by every layer."""
+    by every layer. `kv_format` fp8 / nvfp4: k and v quantized first (`execution` picks the
+    quantizer), the backward on their dequantized values, straight through to k and v."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout: PackedLayout):
+    def forward(ctx, q, k, v, layout: PackedLayout, kv_format: str = "bf16", execution: Execution = DEFAULT):
         cu = layout.cu
         ctx.layout = layout
         ctx.kernel_backward = layout.kernel_backward and any(ctx.needs_input_grad)
         lse = q.new_empty(q.shape[:2], dtype=torch.float32) if ctx.kernel_backward else None
         tiles = layout.tiles(q.shape[1] // k.shape[1])
-        out = lazy.attention.contiguous_attention(q, k, v, layout.seq, layout.positions, cu[:-1],
+        kq, vq = k, v
+        if kv_format != "bf16":
+            kq, vq = quantize_kv(k, kv_format, execution), quantize_kv(v, kv_format, execution)
+            if any(ctx.needs_input_grad):
+                k, v = kq.dequantize(k.dtype), vq.dequantize(v.dtype)
+        out = lazy.attention.contiguous_attention(q, kq, vq, layout.seq, layout.positions, cu[:-1],
                                                   layout.lengths, tiles=tiles, lse=lse)
         if ctx.kernel_backward:
             ctx.save_for_backward(q, k, v, out, lse)
@@ -238,10 +250,10 @@ class KernelAttention(torch.autograd.Function):
                 grad, q, k, v, out, lse, layout.seq, layout.positions, cu[:-1], layout.lengths,
                 q_tiles=layout.tiles(group, cfg["dq"]["BLOCK_M"]),
                 k_tiles=layout.tiles(1, cfg["dkdv"]["BLOCK_N"]))
-            return dq, dk, dv, None
+            return dq, dk, dv, None, None, None
         q, k, v = ctx.saved_tensors
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_() for t in (q, k, v)]
             out = varlen_attention(*inputs, layout.positions, layout.cu, plan=layout.plan(q.shape[1]))
             dq, dk, dv = torch.autograd.grad(out, inputs, grad)
-        return dq, dk, dv, None
+        return dq, dk, dv, None, None, None

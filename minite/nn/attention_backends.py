@@ -19,6 +19,11 @@ and in the sampler's decode step.
   kernels on CUDA, chosen by shape) where the recipe's execution says `attention = "sdpa"`: a serving
   engine's arithmetic, not the learner's bits.
 
+A quantized KV format (`Recipe.kv_cache`): `SequenceAttention` quantizes k and v as the sampler's
+cache does (`minite.nn.kv_quant`; the kernel reads the quantized form, the reference the dequantized
+values, gradients straight through); the paged backends read the cache's quantized blocks (the
+kernel in place, the reference and SDPA dequantizing what they gather).
+
 None of them synchronizes with the host per layer (the decode step is captured in CUDA graphs).
 """
 
@@ -29,6 +34,7 @@ import torch
 from minite.execution import DEFAULT, Execution
 from minite.kernels import lazy
 from minite.nn.attention import KernelAttention, PackedLayout, attention, kernel_applies, varlen_attention
+from minite.nn.kv_quant import fake_quantize_kv
 
 
 class SequenceAttention:
@@ -36,12 +42,12 @@ class SequenceAttention:
     `cu_seqlens` is given). The packed kernel's layout is made once and shared by every layer and
     recompute: at construction when `kernel_layout` says the positions are the kernel's (no check),
     otherwise on the first kernel call (one host sync to check the positions). `execution` picks
-    the kernel or the reference, and the kernel's backward."""
+    the kernel or the reference, and the kernel's backward; `kv_format` how k and v are stored."""
 
     def __init__(self, positions: torch.Tensor, cu_seqlens: torch.Tensor | None, kernel_layout: bool = False,
-                 execution: Execution = DEFAULT):
+                 execution: Execution = DEFAULT, kv_format: str = "bf16"):
         self.positions, self.cu_seqlens = positions, cu_seqlens  # [B, T], [S + 1] or None
-        self.execution = execution
+        self.execution, self.kv_format = execution, kv_format
         self._kernel_backward = execution.attention_backward == "kernel"
         self._layout = None
         if kernel_layout:
@@ -61,7 +67,9 @@ class SequenceAttention:
             layout = self.layout(B, T)
             if layout.kernel_ok:
                 flat = [t.reshape(B * T, *t.shape[2:]) for t in (q, k, v)]
-                return KernelAttention.apply(*flat, layout).view(B, T, -1)
+                return KernelAttention.apply(*flat, layout, self.kv_format, self.execution).view(B, T, -1)
+        k, v = fake_quantize_kv(k, self.kv_format, self.execution), fake_quantize_kv(v, self.kv_format,
+                                                                                    self.execution)
         positions = self.positions
         if self.cu_seqlens is None:
             out = attention(q, k, v, positions, positions)  # [B, T, Hq, D]

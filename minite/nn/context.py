@@ -53,11 +53,12 @@ def default_positions(input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None) 
 
 def sequence_context(input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                      cu_seqlens: torch.Tensor | None = None, check: bool = True,
-                     execution: Execution = DEFAULT) -> ForwardContext:
+                     execution: Execution = DEFAULT, kv_format: str = "bf16") -> ForwardContext:
     """The context of a forward over whole sequences: input_ids `[B, T]`, or with `cu_seqlens`
     `[S + 1]` one row `[1, N]` of S sequences packed back to back, attending only within themselves.
     `check=False` skips the check that cu_seqlens runs from 0 to N (a host sync on the GPU) for
-    callers that built it (the learner's packing). `execution`: the model's (which attention runs)."""
+    callers that built it (the learner's packing). `execution`: the model's (which attention runs);
+    `kv_format`: its recipe's `kv_cache` (how attention stores k and v)."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
     if cu_seqlens is not None and input_ids.shape[0] != 1:
@@ -72,5 +73,5 @@ def sequence_context(input_ids: torch.Tensor, position_ids: torch.Tensor | None 
     position_ids = position_ids.expand(input_ids.shape)
     # positions the model made are 0, 1, ... per sequence: the kernel's layout, known without a check
     backend = SequenceAttention(position_ids, cu_seqlens, kernel_layout=default and cu_seqlens is not None,
-                                execution=execution)
+                                execution=execution, kv_format=kv_format)
     return ForwardContext(position_ids, backend)

@@ -17,6 +17,12 @@ Math, per query row and head, with `c = fl32(scale * log2(e))` (scale defaults t
         l = l * alpha + sum_j p_j
         acc = acc * alpha + sum_j cast(p_j, v.dtype) * v_j  (fp32 accumulation)
     out = acc / l (0 where no key is visible), cast to q's dtype.
+Quantized keys and values (`minite.ref.kv_quant.QuantizedKV`, fp8 or nvfp4): the dot products run on
+the exact unscaled values (`exact`, in q's dtype) and each key's fp32 row scale is folded in,
+    s_j = fl32(fl32(q . kexact_j) * kscale_j) * c
+and each value's into the probabilities before their cast,
+    acc = acc * alpha + sum_j cast(fl32(p_j * vscale_j), q.dtype) * vexact_j
+(l sums the unscaled p_j). With bf16 keys and values the steps are the ones above.
 Chunks entirely past the query change nothing (alpha = 1, p = 0), so a query's result depends only
 on its own sequence's keys up to its position, never on other rows of the batch.
 
@@ -42,6 +48,8 @@ import math
 
 import torch
 
+from minite.ref.kv_quant import QuantizedKV
+
 # Keys per chunk of the online softmax on the GPU (the kernel's BLOCK_N): fixed for every caller.
 KV_BLOCK = 64
 LOG2E = math.log2(math.e)
@@ -50,8 +58,8 @@ LOG2E = math.log2(math.e)
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_seq: torch.Tensor,
                     query_pos: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                     scale: float | None = None, kv_block: int = KV_BLOCK) -> torch.Tensor:
-    """q [N, Hq, D], k_cache / v_cache [num_blocks, block_size, Hkv, D], query_seq / query_pos [N],
-    block_tables [S, W], context_lens [S] -> [N, Hq, D] in q's dtype."""
+    """q [N, Hq, D], k_cache / v_cache [num_blocks, block_size, Hkv, D] (tensors or `QuantizedKV`),
+    query_seq / query_pos [N], block_tables [S, W], context_lens [S] -> [N, Hq, D] in q's dtype."""
     block_size = k_cache.shape[1]
     width = block_tables.shape[1] * block_size
     pos = torch.arange(width, device=q.device)
@@ -63,16 +71,25 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def contiguous_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_seq: torch.Tensor,
                          query_pos: torch.Tensor, kv_start: torch.Tensor, context_lens: torch.Tensor,
                          scale: float | None = None, kv_block: int = KV_BLOCK) -> torch.Tensor:
-    """q [N, Hq, D], k / v [M, Hkv, D] with sequence s's keys at rows kv_start[s] + 0, 1, ...,
-    query_seq / query_pos [N], kv_start / context_lens [S] -> [N, Hq, D] in q's dtype."""
+    """q [N, Hq, D], k / v [M, Hkv, D] (tensors or `QuantizedKV`) with sequence s's keys at rows
+    kv_start[s] + 0, 1, ..., query_seq / query_pos [N], kv_start / context_lens [S] -> [N, Hq, D] in
+    q's dtype."""
     width = max(int(context_lens.max()), 1) if context_lens.numel() else 1
     slots = kv_start.long()[:, None] + torch.arange(width, device=q.device)  # [S, width]
     return _chunked(q, k, v, query_seq, query_pos, slots.clamp(max=k.shape[0] - 1), context_lens, scale,
                     kv_block)
 
 
+def _unscaled(x, dtype):
+    """(values, row scales or None): a `QuantizedKV`'s exact values in `dtype` and its scales."""
+    if isinstance(x, QuantizedKV):
+        return x.exact(dtype), x.scale
+    return x, None
+
+
 def _chunked(q, k, v, query_seq, query_pos, slots, context_lens, scale, kv_block):
     """k / v [slots, Hkv, D]; slots [S, width]: the flat slot of each sequence's key positions."""
+    (k, k_scale), (v, v_scale) = _unscaled(k, q.dtype), _unscaled(v, q.dtype)
     N, Hq, D = q.shape
     Hkv = k.shape[1]
     if Hq % Hkv or k.shape[-1] != D or v.shape != k.shape:
@@ -88,9 +105,13 @@ def _chunked(q, k, v, query_seq, query_pos, slots, context_lens, scale, kv_block
     m, l, acc = m.to(q.device), l.to(q.device), acc.to(q.device)
     for j0 in range(0, slots.shape[1], kv_block):
         j = torch.arange(j0, min(j0 + kv_block, slots.shape[1]), device=q.device)  # [C]
-        kj = k[slots[seq][:, j]].float()  # [N, C, Hkv, D]
-        vj = v[slots[seq][:, j]]
-        s = torch.einsum("nhgd,nchd->nhgc", qf, kj) * c  # [N, Hkv, G, C] fp32
+        rows = slots[seq][:, j]  # [N, C]
+        kj = k[rows].float()  # [N, C, Hkv, D]
+        vj = v[rows]
+        s = torch.einsum("nhgd,nchd->nhgc", qf, kj)  # [N, Hkv, G, C] fp32
+        if k_scale is not None:
+            s = s * k_scale[rows].transpose(1, 2)[:, :, None, :]
+        s = s * c
         visible = (j[None, :] <= qpos[:, None]) & (j[None, :] < ctx[:, None])  # [N, C]
         s = s.masked_fill(~visible[:, None, None, :], float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
@@ -98,6 +119,8 @@ def _chunked(q, k, v, query_seq, query_pos, slots, context_lens, scale, kv_block
         alpha = torch.exp2(m - u)
         p = torch.exp2(s - u[..., None])
         l = l * alpha + p.sum(-1)
+        if v_scale is not None:
+            p = p * v_scale[rows].transpose(1, 2)[:, :, None, :]
         pv = torch.einsum("nhgc,nchd->nhgd", p.to(v.dtype).float(), vj.float())
         acc = acc * alpha[..., None] + pv
         m = m_new

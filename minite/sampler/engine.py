@@ -71,8 +71,10 @@ class Sampler:
                  async_decode: bool | None = None):
         param = next(model.parameters())
         self.model, self.device, self.dtype = model, param.device, param.dtype
+        recipe = model.recipe  # kv_cache: the cache's format (the learner's forward quantizes alike)
+        self.kv_format = recipe.kv_cache
         num_blocks = num_kv_blocks(model.config, block_size, self.dtype, self.device, kv_cache_tokens,
-                                   kv_memory_fraction)
+                                   kv_memory_fraction, self.kv_format)
         self.cache: KVCache | None = self._make_cache(num_blocks, block_size)
         self.blocks = BlockManager(num_blocks)
         self.scheduler = Scheduler(self.blocks, block_size, max_num_seqs, max_num_batched_tokens,
@@ -89,7 +91,7 @@ class Sampler:
     def _make_cache(self, num_blocks: int, block_size: int) -> KVCache:
         cfg = self.model.config
         return KVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
-                       self.dtype, self.device)
+                       self.dtype, self.device, self.kv_format, self.model.recipe.execution)
 
     def release(self) -> None:
         """Give the KV cache and the decode graphs back to the allocator (and, on CUDA, the freed

@@ -38,7 +38,7 @@ class DecodeGraphs:
         self.max_rows, self.max_width = bucket_rows(max_rows), bucket_width(max_width)
         scratch = [[0]] * self.max_rows
         self.static = build_batch(scratch, [0] * self.max_rows, [[cache.scratch_block]] * self.max_rows,
-                                  cache.block_size, cache.scratch_block, cache.k.device,
+                                  cache.block_size, cache.scratch_block, cache.device,
                                   width=self.max_width)
         self._reset_static()
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, CachedBatch, torch.Tensor]] = {}
@@ -86,7 +86,7 @@ class DecodeGraphs:
             self._capture(rows, width)
         graph, static, logits = self.graphs[(rows, width)]
         batch = build_decode_batch(token_lists, block_tables, self.cache.block_size, self.cache.scratch_block,
-                                   self.cache.k.device, width=width, rows=rows)
+                                   self.cache.device, width=width, rows=rows)
         if ids is not None:
             batch.input_ids = ids
         for name in ("input_ids", "positions", "slots", "block_tables", "context_lens", "query_pos"):

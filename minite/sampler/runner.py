@@ -119,7 +119,7 @@ def cached_context(model, cache: KVCache, batch: CachedBatch) -> ForwardContext:
     if model.recipe.execution.attention == "sdpa":
         attention = PagedSDPAAttention(cache, batch.block_tables, batch.context_lens, batch.query_rows,
                                        batch.query_pos, batch.unpad)
-    elif model.recipe.execution.attention_kernel(cache.k.device):
+    elif model.recipe.execution.attention_kernel(cache.device):
         query_seq = batch.unpad // Tq  # [N] sequence of each new token
         group = model.config.num_attention_heads // model.config.num_key_value_heads
         attention = PagedKernelAttention(cache, query_seq, batch.positions, batch.block_tables,

@@ -67,3 +67,14 @@ def test_naive_te_vllm_closes_fully(model_and_seqs):
     assert {"activation_scale", "weight_block", "scale_chain", "batch_composition"} <= {
         r["knob"] for r in att.rows if r["status"] == "switched"}
     assert rows["gemm_epilogue"]["status"] == "same"  # both use TE's alpha
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_a_quantized_kv_cache_gets_the_credit_for_its_gap(model_and_seqs, fmt):
+    model, seqs = model_and_seqs
+    att = attribute(model, Side("aligned"), Side(get_recipe("aligned", kv_cache=fmt)), seqs)
+    rows = _rows(att)
+    assert att.initial["k3_kl"] > 0 and att.residual["k3_kl"] == 0
+    assert [r["knob"] for r in att.rows if r["status"] == "switched"] == ["kv_cache"]
+    kv = rows["kv_cache"]
+    assert kv["from"] == "bf16" and kv["to"] == fmt and kv["closed_frac"] == pytest.approx(1.0)

@@ -136,3 +136,16 @@ def test_diagnose_cli_prompts_file_aligned(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["metrics"]["bitwise_equal_frac"] == 1 and report["metrics"]["k3_kl"] == 0
     assert report["localization"]["first_divergent"] is None and "direction" not in report
+
+
+def test_diagnose_cli_attributes_a_gap_to_the_kv_cache(tmp_path, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("1+2=\n3+4=\n")
+    args = ["diagnose", "--preset", "tiny-qwen3", "--prompts", str(prompts), "--out", str(tmp_path / "r"),
+            "--learner-recipe", "aligned", "--sampler-recipe", "aligned", "--sampler-kv-cache", "fp8",
+            "--sampler-engine", "forward", "--samples", "2", "--max-tokens", "4", "--json"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = {r["knob"]: r for r in report["attribution"]["rows"]}
+    assert rows["kv_cache"]["status"] == "switched" and rows["kv_cache"]["to"] == "fp8"
+    assert report["attribution"]["residual"]["k3_kl"] == 0
