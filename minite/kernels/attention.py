@@ -58,15 +58,17 @@ CONFIGS = {
 
 @triton.jit
 def _e4m3_signed(b, HW: tl.constexpr):
-    """Signed E4M3 bytes (uint8) -> exact values: fp16 by the GPU's cvt (two bytes per instruction), or
-    fp32 built from the bits (the interpreter)."""
+    """Signed E4M3 bytes (uint8) -> exact fp32 values: by the GPU's cvt, or built from the bits (the
+    interpreter)."""
     if HW:
-        return b.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    b = b.to(tl.int32)
-    mag = b & 0x7F
-    normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
-    v = tl.where(mag < 8, (mag & 7).to(tl.float32) * 0.001953125, normal)
-    return tl.where((b & 0x80) != 0, -v, v)
+        v = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        i = b.to(tl.int32)
+        mag = i & 0x7F
+        normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+        u = tl.where(mag < 8, (mag & 7).to(tl.float32) * 0.001953125, normal)
+        v = tl.where((i & 0x80) != 0, -u, u)
+    return v
 
 
 @triton.jit

@@ -115,7 +115,8 @@ def quantize_kv(x: torch.Tensor, kv_format: str) -> QuantizedKV:
     xf = x.float()
     amax = xf.abs().amax(dim=-1)  # [..., H]
     if kv_format == "fp8":
-        s = torch.where(amax == 0, 1.0, amax / torch.tensor(E4M3_MAX, dtype=torch.float32))
+        # a divisor of amax's shape: torch on CUDA multiplies by the reciprocal of a 0-d CPU divisor
+        s = torch.where(amax == 0, 1.0, amax / torch.full_like(amax, E4M3_MAX))
         payload = torch.clamp(xf / s.unsqueeze(-1), -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         return QuantizedKV("fp8", payload, s)
     codes, sb, s_dec, _ = quantize_ref(xf, "row", (1, 16), "rne", "te", None, False, None)
