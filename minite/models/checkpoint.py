@@ -191,6 +191,25 @@ def _save_file(tensors: dict[str, torch.Tensor], file: Path, target: Path) -> No
         raise WriteError(target, OSError(int(code.group(1)) if code else None, str(e))) from e
 
 
+def read_state(path: str | Path, expected: dict[str, torch.Tensor], dtype: torch.dtype | None = None,
+               device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors named in `expected` (our names -> tensors of their shapes, e.g. on the meta device:
+    a part of a model) read from the Hugging Face directory `path`, in `dtype` (default: config.json's)
+    on `device`; the checkpoint's other tensors are left unread (a model read part by part)."""
+    path = Path(path)
+    hf_config = _hf_config(path)
+    config = _model_config(hf_config, path / "config.json")
+    files = _tensor_files(path)
+    wanted = set()
+    for name, meta in expected.items():
+        fused = bool(EXPERT_PARAM.match(name)) and fused_expert_name(name) in files
+        wanted.update(hf for hf, _ in hf_pieces(name, meta.shape, config, fused_experts=fused))
+    if config.tie_word_embeddings and "embed_tokens.weight" in expected:
+        wanted.add("lm_head.weight")
+    part = {name: f for name, f in files.items() if name in wanted}
+    return _read_state(path, part, expected, config, dtype or _config_dtype(hf_config), device)
+
+
 def _tensor_files(path: Path) -> dict[str, Path]:
     """Hugging Face tensor name -> the safetensors file holding it."""
     if (path / INDEX).is_file():
