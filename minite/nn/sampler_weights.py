@@ -17,7 +17,9 @@ one GEMM each (the fused launch reads a concatenated bf16 copy), the same bits.
 The form is for sampling: the quantized layers have no backward (a clear error), their recipe and
 weights are fixed (re-quantizing a released parameter is an error), and the model is used on the
 device it was converted on (`model.to(device)` would materialize the placeholders). New weights reach
-it as quantized weights (`install_packed`; `learner.weight_sync.sync_sampler_model`).
+it as quantized weights (`quantize_from` another model's parameter, then `install_packed`: what
+`learner.weight_sync.sync_sampler_model` does), its static scales through a model that holds the
+weights (`minite.nn.calibrate.calibrate_through`).
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minite.nn.linear import Linear, SegmentedLinear
+from minite.nn.linear import Linear, SegmentedLinear, _quantize_segments
 from minite.nn.moe import EXPERT_WEIGHTS, MoEExperts
 from minite.nn.nvfp4_matmul import use_grouped_kernels, use_kernels
-from minite.nn.quantized_weight import QuantizedWeight, is_released, release, weight_key
+from minite.nn.quantized_weight import QuantizedWeight, is_released, quantize_weight, release, weight_key
+from minite.nn.shared_scale import quantize_shared
 
 
 @torch.no_grad()
@@ -118,3 +121,18 @@ def _prepare(qw: QuantizedWeight, module: nn.Module, device: torch.device) -> Qu
     if runs and (threshold > 0 or e.fast) and qw.shape[-1] % lazy.decode_gemm.KGROUP == 0:
         qw.decode_weight(lazy.gemm.operand_dtype(device))
     return qw
+
+
+@torch.no_grad()
+def quantize_from(module: nn.Module, name: str, source: torch.Tensor):
+    """`module.<name>`'s quantized weight(s) (one per segment of a `SegmentedLinear`) made from
+    `source` (another model's parameter of that shape, e.g. the learner's) with the module's recipe, on
+    the module's device: what the module would quantize from its own parameter holding `source`."""
+    spec = module.recipe.weight
+    src = source.detach().to(getattr(module, name).device)
+    if isinstance(module, SegmentedLinear):
+        views = [src[a:b] for a, b in zip(module.offsets, module.offsets[1:])]
+        if module.recipe.fused_scale == "shared":
+            return quantize_shared(src, module.offsets, views, spec)
+        return _quantize_segments(views, spec)
+    return quantize_weight(src, spec)
