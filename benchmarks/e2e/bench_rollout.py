@@ -17,6 +17,12 @@ Prints a table and writes JSON (GPU, date, commit, arguments, rows) to `--out`.
 
     python -m benchmarks.e2e.bench_rollout --models dense --out OUT.json
     python -m benchmarks.e2e.bench_rollout --models moe --new-tokens 256 --no-hf --rounds 3
+    python -m benchmarks.e2e.bench_rollout --models moe --moe-layers 48 --sampler-only --no-hf
+
+`--sampler-only`: each NVFP4 recipe samples with a sampler-only model (codes, scales and decode layout;
+no bf16 weights of its quantized layers) built layer by layer with the same random weights
+(`build_sampler_model`), so the full 48-layer MoE shape fits one GPU; the bf16 model is made only for
+the bf16 and Hugging Face rows.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from benchmarks.common import ratio_stats, report, sync
 from minite.models import ModelConfig, Qwen3, tiny_qwen3, tiny_qwen3_moe
 from minite.models.checkpoint import EXPERT_PARAM, fused_expert_name, hf_tensors
 from minite.models.presets import qwen3_1_7b, qwen3_30b_a3b
+from minite.models.sampler_model import build_sampler_model, random_fill
+from minite.nn.sampler_weights import is_sampler_only
 from minite.recipe import get_recipe
 from minite.sampler import Sampler
 from minite.sampling import SamplingParams
@@ -56,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--sync-recipes", default="",
                    help="recipes also run without lookahead decode (Sampler(async_decode=False)), e.g. bf16")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
+    p.add_argument("--sampler-only", action="store_true",
+                   help="NVFP4 recipes on a sampler-only model built layer by layer (module docstring)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=1,
                    help="run our recipes this many times, the order reversed every other round; a recipe's "
@@ -84,8 +94,18 @@ def build_model(config: ModelConfig, device, dtype, seed: int) -> Qwen3:
     return model.eval()
 
 
+def build_sampler_only(config: ModelConfig, recipe: str, device, dtype, seed: int, backend: str) -> Qwen3:
+    """`build_model`'s weights as a sampler-only model under `recipe`, made layer by layer (peak memory:
+    the sampler form plus one layer in bf16)."""
+    r = get_recipe(recipe).with_execution(backend=backend)
+    fill = random_fill(seed, std=0.02, device=device)
+    return build_sampler_model(config, r, fill, device=device, dtype=dtype)
+
+
 def run_ours(model, recipe: str, prompts, args, device, async_decode: bool | None = None) -> dict:
-    model.set_recipe(get_recipe(recipe).with_execution(backend=args.backend))
+    sampler_only = is_sampler_only(model)  # its recipe is fixed
+    if not sampler_only:
+        model.set_recipe(get_recipe(recipe).with_execution(backend=args.backend))
     params = SamplingParams(n=args.samples, max_tokens=args.new_tokens, seed=args.seed)
     seqs = len(prompts) * args.samples
     kv_tokens = args.kv_cache_tokens or (seqs + 16) * (args.prompt_len + args.new_tokens + 16)
@@ -102,9 +122,11 @@ def run_ours(model, recipe: str, prompts, args, device, async_decode: bool | Non
                tokens_per_s=tokens / seconds,
                cuda_graphs=sampler.use_graphs, async_decode=sampler.async_decode,
                preemptions=sampler.num_preemptions,
-               steps=sampler.stats["steps"])
+               steps=sampler.stats["steps"], sampler_only=sampler_only,
+               peak_gb=torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None)
     del sampler, out
-    model.set_recipe("bf16")  # drops the quantized weight copies before the next engine runs
+    if not sampler_only:
+        model.set_recipe("bf16")  # drops the quantized weight copies before the next engine runs
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -166,15 +188,23 @@ def main(argv=None):
     rows = []
     for kind in args.models.split(","):
         config = model_config(kind, args)
-        model = build_model(config, device, dtype, args.seed)
+        recipes = args.recipes.split(",")
+        full = not args.sampler_only or "bf16" in recipes or not args.no_hf
+        model = build_model(config, device, dtype, args.seed) if full else None
         g = torch.Generator().manual_seed(args.seed + 1)
         prompts = torch.randint(0, config.vocab_size, (args.prompts, args.prompt_len), generator=g).tolist()
         shape = dict(model=kind, layers=config.num_hidden_layers)
-        runs = [(r, None) for r in args.recipes.split(",")]
+        runs = [(r, None) for r in recipes]
         runs += [(r, False) for r in args.sync_recipes.split(",") if r]
         for rnd in range(args.rounds):
             for recipe, async_decode in runs if rnd % 2 == 0 else runs[::-1]:
-                row = run_ours(model, recipe, prompts, args, device, async_decode)
+                if device.type == "cuda":  # the row's peak_gb: this run, its model's making included
+                    torch.cuda.reset_peak_memory_stats()
+                target = model
+                if args.sampler_only and recipe != "bf16":
+                    target = build_sampler_only(config, recipe, device, dtype, args.seed, args.backend)
+                row = run_ours(target, recipe, prompts, args, device, async_decode)
+                del target
                 rows.append(dict(shape, round=rnd, **row))
                 print(rows[-1], flush=True)
         if not args.no_hf:
@@ -192,7 +222,8 @@ def main(argv=None):
             torch.cuda.empty_cache()
     workload = dict(prompts=args.prompts, samples=args.samples, new_tokens=args.new_tokens,
                     prompt_len=args.prompt_len, device=str(device), dtype=str(dtype), backend=args.backend,
-                    moe_layers_of_48=args.moe_layers, dense_layers_of_28=args.dense_layers, tiny=args.tiny)
+                    moe_layers_of_48=args.moe_layers, dense_layers_of_28=args.dense_layers, tiny=args.tiny,
+                    sampler_only=args.sampler_only)
     report("rollout", rows, args.out, extra=dict(workload=workload, vs_bf16=paired_vs_bf16(rows)))
     return rows
 
