@@ -66,6 +66,9 @@ def parse_args(argv=None):
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
     p.add_argument("--sampler-only", action="store_true",
                    help="NVFP4 recipes on a sampler-only model built layer by layer (module docstring)")
+    p.add_argument("--prefill-weights", default="codes", choices=["codes", "copy"],
+                   help="what a sampler-only model's GEMMs above the decode threshold read "
+                        "(Execution.prefill_weights)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=1,
                    help="run our recipes this many times, the order reversed every other round; a recipe's "
@@ -94,10 +97,11 @@ def build_model(config: ModelConfig, device, dtype, seed: int) -> Qwen3:
     return model.eval()
 
 
-def build_sampler_only(config: ModelConfig, recipe: str, device, dtype, seed: int, backend: str) -> Qwen3:
+def build_sampler_only(config: ModelConfig, recipe: str, device, dtype, seed: int, backend: str,
+                       prefill_weights: str = "codes") -> Qwen3:
     """`build_model`'s weights as a sampler-only model under `recipe`, made layer by layer (peak memory:
     the sampler form plus one layer in bf16)."""
-    r = get_recipe(recipe).with_execution(backend=backend)
+    r = get_recipe(recipe).with_execution(backend=backend, prefill_weights=prefill_weights)
     fill = random_fill(seed, std=0.02, device=device)
     return build_sampler_model(config, r, fill, device=device, dtype=dtype)
 
@@ -202,7 +206,8 @@ def main(argv=None):
                     torch.cuda.reset_peak_memory_stats()
                 target = model
                 if args.sampler_only and recipe != "bf16":
-                    target = build_sampler_only(config, recipe, device, dtype, args.seed, args.backend)
+                    target = build_sampler_only(config, recipe, device, dtype, args.seed, args.backend,
+                                                args.prefill_weights)
                 row = run_ours(target, recipe, prompts, args, device, async_decode)
                 del target
                 rows.append(dict(shape, round=rnd, **row))
@@ -223,7 +228,7 @@ def main(argv=None):
     workload = dict(prompts=args.prompts, samples=args.samples, new_tokens=args.new_tokens,
                     prompt_len=args.prompt_len, device=str(device), dtype=str(dtype), backend=args.backend,
                     moe_layers_of_48=args.moe_layers, dense_layers_of_28=args.dense_layers, tiny=args.tiny,
-                    sampler_only=args.sampler_only)
+                    sampler_only=args.sampler_only, prefill_weights=args.prefill_weights)
     report("rollout", rows, args.out, extra=dict(workload=workload, vs_bf16=paired_vs_bf16(rows)))
     return rows
 
