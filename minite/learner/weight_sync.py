@@ -18,7 +18,8 @@ calibrated static input scales). `load_quantized_weights(model, payload)` instal
 built with the same config and recipe WITHOUT quantizing anything: the exact unscaled operand
 `e2m1 * s_b` is rebuilt from codes and scales (a decode, exact: docs/facts.md), the module's full-precision
 weight is set to the dequantized values, and the `QuantizedWeight` is pinned to that weight's
-version. Forward outputs of the two models are then bitwise equal.
+version (a sampler-only model takes the containers alone). Forward outputs of the two models are then
+bitwise equal.
 
 Payload layout: {"recipe": name, "quantized": {"<module>.<weight>": {codes, block_scales,
 global_scale, amax, shape, block, scaling, chain, hadamard}}, "tensors": {name: tensor}}; a segmented
@@ -33,7 +34,7 @@ from torch import nn
 from minite.nn.calibrate import STATIC_SCALE_BUFFERS
 from minite.nn.linear import Linear, SegmentedLinear
 from minite.nn.moe import EXPERT_WEIGHTS, MoEExperts
-from minite.nn.quantized_weight import QuantizedWeight, deferred_finite_checks
+from minite.nn.quantized_weight import QuantizedWeight, deferred_finite_checks, is_released
 from minite.nn.refresh import refresh_quantized_weights
 from minite.nn.sampler_weights import install_packed, is_sampler_only, quantize_from, quantized_layers
 from minite.nvfp4 import NVFP4Tensor
@@ -132,8 +133,14 @@ def load_quantized_weights(model: nn.Module, payload: dict) -> None:
             parts = fields.get("segments", ()) if isinstance(fields, dict) else ()
             if len(parts) != len(module.widths):
                 raise ValueError(f"{name}: payload has {len(parts)} segments, the model {len(module.widths)}")
-            module.set_quantized_weights([_install(f"{name}.{j}", f, p, module)
-                                          for j, (f, p) in enumerate(zip(parts, module.segments()))])
+            qws = [_install(f"{name}.{j}", f, p, module)
+                   for j, (f, p) in enumerate(zip(parts, module.segments()))]
+            if is_released(module.weight):
+                install_packed(module, leaf, qws)
+            else:
+                module.set_quantized_weights(qws)
+        elif is_released(getattr(module, leaf)):  # a sampler-only model: the containers only
+            install_packed(module, leaf, _install(name, fields, getattr(module, leaf), module))
         elif leaf == "weight":
             module.set_quantized_weight(_install(name, fields, module.weight, module))
         else:
@@ -149,6 +156,8 @@ def _install(name: str, fields: dict, param: torch.Tensor, module: nn.Module) ->
             or q.chain != spec.chain or q.hadamard != spec.hadamard):
         raise ValueError(f"{name}: payload {q.shape} {q.block}/{q.scaling}/{q.chain} does not match the "
                          f"model's {tuple(param.shape)} under recipe {module.recipe.name!r}")
+    if is_released(param) or (isinstance(module, SegmentedLinear) and is_released(module.weight)):
+        return QuantizedWeight(q, None, spec, key=())  # a sampler-only model: the container alone
     n = param.shape[-2]
     unscaled = q.unscaled()[..., :n, :].to(torch.bfloat16)  # drop rows padded to a 16x16 tile
     qw = QuantizedWeight(q, unscaled, spec, key=())

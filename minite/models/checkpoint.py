@@ -50,6 +50,7 @@ from minite.models.hf_layout import (  # noqa: F401 (re-exported for the callers
 )
 from minite.models.import_nvfp4 import NVFP4Checkpoint
 from minite.models.qwen3 import Qwen3
+from minite.nn.quantized_weight import is_released
 from minite.recipe import Recipe
 
 SINGLE = "model.safetensors"
@@ -57,6 +58,9 @@ INDEX = "model.safetensors.index.json"
 def to_hf_tensors(model: Qwen3, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The model's weights under Hugging Face names (segmented projections and experts split),
     contiguous, on CPU."""
+    if any(is_released(p) for p in model.parameters()):
+        raise CheckpointError("a sampler-only model holds NVFP4 codes, not weights: save the full model, or "
+                              "export its codes and scales (minite export)")
     out = {}
     for name, tensor in model.state_dict().items():
         tensor = tensor.detach().to("cpu", dtype or tensor.dtype)

@@ -9,6 +9,7 @@ from minite.learner.weight_sync import sync_sampler_model
 from minite.models import Qwen3, tiny_qwen3, tiny_qwen3_moe
 from minite.models.sampler_model import build_sampler_model, state_fill
 from minite.nn.calibrate import calibrate, calibrate_through, static_scales
+from minite.nn.memory import quantized_weights_held
 from minite.nn.quantized_weight import is_released
 
 CONFIGS = {"dense": tiny_qwen3, "moe": tiny_qwen3_moe}
@@ -40,3 +41,19 @@ def test_sync_into_a_sampler_only_model_matches_a_full_sampler(kind, sampler_rec
         assert torch.equal(lean(ids), full(ids))
     released = [n for n, p in lean.named_parameters() if is_released(p)]
     assert released and all("norm" not in n and "embed" not in n for n in released)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_codes_and_scales_payload_into_a_sampler_only_model(kind):
+    """`load_quantized_weights` (the sharded learner's sync) installs the containers alone."""
+    from minite.learner.weight_sync import export_quantized_weights, load_quantized_weights
+    from minite.models.sampler_model import random_fill
+
+    full = Qwen3(CONFIGS[kind](), "aligned").to(torch.bfloat16)
+    full.init_weights(generator=torch.Generator().manual_seed(2))
+    lean = build_sampler_model(full.config, "aligned", random_fill(7))
+    load_quantized_weights(lean, export_quantized_weights(full))
+    ids = torch.randint(0, full.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(lean(ids), full(ids))
+    assert all(qw.unscaled is None for qw in quantized_weights_held(lean))

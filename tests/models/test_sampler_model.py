@@ -54,3 +54,31 @@ def test_a_state_that_does_not_fit_is_named():
     state["layers.1.mlp.down_proj.weight"] = torch.zeros(3, 3)
     with pytest.raises(ValueError, match="layers.1.mlp.down_proj.weight"):
         build_sampler_model(full.config, "aligned", state_fill(state))
+
+
+def test_a_sampler_only_model_is_not_saved_as_weights(tmp_path):
+    from minite.models.hf_layout import CheckpointError
+
+    with pytest.raises(CheckpointError, match="sampler-only"):
+        save_pretrained(to_sampler_weights(full_model("dense", 0)), tmp_path / "m")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_peak_is_the_sampler_form_plus_one_layer():
+    """Qwen3-30B-A3B layers (8 of 48) built part by part: the allocator's peak stays within one
+    decoder layer's bf16 weights (plus the quantizer's transients, another layer's worth at most) of
+    what the finished model holds."""
+    from minite.models.presets import qwen3_30b_a3b
+    from minite.nn.memory import memory_by_kind
+
+    config = qwen3_30b_a3b(num_hidden_layers=8)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    model = build_sampler_model(config, "aligned", random_fill(0, device="cuda"), device="cuda")
+    held = torch.cuda.memory_allocated() - base
+    with torch.device("meta"):
+        layer = sum(p.numel() * 2 for p in Qwen3(config.replace(num_hidden_layers=1)).layers[0].parameters())
+    assert torch.cuda.max_memory_allocated() - base <= held + 2 * layer
+    assert abs(memory_by_kind(model)["total"] - held) < 0.02 * held
