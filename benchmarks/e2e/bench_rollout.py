@@ -21,8 +21,8 @@ Prints a table and writes JSON (GPU, date, commit, arguments, rows) to `--out`.
 
 `--sampler-only`: each NVFP4 recipe samples with a sampler-only model (codes, scales and decode layout;
 no bf16 weights of its quantized layers) built layer by layer with the same random weights
-(`build_sampler_model`), so the full 48-layer MoE shape fits one GPU; the bf16 model is made only for
-the bf16 and Hugging Face rows.
+(`build_sampler_model`), so the full 48-layer MoE shape fits one GPU; every run (bf16 too) builds its
+own model and frees it after, so one model is on the GPU at a time.
 """
 
 from __future__ import annotations
@@ -193,8 +193,8 @@ def main(argv=None):
     for kind in args.models.split(","):
         config = model_config(kind, args)
         recipes = args.recipes.split(",")
-        full = not args.sampler_only or "bf16" in recipes or not args.no_hf
-        model = build_model(config, device, dtype, args.seed) if full else None
+        # --sampler-only: each run builds its own model and frees it after (one model on the GPU at a time)
+        model = None if args.sampler_only else build_model(config, device, dtype, args.seed)
         g = torch.Generator().manual_seed(args.seed + 1)
         prompts = torch.randint(0, config.vocab_size, (args.prompts, args.prompt_len), generator=g).tolist()
         shape = dict(model=kind, layers=config.num_hidden_layers)
@@ -205,15 +205,22 @@ def main(argv=None):
                 if device.type == "cuda":  # the row's peak_gb: this run, its model's making included
                     torch.cuda.reset_peak_memory_stats()
                 target = model
-                if args.sampler_only and recipe != "bf16":
+                if args.sampler_only and recipe == "bf16":
+                    target = build_model(config, device, dtype, args.seed)
+                elif args.sampler_only:
                     target = build_sampler_only(config, recipe, device, dtype, args.seed, args.backend,
                                                 args.prefill_weights)
                 row = run_ours(target, recipe, prompts, args, device, async_decode)
                 del target
+                if args.sampler_only and device.type == "cuda":  # this run's model goes before the next's
+                    gc.collect()
+                    torch.cuda.empty_cache()
                 rows.append(dict(shape, round=rnd, **row))
                 print(rows[-1], flush=True)
         if not args.no_hf:
-            rows.append(dict(shape, **run_hf(model, prompts, args, device, dtype)))
+            source = model if model is not None else build_model(config, device, dtype, args.seed)
+            rows.append(dict(shape, **run_hf(source, prompts, args, device, dtype)))
+            del source
             print(rows[-1], flush=True)
         if not args.no_hf:
             hf_tps = next(r["tokens_per_s"] for r in rows
