@@ -21,7 +21,10 @@ Execution (`recipe.execution`, `minite.execution.Execution`; its `backend` 'auto
   copy, whatever M is. Few rows read the packed weights in a decode layout instead, in the same K
   order (the same bits): M <= `execution.decode_max_m` through `kernels.decode_gemm.aligned_decode_config`,
   MoE experts at <= `execution.decode_max_rows_per_expert` rows per expert on average through
-  `kernels.grouped_decode`. MoE experts under a per-tensor or static activation scale (one scale per
+  `kernels.grouped_decode`. A sampler-form weight (no bf16 copy, `minite.nn.sampler_weights`) above
+  those thresholds: the same tiles dequantize its packed codes in registers
+  (`execution.prefill_weights = "codes"`, the same K order and bits) or multiply a copy of it made
+  for the call (`"copy"`). MoE experts under a per-tensor or static activation scale (one scale per
   expert), stochastic rounding or RHT on activations run the reference GEMM, with activations and
   weights quantized by the kernels on CUDA (bitwise the same codes and scales). `execution.fast` gives up
   the alignment for speed: M <= 64 runs the decode GEMM on the weight's decode layout (K a multiple

@@ -81,8 +81,9 @@ class QuantizedWeight:
         epilogue factors and host S_dec made so far; no bf16 copy, no operand copies."""
         new = QuantizedWeight(self.q, None, self.spec, key)
         d, nd = self._derived, new._derived
-        nd.decode, nd.epilogue_scales, nd.host_global_scale = dict(d.decode), dict(d.epilogue_scales), \
-            d.host_global_scale
+        nd.decode.update(d.decode)
+        nd.epilogue_scales.update(d.epilogue_scales)
+        nd.host_global_scale = d.host_global_scale
         return new
 
     @property
