@@ -26,6 +26,12 @@ commit, arguments, rows) to `--out`.
     python -m benchmarks.e2e.bench_rollout --models dense --out OUT.json
     python -m benchmarks.e2e.bench_rollout --models moe --new-tokens 256 --no-hf --rounds 3
     python -m benchmarks.e2e.bench_rollout --models dense --recipes bf16,aligned/fp8 --max-batch
+    python -m benchmarks.e2e.bench_rollout --models moe --moe-layers 48 --sampler-only --no-hf
+
+`--sampler-only`: each NVFP4 recipe samples with a sampler-only model (codes, scales and decode layout;
+no bf16 weights of its quantized layers) built layer by layer with the same random weights
+(`build_sampler_model`), so the full 48-layer MoE shape fits one GPU; every run (bf16 too) builds its
+own model and frees it after, so one model is on the GPU at a time.
 """
 
 from __future__ import annotations
@@ -38,10 +44,12 @@ import time
 import torch
 
 from benchmarks.common import ratio_stats, report, sync
-from benchmarks.e2e.decode_roofline import decode_step
+from benchmarks.e2e.decode_roofline import decode_step, linear_params
 from minite.models import ModelConfig, Qwen3, tiny_qwen3, tiny_qwen3_moe
 from minite.models.checkpoint import EXPERT_PARAM, fused_expert_name, hf_tensors
 from minite.models.presets import qwen3_1_7b, qwen3_30b_a3b
+from minite.models.sampler_model import build_sampler_model, random_fill
+from minite.nn.sampler_weights import is_sampler_only
 from minite.recipe import get_recipe
 from minite.sampler import Sampler
 from minite.sampler.kv_cache import KVCache
@@ -72,6 +80,11 @@ def parse_args(argv=None):
     p.add_argument("--sync-recipes", default="",
                    help="recipes also run without lookahead decode (Sampler(async_decode=False)), e.g. bf16")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
+    p.add_argument("--sampler-only", action="store_true",
+                   help="NVFP4 recipes on a sampler-only model built layer by layer (module docstring)")
+    p.add_argument("--prefill-weights", default="codes", choices=["codes", "copy"],
+                   help="what a sampler-only model's GEMMs above the decode threshold read "
+                        "(Execution.prefill_weights)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=1,
                    help="run our recipes this many times, the order reversed every other round; a recipe's "
@@ -119,9 +132,20 @@ def max_sequences(model, recipe, args, device) -> int:
     return max(args.samples, seqs // args.samples * args.samples)
 
 
+def build_sampler_only(config: ModelConfig, spec: str, device, dtype, seed: int, backend: str,
+                       prefill_weights: str = "codes") -> Qwen3:
+    """`build_model`'s weights as a sampler-only model under the recipe `spec`, made layer by layer
+    (peak memory: the sampler form plus one layer in bf16)."""
+    recipe = recipe_of(spec, backend).with_execution(prefill_weights=prefill_weights)
+    fill = random_fill(seed, std=0.02, device=device)
+    return build_sampler_model(config, recipe, fill, device=device, dtype=dtype)
+
+
 def run_ours(model, spec: str, prompts, args, device, async_decode: bool | None = None) -> dict:
-    recipe = recipe_of(spec, args.backend)
-    model.set_recipe(recipe)
+    sampler_only = is_sampler_only(model)  # its recipe is fixed
+    recipe = model.recipe if sampler_only else recipe_of(spec, args.backend)
+    if not sampler_only:
+        model.set_recipe(recipe)
     if args.max_batch and device.type == "cuda":
         model(torch.tensor([prompts[0][:8]], device=device))  # quantize the weights before measuring
         sync()
@@ -135,8 +159,6 @@ def run_ours(model, spec: str, prompts, args, device, async_decode: bool | None 
                       cuda_graphs=False if args.no_cuda_graphs else None, async_decode=async_decode)
     sampler.generate(prompts[:8], SamplingParams(n=args.samples, max_tokens=min(16, args.new_tokens), seed=1))
     sync()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     decode_s, step, stats = [0.0], sampler.step, sampler.stats
 
     def timed_step():
@@ -164,11 +186,12 @@ def run_ours(model, spec: str, prompts, args, device, async_decode: bool | None 
                roofline_ms=roof["roofline_ms"], roofline_frac=roof["roofline_ms"] / step_ms,
                step_weight_gb=roof["weight_gb"], step_kv_gb=roof["kv_gb"], step_tflop=roof["tflop"],
                cuda_graphs=sampler.use_graphs, async_decode=sampler.async_decode,
-               preemptions=sampler.num_preemptions, steps=sampler.stats["steps"])
+               preemptions=sampler.num_preemptions, steps=sampler.stats["steps"], sampler_only=sampler_only)
     if device.type == "cuda":
-        row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+        row["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9  # since the caller's reset
     del sampler, out
-    model.set_recipe("bf16")  # drops the quantized weight copies before the next engine runs
+    if not sampler_only:
+        model.set_recipe("bf16")  # drops the quantized weight copies before the next engine runs
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -205,8 +228,10 @@ def hf_model_from(model: Qwen3, device, dtype):
     return hf
 
 
-def model_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+def bf16_bytes(config) -> int:
+    """The bf16 weights of `config`'s model: decoder linears, embeddings and (untied) LM head."""
+    heads = 1 if config.tie_word_embeddings else 2
+    return 2 * (linear_params(config)[1] + heads * config.vocab_size * config.hidden_size)
 
 
 def hf_own_model(config, device, dtype):
@@ -255,24 +280,39 @@ def main(argv=None):
     rows = []
     for kind in args.models.split(","):
         config = model_config(kind, args)
-        model = build_model(config, device, dtype, args.seed)
+        recipes = args.recipes.split(",")
+        # --sampler-only: each run builds its own model and frees it after (one model on the GPU at a time)
+        model = None if args.sampler_only else build_model(config, device, dtype, args.seed)
         prompts = workload_prompts(config, args.prompts, args)
         shape = dict(model=kind, layers=config.num_hidden_layers)
-        runs = [(r, None) for r in args.recipes.split(",")]
+        runs = [(r, None) for r in recipes]
         runs += [(r, False) for r in args.sync_recipes.split(",") if r]
         for rnd in range(args.rounds):
             for recipe, async_decode in runs if rnd % 2 == 0 else runs[::-1]:
-                row = run_ours(model, recipe, prompts, args, device, async_decode)
+                if device.type == "cuda":  # the row's peak_gb: this run, its model's making included
+                    torch.cuda.reset_peak_memory_stats()
+                target = model
+                if args.sampler_only and recipe.partition("/")[0] == "bf16":
+                    target = build_model(config, device, dtype, args.seed)
+                elif args.sampler_only:
+                    target = build_sampler_only(config, recipe, device, dtype, args.seed, args.backend,
+                                                args.prefill_weights)
+                row = run_ours(target, recipe, prompts, args, device, async_decode)
+                del target
+                if args.sampler_only and device.type == "cuda":  # this run's model goes before the next's
+                    gc.collect()
+                    torch.cuda.empty_cache()
                 rows.append(dict(shape, round=rnd, **row))
                 print(rows[-1], flush=True)
         if not args.no_hf:
             # a second copy of the weights must leave room for the KV cache, else HF gets its own weights
-            copy = device.type != "cuda" or 2 * model_bytes(model) < 0.6 * torch.cuda.mem_get_info(device)[1]
+            copy = device.type != "cuda" or 2 * bf16_bytes(config) < 0.6 * torch.cuda.mem_get_info(device)[1]
             if not copy:
-                del model
+                model = None
                 gc.collect()
                 torch.cuda.empty_cache()
-                model = None
+            elif model is None:
+                model = build_model(config, device, dtype, args.seed)
             rows.append(dict(shape, **run_hf(model, config, prompts, args, device, dtype)))
             print(rows[-1], flush=True)
             hf_tps = next(r["tokens_per_s"] for r in rows
@@ -286,7 +326,8 @@ def main(argv=None):
             torch.cuda.empty_cache()
     workload = dict(prompts=args.prompts, samples=args.samples, new_tokens=args.new_tokens,
                     prompt_len=args.prompt_len, device=str(device), dtype=str(dtype), backend=args.backend,
-                    moe_layers_of_48=args.moe_layers, dense_layers_of_28=args.dense_layers, tiny=args.tiny)
+                    moe_layers_of_48=args.moe_layers, dense_layers_of_28=args.dense_layers, tiny=args.tiny,
+                    sampler_only=args.sampler_only, prefill_weights=args.prefill_weights)
     report("rollout", rows, args.out, extra=dict(workload=workload, vs_bf16=paired_vs_bf16(rows)))
     return rows
 

@@ -50,6 +50,7 @@ from minite.learner.logprobs import DEFAULT_CHUNK_ROWS, sequence_logprobs
 from minite.learner.optimizer import MasterAdamW
 from minite.learner.weight_sync import sync_weights
 from minite.loss_batch import AGGREGATIONS, Correction
+from minite.nn.sampler_weights import is_sampler_only
 
 LossFn = Callable[..., tuple[torch.Tensor, dict]]
 
@@ -94,6 +95,9 @@ class Learner:
                  freeze_gc: bool = True, release_grads: bool = True):
         if micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens={micro_batch_tokens} must be >= 1")
+        if is_sampler_only(model):
+            raise ValueError("the model is sampler-only (minite.nn.sampler_weights): its NVFP4 layers hold "
+                             "codes, not trainable weights; train the full model")
         self.model = model
         self.micro_batch_tokens = micro_batch_tokens
         self.activation_checkpointing = activation_checkpointing

@@ -1,7 +1,10 @@
 """Weight sync: quantize once per update and share; or ship codes and scales to another model.
 
 Separate sampler (another recipe, the naive deployment): `sync_sampler_model(sampler, learner)`
-copies the learner's weights into the sampler's model, which quantizes them with its own chain.
+quantizes the learner's weights with the sampler's own recipe and chain. A sampler-only model
+(`minite.nn.sampler_weights`, what the trainer builds) receives them straight into its NVFP4
+containers: the sampler side keeps no bf16 copy of a quantized layer; its other tensors (embeddings,
+norms, router, LM head, bf16 layers) are copied.
 
 Colocated (one process, one device): the sampler runs the *same model object* as the learner. After
 each optimizer step `sync_weights(model)` quantizes every NVFP4 weight once; each module caches its
@@ -15,7 +18,8 @@ calibrated static input scales). `load_quantized_weights(model, payload)` instal
 built with the same config and recipe WITHOUT quantizing anything: the exact unscaled operand
 `e2m1 * s_b` is rebuilt from codes and scales (a decode, exact: docs/facts.md), the module's full-precision
 weight is set to the dequantized values, and the `QuantizedWeight` is pinned to that weight's
-version. Forward outputs of the two models are then bitwise equal.
+version (a sampler-only model takes the containers alone). Forward outputs of the two models are then
+bitwise equal.
 
 Payload layout: {"recipe": name, "quantized": {"<module>.<weight>": {codes, block_scales,
 global_scale, amax, shape, block, scaling, chain, hadamard}}, "tensors": {name: tensor}}; a segmented
@@ -30,8 +34,9 @@ from torch import nn
 from minite.nn.calibrate import STATIC_SCALE_BUFFERS
 from minite.nn.linear import Linear, SegmentedLinear
 from minite.nn.moe import EXPERT_WEIGHTS, MoEExperts
-from minite.nn.quantized_weight import QuantizedWeight
+from minite.nn.quantized_weight import QuantizedWeight, deferred_finite_checks, is_released
 from minite.nn.refresh import refresh_quantized_weights
+from minite.nn.sampler_weights import install_packed, is_sampler_only, quantize_from, quantized_layers
 from minite.nvfp4 import NVFP4Tensor
 
 CONTAINER_TENSORS = ("codes", "block_scales", "global_scale", "amax")
@@ -45,19 +50,28 @@ def sync_weights(model: nn.Module) -> int:
 
 @torch.no_grad()
 def sync_sampler_model(sampler_model: nn.Module, learner_model: nn.Module) -> None:
-    """A sampler with its own model and recipe (the naive deployment): copy the learner's current
-    weights (the model's parameters, not the optimizer's fp32 masters) into `sampler_model`, which
-    then quantizes them once with its own recipe and chain, as a separate inference engine does after
-    a weight update. Both models have one config; static input scales stay the sampler's own."""
+    """A sampler with its own model and recipe (the naive deployment): the learner's current weights
+    (the model's parameters, not the optimizer's fp32 masters) quantized once with the sampler's own
+    recipe and chain, as a separate inference engine does after a weight update: straight into the
+    containers of a sampler-only model, else copied into its parameters and quantized there. Both
+    models have one config; static input scales stay the sampler's own."""
     src = dict(learner_model.named_parameters())
     dst = dict(sampler_model.named_parameters())
     if src.keys() != dst.keys():
         missing, extra = sorted(src.keys() - dst.keys())[:4], sorted(dst.keys() - src.keys())[:4]
         raise ValueError(f"the sampler's model does not match the learner's: missing {missing}, "
                          f"unexpected {extra}")
-    for name, p in dst.items():
-        _copy(p, src[name], name)
-    refresh_quantized_weights(sampler_model)
+    targets = quantized_layers(sampler_model) if is_sampler_only(sampler_model) else {}
+    with deferred_finite_checks():  # one host sync for all the weights
+        for name, p in dst.items():
+            if name in targets:
+                module, leaf = targets[name]
+                _check_shape(p, src[name], name)
+                install_packed(module, leaf, quantize_from(module, leaf, src[name]))
+            else:
+                _copy(p, src[name], name)
+    if not targets:
+        refresh_quantized_weights(sampler_model)
 
 
 def quantized_weights(model: nn.Module) -> dict[str, QuantizedWeight]:
@@ -119,8 +133,14 @@ def load_quantized_weights(model: nn.Module, payload: dict) -> None:
             parts = fields.get("segments", ()) if isinstance(fields, dict) else ()
             if len(parts) != len(module.widths):
                 raise ValueError(f"{name}: payload has {len(parts)} segments, the model {len(module.widths)}")
-            module.set_quantized_weights([_install(f"{name}.{j}", f, p, module)
-                                          for j, (f, p) in enumerate(zip(parts, module.segments()))])
+            qws = [_install(f"{name}.{j}", f, p, module)
+                   for j, (f, p) in enumerate(zip(parts, module.segments()))]
+            if is_released(module.weight):
+                install_packed(module, leaf, qws)
+            else:
+                module.set_quantized_weights(qws)
+        elif is_released(getattr(module, leaf)):  # a sampler-only model: the containers only
+            install_packed(module, leaf, _install(name, fields, getattr(module, leaf), module))
         elif leaf == "weight":
             module.set_quantized_weight(_install(name, fields, module.weight, module))
         else:
@@ -136,6 +156,8 @@ def _install(name: str, fields: dict, param: torch.Tensor, module: nn.Module) ->
             or q.chain != spec.chain or q.hadamard != spec.hadamard):
         raise ValueError(f"{name}: payload {q.shape} {q.block}/{q.scaling}/{q.chain} does not match the "
                          f"model's {tuple(param.shape)} under recipe {module.recipe.name!r}")
+    if is_released(param) or (isinstance(module, SegmentedLinear) and is_released(module.weight)):
+        return QuantizedWeight(q, None, spec, key=())  # a sampler-only model: the container alone
     n = param.shape[-2]
     unscaled = q.unscaled()[..., :n, :].to(torch.bfloat16)  # drop rows padded to a 16x16 tile
     qw = QuantizedWeight(q, unscaled, spec, key=())
@@ -156,9 +178,13 @@ def _quantized_targets(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
 
 
 def _copy(param: torch.Tensor, t: torch.Tensor, name: str) -> None:
+    _check_shape(param, t, name)
+    param.copy_(t)
+
+
+def _check_shape(param: torch.Tensor, t: torch.Tensor, name: str) -> None:
     if param.shape != t.shape:
         raise ValueError(f"{name}: payload shape {tuple(t.shape)} != model shape {tuple(param.shape)}")
-    param.copy_(t)
 
 
 def _device(model: nn.Module) -> torch.device:

@@ -50,6 +50,7 @@ from minite.models.hf_layout import (  # noqa: F401 (re-exported for the callers
 )
 from minite.models.import_nvfp4 import NVFP4Checkpoint
 from minite.models.qwen3 import Qwen3
+from minite.nn.quantized_weight import is_released
 from minite.recipe import Recipe
 
 SINGLE = "model.safetensors"
@@ -57,6 +58,9 @@ INDEX = "model.safetensors.index.json"
 def to_hf_tensors(model: Qwen3, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The model's weights under Hugging Face names (segmented projections and experts split),
     contiguous, on CPU."""
+    if any(is_released(p) for p in model.parameters()):
+        raise CheckpointError("a sampler-only model holds NVFP4 codes, not weights: save the full model, or "
+                              "export its codes and scales (minite export)")
     out = {}
     for name, tensor in model.state_dict().items():
         tensor = tensor.detach().to("cpu", dtype or tensor.dtype)
@@ -189,6 +193,25 @@ def _save_file(tensors: dict[str, torch.Tensor], file: Path, target: Path) -> No
     except SafetensorError as e:
         code = re.search(r"code: (\d+)", str(e))
         raise WriteError(target, OSError(int(code.group(1)) if code else None, str(e))) from e
+
+
+def read_state(path: str | Path, expected: dict[str, torch.Tensor], dtype: torch.dtype | None = None,
+               device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors named in `expected` (our names -> tensors of their shapes, e.g. on the meta device:
+    a part of a model) read from the Hugging Face directory `path`, in `dtype` (default: config.json's)
+    on `device`; the checkpoint's other tensors are left unread (a model read part by part)."""
+    path = Path(path)
+    hf_config = _hf_config(path)
+    config = _model_config(hf_config, path / "config.json")
+    files = _tensor_files(path)
+    wanted = set()
+    for name, meta in expected.items():
+        fused = bool(EXPERT_PARAM.match(name)) and fused_expert_name(name) in files
+        wanted.update(hf for hf, _ in hf_pieces(name, meta.shape, config, fused_experts=fused))
+    if config.tie_word_embeddings and "embed_tokens.weight" in expected:
+        wanted.add("lm_head.weight")
+    part = {name: f for name, f in files.items() if name in wanted}
+    return _read_state(path, part, expected, config, dtype or _config_dtype(hf_config), device)
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:

@@ -173,20 +173,29 @@ class Qwen3(nn.Module):
         projection's segments drawn one after the other (the draws of separate projections). Draws run
         on each parameter's device; a generator on another device seeds one there (so a GPU model never
         draws its billions of values on the CPU)."""
-        local = {}
-        segments = {f"{name}.weight": m.segments() for name, m in self.named_modules()
-                    if isinstance(m, SegmentedLinear)}
-        for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-                continue
-            g = generator
-            if g is not None and g.device.type != param.device.type:
-                if param.device not in local:
-                    local[param.device] = torch.Generator(param.device).manual_seed(g.initial_seed())
-                g = local[param.device]
-            for part in segments.get(name, [param]):
-                part.copy_(torch.randn(part.shape, generator=g, device=part.device) * std)
+        init_parameters(self, std, generator)
+
+
+@torch.no_grad()
+def init_parameters(module: nn.Module, std: float = 0.02, generator: torch.Generator | None = None,
+                    prefix: str = "", local: dict | None = None) -> None:
+    """`Qwen3.init_weights` on `module`, the model or one of its parts named `prefix` in it; `local`
+    holds the generators seeded on other devices: shared by the calls over a model's parts in order,
+    they draw what `init_weights` on the whole model draws."""
+    local = {} if local is None else local
+    segments = {f"{name}.weight": m.segments() for name, m in module.named_modules(prefix=prefix)
+                if isinstance(m, SegmentedLinear)}
+    for name, param in module.named_parameters(prefix=prefix):
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+            continue
+        g = generator
+        if g is not None and g.device.type != param.device.type:
+            if param.device not in local:
+                local[param.device] = torch.Generator(param.device).manual_seed(g.initial_seed())
+            g = local[param.device]
+        for part in segments.get(name, [param]):
+            part.copy_(torch.randn(part.shape, generator=g, device=part.device) * std)
 
 
 def _layer_in_scope(layer: DecoderLayer, x: torch.Tensor, context: ForwardContext) -> torch.Tensor:

@@ -8,6 +8,11 @@ Modules take part by defining `start_calibration()` and `finish_calibration(comm
 calibration they record the running max |input| and compute unquantized. If the block raises, no
 scale is stored. `static_scales` / `load_static_scales` save and restore the calibrated scales (they
 are non-persistent buffers, outside the state dict: checkpoints carry them separately).
+
+A sampler-only model (`minite.nn.sampler_weights`) cannot run the high-precision forward (its NVFP4
+layers hold codes, not weights): `calibrate_through(model, source)` calibrates it on the forward of
+`source`, a model of the same config holding the same weights (the learner's), whose own scales are
+left as they were.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+
+from minite.nn.quantized_weight import is_released
 
 STATIC_SCALE_BUFFERS = ("input_scale", "gate_up_input_scale", "down_input_scale")
 
@@ -52,6 +59,9 @@ def load_static_scales(model: nn.Module, scales: dict[str, torch.Tensor]) -> Non
 
 @contextmanager
 def calibrate(model: nn.Module):
+    if any(is_released(p) for p in model.parameters()):
+        raise RuntimeError("a sampler-only model holds NVFP4 codes, not weights, and cannot calibrate on its "
+                           "own forward: use calibrate_through(model, a model holding the weights)")
     mods = [m for m in model.modules() if hasattr(m, "start_calibration")]
     for m in mods:
         m.start_calibration()
@@ -63,3 +73,19 @@ def calibrate(model: nn.Module):
         raise
     for m in mods:
         m.finish_calibration(commit=True)
+
+
+@contextmanager
+def calibrate_through(model: nn.Module, source: nn.Module):
+    """`calibrate(source)` for `model`: the forwards of `source` in the block (same config, same
+    weights) give `model` its static scales; `source`'s own scales stay as they were."""
+    mods = [m for m in source.modules() if hasattr(m, "start_calibration")]
+    before = [{leaf: getattr(m, leaf) for leaf in STATIC_SCALE_BUFFERS if hasattr(m, leaf)} for m in mods]
+    try:
+        with calibrate(source):
+            yield source
+        load_static_scales(model, static_scales(source))
+    finally:
+        for m, values in zip(mods, before):
+            for leaf, value in values.items():
+                setattr(m, leaf, value)

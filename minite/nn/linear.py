@@ -104,7 +104,7 @@ class Linear(nn.Module):
         qw, w, spec = self._qweight, self.weight, self.recipe.weight
         # fast check of the cache key (`weight_key`: version, storage, dtype, device, shape, spec)
         if qw is not None and qw.key[0] == w._version and qw.key[1] == w.data_ptr() and qw.key[5] is spec \
-                and qw.key[2] is w.dtype and qw.unscaled.shape == w.shape:
+                and qw.key[2] is w.dtype and qw.shape == w.shape:
             return qw
         if not self.recipe.fp4:
             raise RuntimeError(f"recipe {self.recipe.name!r} does not quantize weights")
@@ -120,8 +120,8 @@ class Linear(nn.Module):
 
     def set_quantized_weight(self, qw: QuantizedWeight) -> None:
         """Install a quantized weight made elsewhere (weight sync); used until `weight` changes."""
-        if qw.spec != self.recipe.weight or tuple(qw.unscaled.shape) != tuple(self.weight.shape):
-            raise ValueError(f"quantized weight {tuple(qw.unscaled.shape)} / {qw.spec} does not fit {self!r}")
+        if qw.spec != self.recipe.weight or qw.shape != tuple(self.weight.shape):
+            raise ValueError(f"quantized weight {qw.shape} / {qw.spec} does not fit {self!r}")
         self._qweight = dataclasses.replace(qw, key=weight_key(self.weight, self.recipe.weight))
 
     def forward(self, x: torch.Tensor, quantized: QuantizedActivation | None = None) -> torch.Tensor:
@@ -270,9 +270,9 @@ class SegmentedLinear(Linear):
         """Install the segments' quantized weights made elsewhere (weight sync); used until `weight`
         changes."""
         views, spec = self.segments(), self.recipe.weight
-        if len(qweights) != len(views) or any(qw.spec != spec or tuple(qw.unscaled.shape) != tuple(v.shape)
+        if len(qweights) != len(views) or any(qw.spec != spec or qw.shape != tuple(v.shape)
                                               for qw, v in zip(qweights, views)):
-            raise ValueError(f"quantized weights {[tuple(qw.unscaled.shape) for qw in qweights]} do not fit "
+            raise ValueError(f"quantized weights {[qw.shape for qw in qweights]} do not fit "
                              f"{self!r}")
         self.install_quantized_weights([dataclasses.replace(qw, key=weight_key(v, spec))
                                         for qw, v in zip(qweights, views)])
@@ -297,10 +297,11 @@ class SegmentedLinear(Linear):
     def _fusable(self, device) -> bool:
         """The settings allow the one-launch GEMM (whatever the input): 2-3 segments, NVFP4 on the
         kernels with the 'dequantized' backward, per-row or per-tensor (not static) activation scales,
-        fusion on and no fast mode."""
+        fusion on and no fast mode; not in the sampler form (the concatenated copy is bf16)."""
         recipe = self.recipe
         e = recipe.execution
         return (len(self.widths) in (2, 3) and recipe.fp4 and recipe.backward == "dequantized"
+                and not qwm.is_released(self.weight)
                 and e.fused_projections and not e.fast and recipe.activation.scaling != "static"
                 and use_kernels(recipe, device))
 

@@ -160,8 +160,8 @@ class MoEExperts(nn.Module):
     def set_quantized_weight(self, name: str, qw: QuantizedWeight) -> None:
         """Install a quantized `name` weight made elsewhere (weight sync); used until it changes."""
         w = getattr(self, name) if name in EXPERT_WEIGHTS else None
-        if w is None or qw.spec != self.recipe.weight or tuple(qw.unscaled.shape) != tuple(w.shape):
-            raise ValueError(f"quantized {name!r} {tuple(qw.unscaled.shape)} / {qw.spec} does not fit here")
+        if w is None or qw.spec != self.recipe.weight or qw.shape != tuple(w.shape):
+            raise ValueError(f"quantized {name!r} {qw.shape} / {qw.spec} does not fit here")
         self._qweights[name] = dataclasses.replace(qw, key=weight_key(w, self.recipe.weight))
 
     def route(self, x2: torch.Tensor) -> Routing:

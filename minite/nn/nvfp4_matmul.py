@@ -21,7 +21,10 @@ Execution (`recipe.execution`, `minite.execution.Execution`; its `backend` 'auto
   copy, whatever M is. Few rows read the packed weights in a decode layout instead, in the same K
   order (the same bits): M <= `execution.decode_max_m` through `kernels.decode_gemm.aligned_decode_config`,
   MoE experts at <= `execution.decode_max_rows_per_expert` rows per expert on average through
-  `kernels.grouped_decode`. MoE experts under a per-tensor or static activation scale (one scale per
+  `kernels.grouped_decode`. A sampler-form weight (no bf16 copy, `minite.nn.sampler_weights`) above
+  those thresholds: the same tiles dequantize its packed codes in registers
+  (`execution.prefill_weights = "codes"`, the same K order and bits) or multiply a copy of it made
+  for the call (`"copy"`). MoE experts under a per-tensor or static activation scale (one scale per
   expert), stochastic rounding or RHT on activations run the reference GEMM, with activations and
   weights quantized by the kernels on CUDA (bitwise the same codes and scales). `execution.fast` gives up
   the alignment for speed: M <= 64 runs the decode GEMM on the weight's decode layout (K a multiple
@@ -263,7 +266,7 @@ def _dense_kernel(x2: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe,
     kd, kg = lazy.decode_gemm, lazy.gemm
     a, sdec, row_factor = quantized if quantized is not None else _quantize_rows(x2, recipe, static)
     m, k = a.shape
-    n = qweight.unscaled.shape[-2]
+    n = qweight.shape[-2]
     sw = _weight_scale(qweight, recipe)
     fast = recipe.execution.fast
     config = "prefill" if fast else "aligned"
@@ -271,12 +274,37 @@ def _dense_kernel(x2: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe,
         # few rows: the weight read packed (decode layout), in the aligned K order unless `fast`
         out = kd.decode_gemm(a, row_factor, qweight.decode_weight(a.dtype), sw, recipe.epilogue,
                              x2.dtype, None if fast else kd.aligned_decode_config(m, k))
+    elif reads_codes(qweight, recipe):
+        cfg = kg.pick_config(config, m, n)
+        codes, scales = packed_operand(qweight, cfg["BK"])  # [N, Kp // 2], [N, Kp // 16]
+        out = kg.w4a4_gemm(_pad_k(a, 2 * codes.shape[-1]), row_factor.reshape(-1), codes, sw, scales,
+                           recipe.epilogue, x2.dtype, cfg)
     else:
         cfg = kg.pick_config(config, m, n)
         w = qweight.operand(a.dtype, cfg["BK"])  # [N, Kp]
         ap = _pad_k(a, w.shape[-1])
         out = kg.gemm_on_copy(ap, row_factor.reshape(-1), w, sw, recipe.epilogue, x2.dtype, cfg)
     return out, a, sdec
+
+
+def reads_codes(qweight: QuantizedWeight, recipe: Recipe) -> bool:
+    """Whether a GEMM above the decode threshold reads this weight's packed codes: a sampler-form
+    weight (no bf16 copy) under `execution.prefill_weights == "codes"`; else the bf16 copy (kept, or
+    made for the call)."""
+    return qweight.unscaled is None and recipe.execution.prefill_weights == "codes"
+
+
+def packed_operand(qweight: QuantizedWeight, k_multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight's codes [..., N, Kp // 2] and E4M3 block scales [..., N, Kp // 16] as the GEMMs'
+    packed operand, K zero-padded to a multiple of k_multiple (code 0 and scale 0 add nothing; a
+    padded copy of the packed bytes only where K needs it)."""
+    q, n = qweight.q, qweight.shape[-2]
+    codes, scales = q.codes[..., :n, :], q.block_scales[..., :n, :]
+    pad = -(2 * codes.shape[-1]) % k_multiple
+    if pad:
+        codes = F.pad(codes, (0, pad // 2))
+        scales = F.pad(scales.view(torch.uint8), (0, pad // 16)).view(torch.float8_e4m3fn)
+    return codes, scales
 
 
 def _grouped_kernel(xs: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe, offsets: torch.Tensor,
@@ -289,12 +317,17 @@ def _grouped_kernel(xs: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe, 
     a, sdec, row_factor = quantized if quantized is not None else _quantize_rows(xs, recipe)
     config = "prefill" if recipe.execution.fast else "aligned"
     bk = gg.CONFIGS["interpret" if kernels.interpreted() else config]["BK"]
-    e, n, k = qweight.unscaled.shape
+    e, n, k = qweight.shape
     sw = _weight_scale(qweight, recipe)
     if xs.shape[0] <= recipe.execution.decode_max_rows_per_expert * e and k % gd.KGROUP == 0:
         # few rows per expert (decode): read the 4-bit codes, not the bf16 copy
         out = gd.grouped_decode_gemm(a, row_factor, qweight.decode_weight(a.dtype), sw, offsets,
                                      recipe.epilogue, xs.dtype)
+        return out, a, sdec
+    if reads_codes(qweight, recipe):
+        codes, scales = packed_operand(qweight, bk)  # [E, N, Kp // 2], [E, N, Kp // 16]
+        out = gg.grouped_w4a4_gemm(_pad_k(a, 2 * codes.shape[-1]), row_factor, codes, sw, offsets, scales,
+                                   recipe.epilogue, xs.dtype, config)
         return out, a, sdec
     w = qweight.operand(a.dtype, bk)  # [E, N, Kp]
     out = gg.grouped_w4a4_gemm(_pad_k(a, w.shape[-1]), row_factor, w, sw, offsets, None, recipe.epilogue,
@@ -316,13 +349,13 @@ class NVFP4Matmul(torch.autograd.Function):
         static = static_scale if isinstance(static_scale, StaticScale) else None
         if static is not None:
             static_scale = static.scale
-        dense = qweight.unscaled.ndim == 2
+        dense = len(qweight.shape) == 2
         if use_kernels(recipe, x.device) and x.numel() and (row_scaled(recipe) or (dense and b == 1)):
             x2 = x.reshape(b * m, k)
             if dense:
                 out, a, sdec = _dense_kernel(x2, qweight, recipe, static, quantized)
             else:
-                e = qweight.unscaled.shape[0]
+                e = qweight.shape[0]
                 ids = torch.arange(e, device=x.device) if experts is None else experts
                 out, a, sdec = _grouped_kernel(x2, qweight, recipe, _expert_offsets(ids, m, e))
             out = out.reshape(b, m, -1)
@@ -340,13 +373,14 @@ class NVFP4Matmul(torch.autograd.Function):
         ctx.qweight, ctx.x_dtype, ctx.backend = qweight, x.dtype, quantize_backend(recipe)
         ctx.save_for_backward(*((xu, xs) if recipe.backward == "dequantized" else (x,)))
         host_ws = qweight.host_global_scale()
-        ctx.dense_bf16 = (qweight.unscaled, host_ws[0]) if (
-            recipe.backward == "dequantized" and host_ws is not None and qweight.unscaled.ndim == 2
-            and x.dtype == weight.dtype == xu.dtype == torch.bfloat16) else None
+        lean = (recipe.backward == "dequantized" and host_ws is not None and dense
+                and qweight.unscaled is not None and x.dtype == weight.dtype == xu.dtype == torch.bfloat16)
+        ctx.dense_bf16 = (qweight.unscaled, host_ws[0]) if lean else None
         return out
 
     @staticmethod
     def backward(ctx, dy):
+        _check_trainable(ctx.qweight)
         if ctx.dense_bf16 is not None and dy.dtype == torch.bfloat16:
             return (*_dense_bf16_grads(ctx, dy), None, None, None, None, None)
         wu, ws, _ = ctx.qweight.batched()
@@ -374,6 +408,7 @@ class GroupedNVFP4Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        _check_trainable(ctx.qweight)
         offsets, row_experts, *saved = ctx.saved_tensors
         if ctx.grouped_mm and ctx.mode == "dequantized" and dy.dtype == torch.bfloat16 and \
                 grouped_mm_applies(dy, ctx.qweight.unscaled):
@@ -394,6 +429,12 @@ class GroupedNVFP4Matmul(torch.autograd.Function):
         if dw is not None:
             dw = dw.to(ctx.w_dtype)
         return dx, dw, None, None, None, None, None
+
+
+def _check_trainable(qweight: QuantizedWeight) -> None:
+    if qweight.unscaled is None:
+        raise RuntimeError("a sampler-only model (`minite.nn.sampler_weights`) has no backward: its "
+                           "quantized layers hold NVFP4 codes, not trainable weights; train the full model")
 
 
 def grouped_mm_applies(t: torch.Tensor, w: torch.Tensor) -> bool:

@@ -14,6 +14,12 @@ once per update (0.625 more bytes per weight, on the device that samples).
 A weight read from an NVFP4 checkpoint carries its container (`minite.nn.pinned_weights`):
 `quantize_weight` takes it as it is instead of quantizing.
 
+Sampler form (`packed()`, `minite.nn.sampler_weights`): the container and the decode layout only,
+`unscaled` None. What needs the bf16 copy then makes it on the spot and does not keep it
+(`unscaled_values`, `operand`); the GEMMs above the decode threshold read the codes instead
+(`minite.nn.nvfp4_matmul`). Its module's parameter is released (`release`): a placeholder of the
+weight's shape, dtype and device holding one element, never quantized again.
+
 Invalidation: a module caches its `QuantizedWeight` keyed on the parameter's autograd version
 counter (`weight._version`, bumped by every in-place update: optimizer steps, `copy_`,
 `load_state_dict`), its storage, dtype and the recipe's weight spec. Writes through `.data` bypass
@@ -50,7 +56,7 @@ class _Derived:
 @dataclass(frozen=True)
 class QuantizedWeight:
     q: NVFP4Tensor  # codes [..., N, K // 2], block scales [..., N, K // 16], global [] or [E, 1, 1]
-    unscaled: torch.Tensor  # [..., N, K] bf16, e2m1 * s_b (exact)
+    unscaled: torch.Tensor | None  # [..., N, K] bf16, e2m1 * s_b (exact); None in the sampler form
     spec: QuantSpec
     key: tuple  # what the cache was keyed on
     _derived: _Derived = field(default_factory=_Derived, init=False, repr=False, compare=False)
@@ -60,13 +66,34 @@ class QuantizedWeight:
         return self.q.global_scale
 
     @property
+    def shape(self) -> tuple[int, ...]:
+        """The weight's shape, [N, K] or [E, N, K]."""
+        return tuple(self.q.shape)
+
+    def unscaled_values(self) -> torch.Tensor:
+        """The bf16 copy e2m1 * s_b [..., N, K]: the stored one, or (sampler form) made now and not kept."""
+        if self.unscaled is not None:
+            return self.unscaled
+        return self.q.unscaled()[..., :self.shape[-2], :].to(torch.bfloat16)
+
+    def packed(self, key: tuple) -> QuantizedWeight:
+        """This weight in the sampler form under cache key `key`: the container, the decode layouts,
+        epilogue factors and host S_dec made so far; no bf16 copy, no operand copies."""
+        new = QuantizedWeight(self.q, None, self.spec, key)
+        d, nd = self._derived, new._derived
+        nd.decode.update(d.decode)
+        nd.epilogue_scales.update(d.epilogue_scales)
+        nd.host_global_scale = d.host_global_scale
+        return new
+
+    @property
     def amax(self) -> torch.Tensor:
         return self.q.amax
 
     def batched(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(unscaled [B, N, K] bf16, S_dec [B, 1, 1], amax [B, 1, 1]); B = 1 for a Linear."""
-        n, k = self.unscaled.shape[-2:]
-        u = self.unscaled.reshape(-1, n, k)
+        n, k = self.shape[-2:]
+        u = self.unscaled_values().reshape(-1, n, k)
         b = u.shape[0]
         return u, self.q.global_scale.reshape(b, 1, 1), self.q.amax.reshape(b, 1, 1)
 
@@ -96,9 +123,9 @@ class QuantizedWeight:
         concatenated copy, `minite.nn.segmented_matmul`) as its copy. The new object shares this one's
         derived values, less the operand copies made from the old copy, so what arrives later (the
         host S_dec at the end of `deferred_finite_checks`) reaches both; this one is meant to be dropped."""
-        if unscaled.shape != self.unscaled.shape or unscaled.dtype != self.unscaled.dtype:
-            raise ValueError(f"with_unscaled needs {tuple(self.unscaled.shape)} {self.unscaled.dtype}, got "
-                             f"{tuple(unscaled.shape)} {unscaled.dtype}")
+        if tuple(unscaled.shape) != self.shape or unscaled.dtype != torch.bfloat16:
+            raise ValueError(f"with_unscaled needs {self.shape} bf16, got {tuple(unscaled.shape)} "
+                             f"{unscaled.dtype}")
         self._derived.operands.clear()
         new = replace(self, unscaled=unscaled)
         object.__setattr__(new, "_derived", self._derived)
@@ -106,13 +133,17 @@ class QuantizedWeight:
 
     def operand(self, dtype: torch.dtype, k_multiple: int = 1) -> torch.Tensor:
         """The unscaled copy as a GEMM kernel operand: [..., N, Kp] in dtype (exact in bf16 and fp16),
-        K zero-padded to a multiple of k_multiple, contiguous; made once and cached."""
+        K zero-padded to a multiple of k_multiple, contiguous; made once and cached (in the sampler form
+        made on every call and not kept: one weight's transient copy)."""
         key, operands = (dtype, k_multiple), self._derived.operands
-        if key not in operands:
-            t = self.unscaled.to(dtype)
-            pad = -t.shape[-1] % k_multiple
-            operands[key] = (F.pad(t, (0, pad)) if pad else t).contiguous()
-        return operands[key]
+        if key in operands:
+            return operands[key]
+        t = self.unscaled_values().to(dtype)
+        pad = -t.shape[-1] % k_multiple
+        t = (F.pad(t, (0, pad)) if pad else t).contiguous()
+        if self.unscaled is not None:
+            operands[key] = t
+        return t
 
     def decode_weight(self, dtype: torch.dtype):
         """The codes and block scales ([N, K] or experts [E, N, K]) in the decode GEMMs' layout for
@@ -121,7 +152,7 @@ class QuantizedWeight:
 
         decode = self._derived.decode
         if dtype not in decode:
-            n = self.unscaled.shape[-2]
+            n = self.shape[-2]
             q = self.q
             decode[dtype] = pack_weight(q.codes[..., :n, :], q.block_scales[..., :n, :], dtype)
         return decode[dtype]
@@ -135,7 +166,24 @@ class QuantizedWeight:
         gs = self.q.global_scale
         if gs.ndim:
             gs = gs.reshape(-1, 1, 1)
-        return self.unscaled.float() * gs
+        return self.unscaled_values().float() * gs
+
+
+_RELEASED = "_minite_released"
+
+
+def release(param: torch.Tensor) -> torch.nn.Parameter:
+    """A placeholder for a parameter whose values live on only as a sampler-form `QuantizedWeight`:
+    its shape, dtype and device, one element of storage (expanded), no gradient."""
+    stub = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
+    out = torch.nn.Parameter(stub, requires_grad=False)
+    setattr(out, _RELEASED, True)
+    return out
+
+
+def is_released(param: torch.Tensor | None) -> bool:
+    """Whether `param` is a `release` placeholder (a sampler-only model's quantized weight)."""
+    return getattr(param, _RELEASED, False)
 
 
 def weight_key(weight: torch.Tensor, spec: QuantSpec) -> tuple:
@@ -190,6 +238,9 @@ def quantize_weight(weight: torch.Tensor, spec: QuantSpec, backend: str = "auto"
     A weight holding inf or NaN raises ValueError (at the end of `deferred_finite_checks` there)."""
     if weight.ndim not in (2, 3):
         raise ValueError(f"weights are [N, K] or [E, N, K]; got shape {tuple(weight.shape)}")
+    if is_released(weight):
+        raise ValueError("this weight was released (a sampler-only model, `minite.nn.sampler_weights`): "
+                         "only its NVFP4 codes remain; build the model again to change its recipe or weights")
     key = weight_key(weight, spec)
     w = weight.detach()
     n, k = weight.shape[-2:]

@@ -71,7 +71,15 @@ from minite.learner import Learner, SequenceBatch, sequence_logprobs
 from minite.learner.weight_sync import sync_sampler_model
 from minite.models import Qwen3, load_pretrained
 from minite.models.checkpoint import read_config
-from minite.nn.calibrate import calibrate, load_static_scales, static_scales, uses_static_scales
+from minite.models.sampler_model import build_sampler_model, state_fill
+from minite.nn.calibrate import (
+    calibrate,
+    calibrate_through,
+    load_static_scales,
+    static_scales,
+    uses_static_scales,
+)
+from minite.nn.sampler_weights import is_sampler_only
 from minite.recipe import get_recipe
 from minite.rl.advantages import advantage_metrics, group_advantages
 from minite.rl.batch import RLBatch, masked_mean
@@ -334,9 +342,10 @@ class Trainer:
             return self.dist.sampler_model(self.model, self.sampler_recipe or self.recipe)
         if self.sampler_recipe is None:
             return self.model
-        model = Qwen3(self.model.config, self.sampler_recipe)
-        model = model.to(device=next(self.model.parameters()).device, dtype=self.dtype)
-        sync_sampler_model(model, self.model)
+        # sampler-only (NVFP4 layers hold codes, scales and decode layout), made part by part
+        model = build_sampler_model(self.model.config, self.sampler_recipe,
+                                    state_fill(dict(self.model.named_parameters())),
+                                    device=next(self.model.parameters()).device, dtype=self.dtype)
         engine = " (fast engine: cuBLAS, SDPA)" if self.cfg.sampler.engine == "fast" else ""
         self.progress.message(f"sampler: its own model under recipe {self.sampler_recipe.name!r}{engine}, "
                               f"learner under {self.recipe.name!r} (weights synced after every update)")
@@ -572,8 +581,10 @@ class Trainer:
         lens = [len(q) for q in seqs]
         ids = torch.tensor([sum(seqs, [])], device=device)
         cu = torch.tensor([0, *np.cumsum(lens).tolist()], device=device)
-        with calibrate(model):
-            model(ids, cu_seqlens=cu)
+        # a sampler-only model calibrates on the learner's forward (the same weights, in full precision)
+        through = is_sampler_only(model) and model is not self.model
+        with calibrate_through(model, self.model) if through else calibrate(model):
+            (self.model if through else model)(ids, cu_seqlens=cu)
         if not quiet:
             which = "the sampler's" if model is not self.model else "the"
             self.progress.message(f"calibrated {which} static activation scales on {size} training examples")
