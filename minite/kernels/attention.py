@@ -72,35 +72,21 @@ def _e4m3_signed(b, HW: tl.constexpr):
 
 
 @triton.jit
-def _head_dims(c, KV: tl.constexpr, D: tl.constexpr):
-    """The kernel's column c -> the head dimension it holds: c itself, or for nvfp4 the even
-    dimensions first, then the odd ones (the low, then the high nibbles of the packed codes), so that
-    a column's codes are one byte load and one shift, no interleave. q is read and the output written
-    in the same order: the dot products are the same, summed in another order."""
-    if KV == 2:
-        d = 2 * (c % (D // 2)) + c // (D // 2)
-    else:
-        d = c
-    return d
-
-
-@triton.jit
-def _kv_exact(ptr, bs_ptr, slot_off, bs_off, cols, mask, KV: tl.constexpr, HW: tl.constexpr,
-              D: tl.constexpr, DT: tl.constexpr):
-    """Quantized keys or values at element offsets slot_off + cols (any 2D broadcast of the two;
-    cols are the kernel's columns, `_head_dims`) -> the exact unscaled values in DT (KV 1: the E4M3
-    values; 2: e2m1 * s_b, exact in bf16 and fp16)."""
+def _kv_tile(ptr, bs_ptr, slots, in_seq, kvh, stride_s, stride_h, stride_bs, stride_bh, D: tl.constexpr,
+             KV: tl.constexpr, HW: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr):
+    """Keys or values of slots [BLOCK_N], kv head kvh, from their quantized payload -> the exact
+    unscaled values [BLOCK_N, D] in DT (KV 1: E4M3 bytes; 2: packed E2M1 codes times E4M3 block scales)."""
+    rows = slots[:, None] * stride_s + kvh * stride_h
     if KV == 1:
-        b = tl.load(ptr + slot_off + cols, mask=mask, other=0)  # uint8
-        x = _e4m3_signed(b, HW).to(DT)
-    else:
-        half = cols % (D // 2)
-        b = tl.load(ptr + slot_off + half, mask=mask, other=0)  # the byte holding the column's code
-        code = (b >> ((cols // (D // 2)) * 4).to(tl.uint8)) & 15
-        sb = tl.load(bs_ptr + bs_off + half // 8, mask=mask, other=0)  # its 16-dimension block's scale
-        f16: tl.constexpr = DT != tl.bfloat16
-        x = _e2m1_to_float(code, f16).to(DT) * _e4m3_to_float(sb).to(DT)
-    return x
+        b = tl.load(ptr + rows + tl.arange(0, D)[None, :], mask=in_seq[:, None], other=0)  # uint8
+        return _e4m3_signed(b, HW).to(DT)
+    p = tl.load(ptr + rows + tl.arange(0, D // 2)[None, :], mask=in_seq[:, None], other=0)  # [BLOCK_N, D/2]
+    f16: tl.constexpr = DT != tl.bfloat16
+    v = tl.reshape(tl.join(_e2m1_to_float(p & 15, f16), _e2m1_to_float(p >> 4, f16)), [BLOCK_N, D])
+    sb = tl.load(bs_ptr + slots[:, None] * stride_bs + kvh * stride_bh + tl.arange(0, D // 16)[None, :],
+                 mask=in_seq[:, None], other=0)
+    sb = _e4m3_to_float(sb).to(DT)
+    return tl.reshape(tl.reshape(v.to(DT), [BLOCK_N, D // 16, 16]) * sb[:, :, None], [BLOCK_N, D])
 
 
 @triton.jit
@@ -124,12 +110,11 @@ def _chunk(q, qpos, m_i, l_i, acc, j0, kv_end, seq, kv_base, kvh, k_ptr, v_ptr, 
                      mask=in_seq[None, :], other=0.0)  # [D, BLOCK_N]
         v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
                     mask=in_seq[:, None], other=0.0)  # [BLOCK_N, D]
-    else:  # keys [D, BLOCK_N] and values [BLOCK_N, D] dequantized as they are loaded, no transpose
-        b_off = slots * stride_bs + kvh * stride_bh
-        kt = _kv_exact(k_ptr, kb_ptr, (slots * stride_ks + kvh * stride_kh)[None, :], b_off[None, :],
-                       offs_d[:, None], in_seq[None, :], KV, HW, D, DT)
-        v = _kv_exact(v_ptr, vb_ptr, (slots * stride_vs + kvh * stride_vh)[:, None], b_off[:, None],
-                      offs_d[None, :], in_seq[:, None], KV, HW, D, DT)
+    else:
+        kt = tl.trans(_kv_tile(k_ptr, kb_ptr, slots, in_seq, kvh, stride_ks, stride_kh, stride_bs, stride_bh,
+                               D, KV, HW, BLOCK_N, DT))
+        v = _kv_tile(v_ptr, vb_ptr, slots, in_seq, kvh, stride_vs, stride_vh, stride_bs, stride_bh, D, KV, HW,
+                     BLOCK_N, DT)
         srow = slots * stride_ss + kvh * stride_sh
         k_scale = tl.load(ks_ptr + srow, mask=in_seq, other=0.0)  # [BLOCK_N] fp32
         v_scale = tl.load(vs_ptr + srow, mask=in_seq, other=0.0)
@@ -176,7 +161,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kb_ptr, vb_ptr, out_p
         valid = qi < nrows
         rows = (row0 + tl.where(valid, qi, 0)).to(tl.int64)  # [BLOCK_M] query row
         heads = kvh * G + r % G
-        offs_d = _head_dims(tl.arange(0, D), KV, D)  # the head dimension of each column
+        offs_d = tl.arange(0, D)
         q = tl.load(q_ptr + rows[:, None] * stride_qn + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=valid[:, None], other=0.0)  # [BLOCK_M, D]
         qpos = tl.load(pos_ptr + rows, mask=valid, other=-1)
