@@ -5,6 +5,10 @@
 #                    attention attention_backward norm sample
 #   rollout          dense rollout (Qwen3-1.7B shape) against Hugging Face generate
 #   rollout_moe      MoE rollout (24 of 48 Qwen3-30B-A3B layers) bf16 vs aligned, 3 paired rounds
+#   rollout_kv       dense rollout: bf16, aligned and aligned with each quantized KV cache (no HF)
+#   rollout_moe_full the full 48-layer MoE on sampler-only models: bf16, aligned, aligned/fp8; codes vs copy
+#   rollout_max_batch each recipe at the largest batch its memory holds (full MoE, sampler-only)
+#   memory           benchmarks/e2e/bench_memory.py on the dense shape: bytes by kind, measured
 #   learner          learner train step, dense and MoE, with a profile of each (--kernels)
 #   rl_step          one RL step of configs/gpu_arith.toml: aligned, naive te/vllm, bf16
 #   profile_rollout  a rollout decode step's kernels: dense aligned, MoE bf16 and aligned
@@ -46,6 +50,16 @@ for part in "$@"; do
     rollout_moe)
       moe="--models moe --moe-layers 24 --new-tokens 256 --no-hf"
       py 150 benchmarks.e2e.bench_rollout $moe --rounds 3 --out "$x/rollout_moe24.json" ;;
+    rollout_kv) py 100 benchmarks.e2e.bench_rollout --models dense --no-hf \
+      --recipes bf16,aligned,aligned/fp8,aligned/nvfp4 --out "$x/rollout_dense_kv.json" ;;
+    rollout_moe_full)
+      moe="--models moe --sampler-only --new-tokens 256 --no-hf"
+      py 125 benchmarks.e2e.bench_rollout $moe --recipes bf16,aligned,aligned/fp8 --out "$x/rollout_moe48.json"
+      py 50 benchmarks.e2e.bench_rollout $moe --recipes aligned/fp8 --prefill-weights copy \
+        --out "$x/rollout_moe48_copy.json" ;;
+    rollout_max_batch) py 120 benchmarks.e2e.bench_rollout --models moe --sampler-only --new-tokens 256 --no-hf \
+      --max-batch --recipes bf16,aligned/fp8 --out "$x/rollout_moe48_max_batch.json" ;;
+    memory) py 90 benchmarks.e2e.bench_memory --models dense --out "$x/memory.json" ;;
     learner) py 160 benchmarks.e2e.bench_learner --kernels --out "$x/learner.json" ;;
     rl_step) py 400 benchmarks.e2e.bench_rl_step --out "$x/rl_step.json" ;;
     profile_rollout)

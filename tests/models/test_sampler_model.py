@@ -68,7 +68,7 @@ def test_a_sampler_only_model_is_not_saved_as_weights(tmp_path):
 def test_gpu_peak_is_the_sampler_form_plus_one_layer():
     """Qwen3-30B-A3B layers (8 of 48) built part by part: the allocator's peak stays within one
     decoder layer's bf16 weights (plus the quantizer's transients: its bf16 values of the layer, two
-    more layers' worth at most; 2.85 layers measured on the H200) of
+    more layers' worth at most; 2.84 layers measured on the H200) of
     what the finished model holds."""
     from minite.models.presets import qwen3_30b_a3b
     from minite.nn.memory import memory_by_kind
