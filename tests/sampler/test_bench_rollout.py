@@ -39,3 +39,29 @@ def test_bench_rollout_sampler_only_runs_build_models_weights(tmp_path):
     lean = bench.main(args + ["--sampler-only", "--out", str(tmp_path / "lean.json")])
     assert [r["sampler_only"] for r in full + lean] == [False, True]
     assert lean[0]["gen_tokens"] == full[0]["gen_tokens"] == 3 * 2 * 6
+
+
+def test_hugging_face_baseline_on_its_own_weights_runs_the_same_workload():
+    """Where two copies of the weights do not fit (the full MoE), HF generate gets its own random
+    weights of the shape: the same tokens generated, no mapping check."""
+    args = bench.parse_args(["--tiny"])
+    config = bench.model_config("moe", args)
+    prompts = bench.workload_prompts(config, args.prompts, args)
+    row = bench.run_hf(None, config, prompts, args, torch.device("cpu"), torch.float32)
+    assert row["hf_weights"] == "own random" and row["hf_logit_max_abs_diff"] is None
+    assert row["gen_tokens"] == args.prompts * args.samples * args.new_tokens
+
+
+def test_decode_roofline_of_the_dense_shape():
+    """512 sequences at the mean context of 128-token prompts and 512 new tokens: 22.6 GB of bf16 KV
+    reads and 3.44 GB of weights; 4-bit weights and KV shrink the bytes, not the FLOPs."""
+    from benchmarks.e2e.decode_roofline import decode_step
+    from minite.models.presets import qwen3_1_7b
+
+    bf16 = decode_step(qwen3_1_7b(), 512, 128 + 256.5)
+    assert abs(bf16["kv_gb"] - 22.58) < 0.01 and abs(bf16["weight_gb"] - 3.44) < 0.01
+    assert bf16["overlap_ms"] <= bf16["roofline_ms"] == pytest.approx(
+        bf16["gemm_roofline_ms"] + bf16["attention_roofline_ms"] + bf16["logits_roofline_ms"])
+    fp4 = decode_step(qwen3_1_7b(), 512, 128 + 256.5, "nvfp4", "nvfp4")
+    assert fp4["tflop"] == bf16["tflop"] and fp4["kv_gb"] < bf16["kv_gb"] / 3 < fp4["kv_gb"] * 1.2
+    assert fp4["roofline_ms"] < bf16["roofline_ms"]
