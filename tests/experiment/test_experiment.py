@@ -100,7 +100,9 @@ def test_ctrl_c_stops_the_runs_at_a_step_boundary_and_a_rerun_resumes(tmp_path):
     import time
 
     spec = tmp_path / "long.toml"
-    _write(spec, "[arms.a]\noverrides = [\"rl.steps=40\"]")
+    # enough steps that the run cannot finish between its first checkpoint and the signal (a loaded
+    # machine runs these tiny steps in ~0.05 s each)
+    _write(spec, "[arms.a]\noverrides = [\"rl.steps=200\"]")
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "minite.cli", "experiment", str(spec), "--out", str(out), "--seeds", "0"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
@@ -115,7 +117,7 @@ def test_ctrl_c_stops_the_runs_at_a_step_boundary_and_a_rerun_resumes(tmp_path):
     assert "interrupted after step" in log and "Traceback" not in log
     assert main(["experiment", str(spec), "--out", str(out), "--seeds", "0"]) == 0
     report = json.loads((out / "report.json").read_text())
-    assert report["arms"]["a"]["steps"] == [40]
+    assert report["arms"]["a"]["steps"] == [200]
 
 
 def test_imbalance_sums_the_masses_over_steps():
