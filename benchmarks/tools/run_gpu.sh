@@ -14,6 +14,7 @@
 #   profile_rollout  a rollout decode step's kernels: dense aligned, MoE bf16 and aligned
 #   learner_gaps learner_host linear_host decode_floor   the profiles and probes in benchmarks/tools/
 #   ncu_decode       Nsight Compute counters of the decode GEMM (NCU_SPECS: one ncu_decode.py line each)
+#   ncu_attention    Nsight Compute counters of decode attention on bf16, fp8 and nvfp4 KV caches
 #   gemm_tiles gemm_tma decode_tiles quantize_tiles      the tile sweeps in benchmarks/tools/
 #   agreement        aligned learner vs sampler on 4 layers of qwen3-1.7b and qwen3-30b-a3b
 #   agreement_full   bf16/bf16, aligned/aligned, te/vllm on all 28 layers of qwen3-1.7b
@@ -85,6 +86,12 @@ for part in "$@"; do
           python3 -m benchmarks.tools.ncu_decode $spec
         cp "$x/step.txt" "$x/ncu_$name.csv"
       done <<< "$NCU_SPECS" ;;
+    ncu_attention)
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -n 1)
+      step 90 "$NCU" --clock-control none --profile-from-start off --csv --page details \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+        --section SourceCounters python3 -m benchmarks.tools.ncu_attention
+      cp "$x/step.txt" "$x/ncu_attention.csv" ;;
     agreement)
       for preset in qwen3-1.7b qwen3-30b-a3b; do
         py 60 minite.cli agreement --preset $preset --layers 4 --num-prompts 16 --n 4 --max-tokens 64 \
