@@ -13,7 +13,10 @@ this way).
   aligned configs, alone and segmented (`gemm.gemm_segments`): that sm_90 compiles them (the CPU
   interpreter takes code the GPU compiler rejects), their MMAs, registers and spills.
 
-    python -m benchmarks.tools.sass_kernels [quantize|decode|grouped|gemm] [--k 4096]
+- attention: the decode attention kernel for each KV format (bf16, fp8, nvfp4): which loads the
+  loop issues asynchronously, its conversions, MMAs, registers and spills.
+
+    python -m benchmarks.tools.sass_kernels [quantize|decode|grouped|gemm|attention] [--k 4096]
 """
 
 import argparse
@@ -178,12 +181,48 @@ def gemm(k: int) -> None:
                       f"({summary})")
 
 
+def attention(_k: int) -> None:
+    """The decode attention kernel (`attention._attention_kernel`, CONFIGS["gpu"], paged, head_dim 128,
+    2 query heads per kv head) for each KV format: its main loop's loads (LDGSTS: asynchronous copies
+    the pipeliner issues ahead; LDG: loads the loop waits on), conversions, MMAs, registers, spills."""
+    from minite.kernels import attention as ka
+
+    cfg = ka.CONFIGS["gpu"]
+    names = [n for n in ka._attention_kernel.arg_names]
+    pointers = {"q_ptr": "*bf16", "out_ptr": "*bf16", "lse_ptr": "*fp32", "tiles_ptr": "*i32", "pos_ptr": "*i64",
+                "table_ptr": "*i64", "start_ptr": "*i64", "ctx_ptr": "*i64", "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
+    for kv, name in ((0, "bf16"), (1, "fp8"), (2, "nvfp4")):
+        kv_ptr = "*bf16" if kv == 0 else "*u8"
+        const = dict(G=2, D=128, BLOCK_SIZE=16, PAGED=True, STORE_LSE=False, KV=kv, HW=True, DOT_F32=False,
+                     PRECISION="tf32", WHILE_LOOP=False, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
+        sig = {}
+        for n in names:
+            if n in const:
+                continue
+            if n in ("k_ptr", "v_ptr", "kb_ptr", "vb_ptr"):
+                sig[n] = kv_ptr
+            elif n in pointers:
+                sig[n] = pointers[n]
+            elif n == "qk_scale":
+                sig[n] = "fp32"
+            else:
+                sig[n] = "i32"
+        sass, summary = compile_sass(ka._attention_kernel, sig, const, cfg["num_warps"],
+                                     aligned=tuple(n for n in sig if n.startswith("stride")))
+        ops = main_loop_ops(sass)
+        total = sum(ops.values())
+        print(f"attention, {name} KV: main loop {total} instructions per 64-key chunk, LDGSTS {ops['LDGSTS']}, "
+              f"LDG {ops['LDG']}, F2F {ops['F2F'] + ops['F2FP']}, HMMA {ops['HMMA']}, STS {ops['STS']} "
+              f"({summary})")
+        print("   ", ", ".join(f"{op} {n}" for op, n in ops.most_common(14)))
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("what", nargs="?", default="quantize", choices=["quantize", "decode", "grouped", "gemm"])
+    p.add_argument("what", nargs="?", default="quantize", choices=["quantize", "decode", "grouped", "gemm", "attention"])
     p.add_argument("--k", type=int, default=4096, help="row width / reduction length (elements)")
     args = p.parse_args()
-    dict(quantize=quantize, decode=decode, grouped=grouped, gemm=gemm)[args.what](args.k)
+    dict(quantize=quantize, decode=decode, grouped=grouped, gemm=gemm, attention=attention)[args.what](args.k)
 
 
 if __name__ == "__main__":
