@@ -188,9 +188,10 @@ def attention(_k: int) -> None:
     from minite.kernels import attention as ka
 
     cfg = ka.CONFIGS["gpu"]
-    names = [n for n in ka._attention_kernel.arg_names]
-    pointers = {"q_ptr": "*bf16", "out_ptr": "*bf16", "lse_ptr": "*fp32", "tiles_ptr": "*i32", "pos_ptr": "*i64",
-                "table_ptr": "*i64", "start_ptr": "*i64", "ctx_ptr": "*i64", "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
+    names = list(ka._attention_kernel.arg_names)
+    pointers = {"q_ptr": "*bf16", "out_ptr": "*bf16", "lse_ptr": "*fp32", "tiles_ptr": "*i32",
+                "pos_ptr": "*i64", "table_ptr": "*i64", "start_ptr": "*i64", "ctx_ptr": "*i64",
+                "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
     for kv, name in ((0, "bf16"), (1, "fp8"), (2, "nvfp4")):
         kv_ptr = "*bf16" if kv == 0 else "*u8"
         const = dict(G=2, D=128, BLOCK_SIZE=16, PAGED=True, STORE_LSE=False, KV=kv, HW=True, DOT_F32=False,
@@ -211,15 +212,16 @@ def attention(_k: int) -> None:
                                      aligned=tuple(n for n in sig if n.startswith("stride")))
         ops = main_loop_ops(sass)
         total = sum(ops.values())
-        print(f"attention, {name} KV: main loop {total} instructions per 64-key chunk, LDGSTS {ops['LDGSTS']}, "
-              f"LDG {ops['LDG']}, F2F {ops['F2F'] + ops['F2FP']}, HMMA {ops['HMMA']}, STS {ops['STS']} "
-              f"({summary})")
+        print(f"attention, {name} KV: main loop {total} instructions per 64-key chunk, "
+              f"LDGSTS {ops['LDGSTS']}, LDG {ops['LDG']}, F2F {ops['F2F'] + ops['F2FP']}, "
+              f"HMMA {ops['HMMA']}, STS {ops['STS']} ({summary})")
         print("   ", ", ".join(f"{op} {n}" for op, n in ops.most_common(14)))
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("what", nargs="?", default="quantize", choices=["quantize", "decode", "grouped", "gemm", "attention"])
+    p.add_argument("what", nargs="?", default="quantize",
+                   choices=["quantize", "decode", "grouped", "gemm", "attention"])
     p.add_argument("--k", type=int, default=4096, help="row width / reduction length (elements)")
     args = p.parse_args()
     dict(quantize=quantize, decode=decode, grouped=grouped, gemm=gemm, attention=attention)[args.what](args.k)
