@@ -42,7 +42,8 @@ ATTENTION_BACKWARDS = ("kernel", "reference")
 PREFILL_WEIGHTS = ("codes", "copy")
 
 
-def _check(what: str, value, allowed) -> None:
+def check_choice(what: str, value, allowed) -> None:
+    """A ValueError naming `what` unless `value` is one of `allowed`."""
     if value not in allowed:
         raise ValueError(f"{what}={value!r} is not supported; choose one of {list(allowed)}")
 
@@ -62,10 +63,10 @@ class Execution:
 
     def __post_init__(self):
         for what in ("backend", "elementwise"):
-            _check(what, getattr(self, what), KERNEL_CHOICES)
-        _check("attention", self.attention, ATTENTION_CHOICES)
-        _check("attention_backward", self.attention_backward, ATTENTION_BACKWARDS)
-        _check("prefill_weights", self.prefill_weights, PREFILL_WEIGHTS)
+            check_choice(what, getattr(self, what), KERNEL_CHOICES)
+        check_choice("attention", self.attention, ATTENTION_CHOICES)
+        check_choice("attention_backward", self.attention_backward, ATTENTION_BACKWARDS)
+        check_choice("prefill_weights", self.prefill_weights, PREFILL_WEIGHTS)
         if self.decode_max_m < 0 or self.decode_max_rows_per_expert < 0:
             raise ValueError("decode_max_m and decode_max_rows_per_expert must be >= 0")
 

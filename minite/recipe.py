@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from minite.execution import Execution
+from minite.execution import Execution, check_choice
 
 SCALINGS = ("tensor", "row", "static")
 BLOCKS = ((1, 16), (16, 16))
@@ -34,11 +34,6 @@ EPILOGUES = ("sdec", "alpha", "bf16_scalar")
 BACKWARDS = ("dequantized", "nvfp4")
 FUSED_SCALES = ("separate", "shared")
 KV_CACHES = ("bf16", "fp8", "nvfp4")  # bf16: the model dtype, unquantized
-
-
-def _check(what: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ValueError(f"{what}={value!r} is not supported; choose one of {list(allowed)}")
 
 
 @dataclass(frozen=True)
@@ -52,10 +47,10 @@ class QuantSpec:
     hadamard: bool = False
 
     def __post_init__(self):
-        _check("scaling", self.scaling, SCALINGS)
-        _check("block", tuple(self.block), BLOCKS)
-        _check("rounding", self.rounding, ROUNDINGS)
-        _check("chain", self.chain, CHAINS)
+        check_choice("scaling", self.scaling, SCALINGS)
+        check_choice("block", tuple(self.block), BLOCKS)
+        check_choice("rounding", self.rounding, ROUNDINGS)
+        check_choice("chain", self.chain, CHAINS)
 
     def kwargs(self) -> dict:
         return dict(scaling=self.scaling, block=tuple(self.block), rounding=self.rounding,
@@ -80,10 +75,10 @@ class Recipe:
     kv_cache: str = "bf16"
 
     def __post_init__(self):
-        _check("epilogue", self.epilogue, EPILOGUES)
-        _check("fused_scale", self.fused_scale, FUSED_SCALES)
-        _check("backward", self.backward, BACKWARDS)
-        _check("kv_cache", self.kv_cache, KV_CACHES)
+        check_choice("epilogue", self.epilogue, EPILOGUES)
+        check_choice("fused_scale", self.fused_scale, FUSED_SCALES)
+        check_choice("backward", self.backward, BACKWARDS)
+        check_choice("kv_cache", self.kv_cache, KV_CACHES)
         if isinstance(self.execution, dict):  # a config's table
             object.__setattr__(self, "execution", Execution(**self.execution))
         if not isinstance(self.execution, Execution):

@@ -25,8 +25,9 @@ import torch
 from torch import nn
 
 from minite.nn.linear import Linear, SegmentedLinear
-from minite.nn.moe import EXPERT_WEIGHTS, MoEExperts
+from minite.nn.moe import MoEExperts
 from minite.nn.quantized_weight import QuantizedWeight, is_released
+from minite.nn.sampler_weights import nvfp4_weight_names
 
 KINDS = ("bf16_parameters", "fp32_parameters", "fp32_masters", "optimizer_state", "gradients", "nvfp4_codes",
          "block_scales", "global_scales", "decode_layouts", "unscaled_copies")
@@ -111,7 +112,7 @@ def memory_from_shapes(model: nn.Module, *, sampler_only: bool = False, unscaled
 
     tile_n, kgroup = lazy.decode_gemm.TILE_N, lazy.decode_gemm.KGROUP
     out = dict.fromkeys(KINDS, 0)
-    quantized = {id(getattr(m, leaf)): (m, leaf) for m in model.modules() for leaf in _nvfp4_weights(m)}
+    quantized = {id(getattr(m, leaf)): (m, leaf) for m in model.modules() for leaf in nvfp4_weight_names(m)}
     for p in model.parameters():
         if id(p) in quantized and sampler_only:
             continue
@@ -138,11 +139,3 @@ def memory_from_shapes(model: nn.Module, *, sampler_only: bool = False, unscaled
             padded = sum(-(-n // tile_n) * tile_n for n in segments)
             out["decode_layouts"] += lead * padded * (k // 2 + k // 8)
     return {**out, "total": sum(out.values())}
-
-
-def _nvfp4_weights(module: nn.Module) -> tuple[str, ...]:
-    if isinstance(module, Linear) and module.recipe.fp4:
-        return ("weight",)
-    if isinstance(module, MoEExperts) and module.recipe.fp4:
-        return EXPERT_WEIGHTS
-    return ()

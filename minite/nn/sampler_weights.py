@@ -53,7 +53,7 @@ def quantized_layers(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
     """{parameter name: (module, weight name in it)} of every NVFP4 weight of `model`."""
     out = {}
     for prefix, module in model.named_modules():
-        for name in _weight_names(module):
+        for name in nvfp4_weight_names(module):
             out[f"{prefix}.{name}" if prefix else name] = (module, name)
     return out
 
@@ -84,7 +84,8 @@ def install_packed(module: nn.Module, name: str, qweights) -> None:
         module._qweight = packed
 
 
-def _weight_names(module: nn.Module) -> tuple[str, ...]:
+def nvfp4_weight_names(module: nn.Module) -> tuple[str, ...]:
+    """The names of `module`'s own weights that its recipe quantizes to NVFP4 (none for bf16 modules)."""
     if isinstance(module, Linear) and module.recipe.fp4:
         return ("weight",)
     if isinstance(module, MoEExperts) and module.recipe.fp4:
@@ -96,7 +97,7 @@ def _quantized(module: nn.Module) -> dict[str, object]:
     """{weight name: its quantized weight(s)} of the NVFP4 weights of `module` still holding their
     bf16 parameter (quantized now where the cache is stale)."""
     out = {}
-    for name in _weight_names(module):
+    for name in nvfp4_weight_names(module):
         if is_released(getattr(module, name)):
             continue
         if isinstance(module, SegmentedLinear):
