@@ -107,8 +107,15 @@ def model_config(kind: str, args) -> ModelConfig:
 
 
 def build_model(config: ModelConfig, device, dtype, seed: int) -> Qwen3:
-    with torch.device(device):
-        model = Qwen3(config, recipe="bf16").to(dtype)
+    """The model made in `dtype` from the start: made in fp32 and cast, the full MoE's fp32 weights
+    (122 GB) stay in the allocator's cache and shrink what `--max-batch` finds free."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3(config, recipe="bf16")
+    finally:
+        torch.set_default_dtype(previous)
     model.init_weights(std=0.02, generator=torch.Generator(device).manual_seed(seed))
     return model.eval()
 
@@ -126,6 +133,8 @@ def max_sequences(model, recipe, args, device) -> int:
     cfg = model.config
     per_token = KVCache.bytes_per_block(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim,
                                         torch.bfloat16, recipe.kv_cache)
+    gc.collect()
+    torch.cuda.empty_cache()  # memory cached by the allocator is free for the KV cache
     free, _ = torch.cuda.mem_get_info(device)
     tokens = int(free * args.memory_fraction / per_token)
     seqs = tokens // (args.prompt_len + args.new_tokens + 16) - 16

@@ -28,7 +28,11 @@ CALLS = 4  # calls per graph
 # tile whose rows fit in BM / 2 runs half-height MMAs: the weight dequantized once per BM rows) above
 SWEEP = ([dict(BM=16, BN=bn, BK=bk, num_warps=4, num_stages=3) for bn in (64, 128) for bk in (128, 256)]
          + [dict(BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=st, HALVES=True) for bm in (32, 64)
-            for bn, bk, st in ((128, 128, 3), (128, 128, 4), (256, 128, 3), (128, 64, 4))])
+            for bn, bk, st in ((128, 128, 3), (128, 128, 4), (256, 128, 3), (128, 64, 4))]
+         + [dict(BM=bm, BN=bn, BK=128, num_warps=8, num_stages=3, HALVES=True) for bm in (32, 64)
+            for bn in (128, 256)]
+         + [dict(BM=64, BN=64, BK=128, num_warps=4, num_stages=4, HALVES=True),
+            dict(BM=64, BN=128, BK=256, num_warps=4, num_stages=2, HALVES=True)])
 
 
 def experts(n, k):

@@ -9,6 +9,7 @@ away from graph replays: with them it ran past a 90 s cap on the H200.) Same mod
 
     python -m benchmarks.tools.profile_rollout --recipe aligned --kernels 6 --out OUT.json
     python -m benchmarks.tools.profile_rollout --model moe --moe-layers 24 --recipe aligned --kernels 4
+    python -m benchmarks.tools.profile_rollout --model moe --moe-layers 48 --recipe aligned --sampler-only
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import torch
 import minite.sampler.engine as engine
 from benchmarks.common import print_profile, profile_table, write_json
 from benchmarks.e2e import bench_rollout
-from minite.recipe import get_recipe
 from minite.sampler import Sampler
 from minite.sampling import SamplingParams
 
@@ -90,12 +90,20 @@ def main():
     p.add_argument("--kernels", type=int, default=0, help="profile this many eager decode steps")
     p.add_argument("--model", choices=["dense", "moe"], default="dense")
     p.add_argument("--moe-layers", type=int, default=4)
+    p.add_argument("--sampler-only", action="store_true",
+                   help="an NVFP4 recipe on a sampler-only model (bench_rollout --sampler-only)")
+    p.add_argument("--prefill-weights", default="codes", choices=["codes", "copy"],
+                   help="with --sampler-only: Execution.prefill_weights")
     args = p.parse_args()
     bargs = bench_rollout.parse_args(["--backend", "triton", "--moe-layers", str(args.moe_layers)])
     device = torch.device("cuda")
     config = bench_rollout.model_config(args.model, bargs)
-    model = bench_rollout.build_model(config, device, torch.bfloat16, 0)
-    model.set_recipe(get_recipe(args.recipe).with_execution(backend="triton"))
+    if args.sampler_only and args.recipe.partition("/")[0] != "bf16":
+        model = bench_rollout.build_sampler_only(config, args.recipe, device, torch.bfloat16, 0, "triton",
+                                                 args.prefill_weights)
+    else:
+        model = bench_rollout.build_model(config, device, torch.bfloat16, 0)
+        model.set_recipe(bench_rollout.recipe_of(args.recipe, "triton"))
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, config.vocab_size, (bargs.prompts, bargs.prompt_len), generator=g).tolist()
     seqs = bargs.prompts * bargs.samples
@@ -144,7 +152,7 @@ def main():
     steps = torch.zeros(512, dtype=torch.int64, device=device)
     sample_ms = cuda_ms(lambda: engine.sample(logits, [params] * 512, keys, steps))
     result = dict(model=args.model, layers=config.num_hidden_layers, recipe=args.recipe,
-                  steps=n,
+                  sampler_only=args.sampler_only, prefill_weights=args.prefill_weights, steps=n,
                   decode_steps=len(decode), wall_s=wall,
                   tokens=tokens, tokens_per_s=tokens / wall,
                   decode_step_ms_mean=1e3 * sum(decode) / max(len(decode), 1),

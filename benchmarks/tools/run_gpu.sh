@@ -7,7 +7,10 @@
 #   rollout_moe      MoE rollout (24 of 48 Qwen3-30B-A3B layers) bf16 vs aligned, 3 paired rounds
 #   rollout_kv       dense rollout: bf16, aligned and aligned with each quantized KV cache (no HF)
 #   rollout_moe_full the full 48-layer MoE on sampler-only models: bf16, aligned, aligned/fp8; codes vs copy
-#   rollout_max_batch each recipe at the largest batch its memory holds (full MoE, sampler-only)
+#   rollout_max_batch each recipe at the largest batch its memory holds (full MoE, sampler-only;
+#                    PREFILL_WEIGHTS: codes or copy)
+#   profile_rollout_moe48 a decode step's kernels on the full MoE, aligned sampler-only (PREFILL_WEIGHTS)
+#   agreement_kv     aligned learner vs sampler with each quantized KV cache, dense and MoE
 #   memory           benchmarks/e2e/bench_memory.py on the dense shape: bytes by kind, measured
 #   learner          learner train step, dense and MoE, with a profile of each (--kernels)
 #   rl_step          one RL step of configs/gpu_arith.toml: aligned, naive te/vllm, bf16
@@ -56,10 +59,23 @@ for part in "$@"; do
     rollout_moe_full)
       moe="--models moe --sampler-only --new-tokens 256 --no-hf"
       py 125 benchmarks.e2e.bench_rollout $moe --recipes bf16,aligned,aligned/fp8 --out "$x/rollout_moe48.json"
-      py 50 benchmarks.e2e.bench_rollout $moe --recipes aligned/fp8 --prefill-weights copy \
+      py 90 benchmarks.e2e.bench_rollout $moe --recipes aligned,aligned/fp8 --prefill-weights copy \
         --out "$x/rollout_moe48_copy.json" ;;
-    rollout_max_batch) py 120 benchmarks.e2e.bench_rollout --models moe --sampler-only --new-tokens 256 --no-hf \
-      --max-batch --recipes bf16,aligned/fp8 --out "$x/rollout_moe48_max_batch.json" ;;
+    rollout_max_batch) py 300 benchmarks.e2e.bench_rollout --models moe --sampler-only --new-tokens 256 --no-hf \
+      --max-batch --recipes bf16,aligned/fp8 --prefill-weights "${PREFILL_WEIGHTS:-codes}" \
+      --out "$x/rollout_moe48_max_batch.json" ;;
+    profile_rollout_moe48) py 150 benchmarks.tools.profile_rollout --model moe --moe-layers 48 --kernels 3 \
+      --recipe aligned --sampler-only --prefill-weights "${PREFILL_WEIGHTS:-codes}" \
+      --out "$x/profile_rollout_moe48_aligned.json" ;;
+    agreement_kv)  # each quantized KV cache: the dense shape at full depth, the MoE shape at 8 of 48 layers
+      for run in "qwen3-1.7b 28" "qwen3-30b-a3b 8"; do
+        read -r preset layers <<< "$run"
+        for kv in fp8 nvfp4; do
+          py 60 minite.cli agreement --preset $preset --layers $layers --kv-cache $kv --num-prompts 16 --n 4 \
+            --max-tokens 64 --learner-recipe aligned --json
+          cp "$x/step.txt" "$x/agreement_${preset}_$kv.txt"
+        done
+      done ;;
     memory) py 90 benchmarks.e2e.bench_memory --models dense --out "$x/memory.json" ;;
     learner) py 160 benchmarks.e2e.bench_learner --kernels --out "$x/learner.json" ;;
     rl_step) py 400 benchmarks.e2e.bench_rl_step --out "$x/rl_step.json" ;;
