@@ -59,7 +59,7 @@ for part in "$@"; do
     rollout_moe_full)
       moe="--models moe --sampler-only --new-tokens 256 --no-hf"
       py 125 benchmarks.e2e.bench_rollout $moe --recipes bf16,aligned,aligned/fp8 --out "$x/rollout_moe48.json"
-      py 90 benchmarks.e2e.bench_rollout $moe --recipes aligned,aligned/fp8 --prefill-weights copy \
+      [ -n "$WITH_COPY" ] && py 90 benchmarks.e2e.bench_rollout $moe --recipes aligned,aligned/fp8 --prefill-weights copy \
         --out "$x/rollout_moe48_copy.json" ;;
     rollout_max_batch) py 300 benchmarks.e2e.bench_rollout --models moe --sampler-only --new-tokens 256 --no-hf \
       --max-batch --recipes bf16,aligned/fp8 --prefill-weights "${PREFILL_WEIGHTS:-codes}" \

@@ -14,7 +14,8 @@ Programs run over (N tile, row tile); row tiles cut each expert's rows into BM-r
 programs exit at once. With HALVES a row tile holding at most BM / 2 rows runs BM / 2-row MMAs: the
 weight is dequantized once per BM rows of an expert, and short experts do not pay BM-row MMAs. The
 tile is picked from the average rows per expert (`grouped_decode_config`); it partitions the
-outputs only, never a row's sum.
+outputs only, never a row's sum. `decode_gemm_rows` runs one dense weight through the same kernel (one
+expert owning all M rows, in BM-row tiles): a weight kept only packed, at any row count.
 """
 
 import torch
@@ -134,3 +135,29 @@ def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight,
         EVEN_N=w.n_pad % bn == 0, HALVES=cfg.get("HALVES", False), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     return out
+
+
+_ROW_OFFSETS: dict = {}
+
+
+def _row_offsets(m: int, device) -> torch.Tensor:
+    """int32 [0, m] on `device`: cached where made outside a CUDA graph capture (the sampler's warm-up
+    makes them), else made inside it, in the graph's own memory."""
+    key = (m, device)
+    offsets = _ROW_OFFSETS.get(key)
+    if offsets is None:
+        offsets = torch.arange(2, dtype=torch.int32, device=device) * m
+        if offsets.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _ROW_OFFSETS[key] = offsets
+    return offsets
+
+
+def decode_gemm_rows(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, w_scale: torch.Tensor,
+                     epilogue: str = "sdec", out_dtype=torch.bfloat16) -> torch.Tensor:
+    """a [M, K] (any M) times one weight [N, K] in the decode layout -> [M, N]: `grouped_decode_gemm`
+    with a single expert, so the rows run in BM-row tiles and get the aligned path's bits."""
+    if w.codes.ndim != 4:
+        raise ValueError(f"w must be one weight [N, K] in the decode layout, got {tuple(w.shape)}")
+    experts = DecodeWeight(w.codes.unsqueeze(0), w.scales.unsqueeze(0), w.n)
+    return grouped_decode_gemm(a, a_scale, experts, w_scale.reshape(1), _row_offsets(a.shape[0], a.device),
+                               epilogue, out_dtype)

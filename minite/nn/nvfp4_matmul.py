@@ -274,6 +274,10 @@ def _dense_kernel(x2: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe,
         # few rows: the weight read packed (decode layout), in the aligned K order unless `fast`
         out = kd.decode_gemm(a, row_factor, qweight.decode_weight(a.dtype), sw, recipe.epilogue,
                              x2.dtype, None if fast else kd.aligned_decode_config(m, k))
+    elif reads_codes(qweight, recipe) and k % kd.KGROUP == 0 and not fast:
+        # a sampler-form weight: the decode layout at any row count, in BM-row tiles (the same bits)
+        out = lazy.grouped_decode.decode_gemm_rows(a, row_factor, qweight.decode_weight(a.dtype), sw,
+                                                   recipe.epilogue, x2.dtype)
     elif reads_codes(qweight, recipe):
         cfg = kg.pick_config(config, m, n)
         codes, scales = packed_operand(qweight, cfg["BK"])  # [N, Kp // 2], [N, Kp // 16]
@@ -319,8 +323,10 @@ def _grouped_kernel(xs: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe, 
     bk = gg.CONFIGS["interpret" if kernels.interpreted() else config]["BK"]
     e, n, k = qweight.shape
     sw = _weight_scale(qweight, recipe)
-    if xs.shape[0] <= recipe.execution.decode_max_rows_per_expert * e and k % gd.KGROUP == 0:
-        # few rows per expert (decode): read the 4-bit codes, not the bf16 copy
+    few_rows = xs.shape[0] <= recipe.execution.decode_max_rows_per_expert * e
+    if (few_rows or reads_codes(qweight, recipe) and not recipe.execution.fast) and k % gd.KGROUP == 0:
+        # few rows per expert (decode), or a sampler-form weight at any row count: read the 4-bit codes
+        # in the decode layout, not a bf16 copy
         out = gd.grouped_decode_gemm(a, row_factor, qweight.decode_weight(a.dtype), sw, offsets,
                                      recipe.epilogue, xs.dtype)
         return out, a, sdec

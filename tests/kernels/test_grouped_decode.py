@@ -124,3 +124,35 @@ def test_gpu_decode_without_split_k_is_the_aligned_order_at_every_k_step(m):
     split = dict(kd.aligned_decode_config(m, k), SPLIT_K=4)
     assert not torch.equal(kd.decode_gemm(a, sa, dw, wq.global_scale, out_dtype=torch.float32, config=split),
                            aligned)
+
+
+@pytest.mark.parametrize("m", [1, 24, 150])
+def test_dense_weight_at_any_row_count_gives_the_aligned_bits(m):
+    """`decode_gemm_rows`: one weight, its rows in several row tiles above 64, bitwise the dense aligned
+    GEMM on the bf16 copy (heavy-tailed data, where the K order shows in the bits)."""
+    dev = device()
+    k, n = 256, 96
+    xq = nvfp4.quantize(heavy(m, k, 7).to(dev), "row")
+    wq = nvfp4.quantize(heavy(n, k, 8).to(dev), "tensor")
+    a, sa = xq.unscaled().to(kg.operand_dtype(dev)), xq.global_scale.reshape(-1)
+    want = kg.w4a4_gemm(a, sa, kg.unscaled_copy(wq).to(a.dtype), wq.global_scale, out_dtype=torch.float32)
+    dw = kd.pack_weight(wq.codes, wq.block_scales, a.dtype)
+    got = gd.decode_gemm_rows(a, sa, dw, wq.global_scale, out_dtype=torch.float32)
+    assert got.shape == (m, n) and torch.equal(got, want)
+    with pytest.raises(ValueError, match="one weight"):
+        gd.decode_gemm_rows(a, sa, kd.pack_weight(wq.codes[None], wq.block_scales[None], a.dtype),
+                            wq.global_scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [65, 512, 3000])
+def test_gpu_dense_weight_at_any_row_count_gives_the_aligned_bits(m):
+    """`decode_gemm_rows` at an attention projection's shape: bitwise the dense aligned GEMM."""
+    k, n = 2048, 640
+    xq = nvfp4.quantize(heavy(m, k, 9).cuda(), "row")
+    wq = nvfp4.quantize(heavy(n, k, 10).cuda(), "tensor")
+    a, sa = xq.unscaled().to(torch.bfloat16), xq.global_scale.reshape(-1)
+    want = kg.w4a4_gemm(a, sa, kg.unscaled_copy(wq), wq.global_scale, out_dtype=torch.float32)
+    got = gd.decode_gemm_rows(a, sa, kd.pack_weight(wq.codes, wq.block_scales), wq.global_scale,
+                              out_dtype=torch.float32)
+    assert torch.isfinite(got).all() and torch.equal(got, want)
