@@ -18,10 +18,8 @@ choice of an engine's hot path reads it, nothing reads a module global:
 - `decode_max_m`: at most this many rows, an aligned dense GEMM reads the packed weight in the
   decode layout instead of the bf16 copy (the same bits; 0: never); `decode_max_rows_per_expert`:
   the same for MoE experts, in rows per expert on average.
-- `prefill_weights`: what a GEMM above those thresholds multiplies when its weight is in the sampler
-  form (`minite.nn.sampler_weights`: no bf16 copy kept): `codes`, the packed codes dequantized in
-  registers (the aligned K order); `copy`, a bf16 copy of that one weight made for the call and
-  dropped after it. The same bits; the GPU measurement picks (docs/memory.md).
+  A weight in the sampler form (`minite.nn.sampler_weights`: no bf16 copy kept) reads its decode
+  layout at every row count, in row tiles, the same bits (docs/memory.md).
 - `fused_projections`: a segmented projection (q|k|v, gate|up) as one GEMM launch
   (`minite.nn.segmented_matmul`); off, each segment's GEMM runs on its own (the same outputs).
 - `grouped_mm`: bf16 MoE experts on `torch._grouped_mm` (None: on CUDA weights).
@@ -39,7 +37,6 @@ import torch
 KERNEL_CHOICES = ("auto", "ref", "triton")
 ATTENTION_CHOICES = (*KERNEL_CHOICES, "sdpa")
 ATTENTION_BACKWARDS = ("kernel", "reference")
-PREFILL_WEIGHTS = ("codes", "copy")
 
 
 def check_choice(what: str, value, allowed) -> None:
@@ -57,7 +54,6 @@ class Execution:
     fast: bool = False
     decode_max_m: int = 64
     decode_max_rows_per_expert: int = 64
-    prefill_weights: str = "codes"
     fused_projections: bool = True
     grouped_mm: bool | None = None
 
@@ -66,7 +62,6 @@ class Execution:
             check_choice(what, getattr(self, what), KERNEL_CHOICES)
         check_choice("attention", self.attention, ATTENTION_CHOICES)
         check_choice("attention_backward", self.attention_backward, ATTENTION_BACKWARDS)
-        check_choice("prefill_weights", self.prefill_weights, PREFILL_WEIGHTS)
         if self.decode_max_m < 0 or self.decode_max_rows_per_expert < 0:
             raise ValueError("decode_max_m and decode_max_rows_per_expert must be >= 0")
 

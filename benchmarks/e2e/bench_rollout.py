@@ -82,9 +82,6 @@ def parse_args(argv=None):
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
     p.add_argument("--sampler-only", action="store_true",
                    help="NVFP4 recipes on a sampler-only model built layer by layer (module docstring)")
-    p.add_argument("--prefill-weights", default="codes", choices=["codes", "copy"],
-                   help="what a sampler-only model's GEMMs above the decode threshold read "
-                        "(Execution.prefill_weights)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=1,
                    help="run our recipes this many times, the order reversed every other round; a recipe's "
@@ -141,11 +138,10 @@ def max_sequences(model, recipe, args, device) -> int:
     return max(args.samples, seqs // args.samples * args.samples)
 
 
-def build_sampler_only(config: ModelConfig, spec: str, device, dtype, seed: int, backend: str,
-                       prefill_weights: str = "codes") -> Qwen3:
+def build_sampler_only(config: ModelConfig, spec: str, device, dtype, seed: int, backend: str) -> Qwen3:
     """`build_model`'s weights as a sampler-only model under the recipe `spec`, made layer by layer
     (peak memory: the sampler form plus one layer in bf16)."""
-    recipe = recipe_of(spec, backend).with_execution(prefill_weights=prefill_weights)
+    recipe = recipe_of(spec, backend)
     fill = random_fill(seed, std=0.02, device=device)
     return build_sampler_model(config, recipe, fill, device=device, dtype=dtype)
 
@@ -305,8 +301,7 @@ def main(argv=None):
                 if args.sampler_only and recipe.partition("/")[0] == "bf16":
                     target = build_model(config, device, dtype, args.seed)
                 elif args.sampler_only:
-                    target = build_sampler_only(config, recipe, device, dtype, args.seed, args.backend,
-                                                args.prefill_weights)
+                    target = build_sampler_only(config, recipe, device, dtype, args.seed, args.backend)
                 row = run_ours(target, recipe, prompts, args, device, async_decode)
                 del target
                 if args.sampler_only and device.type == "cuda":  # this run's model goes before the next's
@@ -337,7 +332,7 @@ def main(argv=None):
     workload = dict(prompts=args.prompts, samples=args.samples, new_tokens=args.new_tokens,
                     prompt_len=args.prompt_len, device=str(device), dtype=str(dtype), backend=args.backend,
                     moe_layers_of_48=args.moe_layers, dense_layers_of_28=args.dense_layers, tiny=args.tiny,
-                    sampler_only=args.sampler_only, prefill_weights=args.prefill_weights)
+                    sampler_only=args.sampler_only)
     report("rollout", rows, args.out, extra=dict(workload=workload, vs_bf16=paired_vs_bf16(rows)))
     return rows
 

@@ -92,15 +92,12 @@ def main():
     p.add_argument("--moe-layers", type=int, default=4)
     p.add_argument("--sampler-only", action="store_true",
                    help="an NVFP4 recipe on a sampler-only model (bench_rollout --sampler-only)")
-    p.add_argument("--prefill-weights", default="codes", choices=["codes", "copy"],
-                   help="with --sampler-only: Execution.prefill_weights")
     args = p.parse_args()
     bargs = bench_rollout.parse_args(["--backend", "triton", "--moe-layers", str(args.moe_layers)])
     device = torch.device("cuda")
     config = bench_rollout.model_config(args.model, bargs)
     if args.sampler_only and args.recipe.partition("/")[0] != "bf16":
-        model = bench_rollout.build_sampler_only(config, args.recipe, device, torch.bfloat16, 0, "triton",
-                                                 args.prefill_weights)
+        model = bench_rollout.build_sampler_only(config, args.recipe, device, torch.bfloat16, 0, "triton")
     else:
         model = bench_rollout.build_model(config, device, torch.bfloat16, 0)
         model.set_recipe(bench_rollout.recipe_of(args.recipe, "triton"))
@@ -152,7 +149,7 @@ def main():
     steps = torch.zeros(512, dtype=torch.int64, device=device)
     sample_ms = cuda_ms(lambda: engine.sample(logits, [params] * 512, keys, steps))
     result = dict(model=args.model, layers=config.num_hidden_layers, recipe=args.recipe,
-                  sampler_only=args.sampler_only, prefill_weights=args.prefill_weights, steps=n,
+                  sampler_only=args.sampler_only, steps=n,
                   decode_steps=len(decode), wall_s=wall,
                   tokens=tokens, tokens_per_s=tokens / wall,
                   decode_step_ms_mean=1e3 * sum(decode) / max(len(decode), 1),

@@ -6,10 +6,10 @@
 #   rollout          dense rollout (Qwen3-1.7B shape) against Hugging Face generate
 #   rollout_moe      MoE rollout (24 of 48 Qwen3-30B-A3B layers) bf16 vs aligned, 3 paired rounds
 #   rollout_kv       dense rollout: bf16, aligned and aligned with each quantized KV cache (no HF)
-#   rollout_moe_full the full 48-layer MoE on sampler-only models: bf16, aligned, aligned/fp8; codes vs copy
-#   rollout_max_batch each recipe at the largest batch its memory holds (full MoE, sampler-only;
-#                    PREFILL_WEIGHTS: codes or copy)
-#   profile_rollout_moe48 a decode step's kernels on the full MoE, aligned sampler-only (PREFILL_WEIGHTS)
+#   rollout_moe_full the full 48-layer MoE on sampler-only models: bf16, aligned, aligned/fp8, 3 paired rounds
+#   rollout_dense_sampler_only the dense shape on sampler-only models: bf16, aligned, aligned/fp8
+#   rollout_max_batch each recipe at the largest batch its memory holds (full MoE, sampler-only)
+#   profile_rollout_moe48 a decode step's kernels on the full MoE, aligned sampler-only
 #   agreement_kv     aligned learner vs sampler with each quantized KV cache, dense and MoE
 #   memory           benchmarks/e2e/bench_memory.py on the dense shape: bytes by kind, measured
 #   learner          learner train step, dense and MoE, with a profile of each (--kernels)
@@ -58,15 +58,14 @@ for part in "$@"; do
       --recipes bf16,aligned,aligned/fp8,aligned/nvfp4 --out "$x/rollout_dense_kv.json" ;;
     rollout_moe_full)
       moe="--models moe --sampler-only --new-tokens 256 --no-hf"
-      py 125 benchmarks.e2e.bench_rollout $moe --recipes bf16,aligned,aligned/fp8 --out "$x/rollout_moe48.json"
-      [ -n "$WITH_COPY" ] && py 90 benchmarks.e2e.bench_rollout $moe --recipes aligned,aligned/fp8 --prefill-weights copy \
-        --out "$x/rollout_moe48_copy.json" ;;
+      py 300 benchmarks.e2e.bench_rollout $moe --recipes bf16,aligned,aligned/fp8 --rounds 3 \
+        --out "$x/rollout_moe48.json" ;;
+    rollout_dense_sampler_only) py 150 benchmarks.e2e.bench_rollout --models dense --sampler-only --no-hf \
+      --recipes bf16,aligned,aligned/fp8 --out "$x/rollout_dense_sampler_only.json" ;;
     rollout_max_batch) py 300 benchmarks.e2e.bench_rollout --models moe --sampler-only --new-tokens 256 --no-hf \
-      --max-batch --recipes bf16,aligned/fp8 --prefill-weights "${PREFILL_WEIGHTS:-codes}" \
-      --out "$x/rollout_moe48_max_batch.json" ;;
+      --max-batch --recipes bf16,aligned/fp8 --out "$x/rollout_moe48_max_batch.json" ;;
     profile_rollout_moe48) py 150 benchmarks.tools.profile_rollout --model moe --moe-layers 48 --kernels 3 \
-      --recipe aligned --sampler-only --prefill-weights "${PREFILL_WEIGHTS:-codes}" \
-      --out "$x/profile_rollout_moe48_aligned.json" ;;
+      --recipe aligned --sampler-only --out "$x/profile_rollout_moe48_aligned.json" ;;
     agreement_kv)  # each quantized KV cache: the dense shape at full depth, the MoE shape at 8 of 48 layers
       for run in "qwen3-1.7b 28" "qwen3-30b-a3b 8"; do
         read -r preset layers <<< "$run"

@@ -21,14 +21,14 @@ Execution (`recipe.execution`, `minite.execution.Execution`; its `backend` 'auto
   copy, whatever M is. Few rows read the packed weights in a decode layout instead, in the same K
   order (the same bits): M <= `execution.decode_max_m` through `kernels.decode_gemm.aligned_decode_config`,
   MoE experts at <= `execution.decode_max_rows_per_expert` rows per expert on average through
-  `kernels.grouped_decode`. A sampler-form weight (no bf16 copy, `minite.nn.sampler_weights`) above
-  those thresholds: the same tiles dequantize its packed codes in registers
-  (`execution.prefill_weights = "codes"`, the same K order and bits) or multiply a copy of it made
-  for the call (`"copy"`). MoE experts under a per-tensor or static activation scale (one scale per
-  expert), stochastic rounding or RHT on activations run the reference GEMM, with activations and
-  weights quantized by the kernels on CUDA (bitwise the same codes and scales). `execution.fast` gives up
-  the alignment for speed: M <= 64 runs the decode GEMM on the weight's decode layout (K a multiple
-  of 32, split-K where N is small), larger M 'prefill'.
+  `kernels.grouped_decode`. A sampler-form weight (no bf16 copy, `minite.nn.sampler_weights`) reads
+  its decode layout at every row count (`grouped_decode.decode_gemm_rows` for a dense weight, the
+  grouped decode kernel for experts: row tiles, the same K order and bits; K not a multiple of 32:
+  the aligned tiles dequantize its packed codes in registers). MoE experts under a per-tensor or
+  static activation scale (one scale per expert), stochastic rounding or RHT on activations run the
+  reference GEMM, with activations and weights quantized by the kernels on CUDA (bitwise the same
+  codes and scales). `execution.fast` gives up the alignment for speed: M <= 64 runs the decode GEMM
+  on the weight's decode layout (K a multiple of 32, split-K where N is small), larger M 'prefill'.
   Kernel outputs equal the reference wherever the fp32 accumulation across 16-blocks is exact (nearly
   all outputs) and differ by at most one fp32 rounding per 16-block otherwise (`minite.ref.gemm`).
 
@@ -274,11 +274,11 @@ def _dense_kernel(x2: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe,
         # few rows: the weight read packed (decode layout), in the aligned K order unless `fast`
         out = kd.decode_gemm(a, row_factor, qweight.decode_weight(a.dtype), sw, recipe.epilogue,
                              x2.dtype, None if fast else kd.aligned_decode_config(m, k))
-    elif reads_codes(qweight, recipe) and k % kd.KGROUP == 0 and not fast:
+    elif reads_codes(qweight) and k % kd.KGROUP == 0 and not fast:
         # a sampler-form weight: the decode layout at any row count, in BM-row tiles (the same bits)
         out = lazy.grouped_decode.decode_gemm_rows(a, row_factor, qweight.decode_weight(a.dtype), sw,
                                                    recipe.epilogue, x2.dtype)
-    elif reads_codes(qweight, recipe):
+    elif reads_codes(qweight):
         cfg = kg.pick_config(config, m, n)
         codes, scales = packed_operand(qweight, cfg["BK"])  # [N, Kp // 2], [N, Kp // 16]
         out = kg.w4a4_gemm(_pad_k(a, 2 * codes.shape[-1]), row_factor.reshape(-1), codes, sw, scales,
@@ -291,11 +291,10 @@ def _dense_kernel(x2: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe,
     return out, a, sdec
 
 
-def reads_codes(qweight: QuantizedWeight, recipe: Recipe) -> bool:
-    """Whether a GEMM above the decode threshold reads this weight's packed codes: a sampler-form
-    weight (no bf16 copy) under `execution.prefill_weights == "codes"`; else the bf16 copy (kept, or
-    made for the call)."""
-    return qweight.unscaled is None and recipe.execution.prefill_weights == "codes"
+def reads_codes(qweight: QuantizedWeight) -> bool:
+    """Whether a GEMM above the decode threshold reads this weight packed: a sampler-form weight (no
+    bf16 copy); else the bf16 copy."""
+    return qweight.unscaled is None
 
 
 def packed_operand(qweight: QuantizedWeight, k_multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -324,13 +323,13 @@ def _grouped_kernel(xs: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe, 
     e, n, k = qweight.shape
     sw = _weight_scale(qweight, recipe)
     few_rows = xs.shape[0] <= recipe.execution.decode_max_rows_per_expert * e
-    if (few_rows or reads_codes(qweight, recipe) and not recipe.execution.fast) and k % gd.KGROUP == 0:
+    if (few_rows or reads_codes(qweight) and not recipe.execution.fast) and k % gd.KGROUP == 0:
         # few rows per expert (decode), or a sampler-form weight at any row count: read the 4-bit codes
         # in the decode layout, not a bf16 copy
         out = gd.grouped_decode_gemm(a, row_factor, qweight.decode_weight(a.dtype), sw, offsets,
                                      recipe.epilogue, xs.dtype)
         return out, a, sdec
-    if reads_codes(qweight, recipe):
+    if reads_codes(qweight):
         codes, scales = packed_operand(qweight, bk)  # [E, N, Kp // 2], [E, N, Kp // 16]
         out = gg.grouped_w4a4_gemm(_pad_k(a, 2 * codes.shape[-1]), row_factor, codes, sw, offsets, scales,
                                    recipe.epilogue, xs.dtype, config)

@@ -8,11 +8,11 @@ where the decode GEMMs will read it, and releases the parameter (`quantized_weig
 placeholder of one element). Embeddings, LM head, norms, the router and the recipe's bf16 layers stay
 as they are.
 
-Outputs are bitwise the full model's: few rows read the decode layout as before; more rows read the
-packed codes in the aligned K order (`Execution.prefill_weights = "codes"`, `kernels.gemm`'s packed
-path: the same bits as the bf16 copy) or a bf16 copy of one weight made for the call (`"copy"`); the
-reference backend (CPU) multiplies a copy made for the call. Segmented projections run their segments
-one GEMM each (the fused launch reads a concatenated bf16 copy), the same bits.
+Outputs are bitwise the full model's: every row count reads the decode layout, in row tiles above the
+decode thresholds (`grouped_decode.decode_gemm_rows`, the grouped decode kernel: the aligned K order,
+the same bits as the bf16 copy); the reference backend (CPU) multiplies a copy made for the call.
+Segmented projections run their segments one GEMM each (the fused launch reads a concatenated bf16
+copy), the same bits.
 
 The form is for sampling: the quantized layers have no backward (a clear error), their recipe and
 weights are fixed (re-quantizing a released parameter is an error), and the model is used on the

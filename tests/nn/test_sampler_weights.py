@@ -20,11 +20,10 @@ CONFIGS = {"dense": tiny_qwen3, "moe": tiny_qwen3_moe}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def recipe(backend: str, prefill: str = "codes"):
+def recipe(backend: str):
     """`aligned` with its GEMMs on `backend` (the element-wise ops and attention on the reference: the
     interpreter's time goes to the GEMMs under test)."""
-    return get_recipe("aligned").with_execution(backend=backend, elementwise="ref", attention="ref",
-                                                prefill_weights=prefill)
+    return get_recipe("aligned").with_execution(backend=backend, elementwise="ref", attention="ref")
 
 
 def full_model(kind: str, r, seed: int = 0, device: str = "cpu", layers: int = 2) -> Qwen3:
@@ -68,13 +67,10 @@ def test_holds_codes_scales_and_decode_layout_only(kind):
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 @pytest.mark.parametrize("backend", backends())
-@pytest.mark.parametrize("prefill", ["codes", "copy"])
-def test_logits_bitwise_the_full_models(kind, backend, prefill):
+def test_logits_bitwise_the_full_models(kind, backend):
     """Rows above the decode thresholds (prefill: 72 tokens; 136 x top-2 for the 4 experts, > 64 per
-    expert on average) and below them (one token each)."""
-    if backend == "ref" and prefill == "copy":
-        pytest.skip("the reference always multiplies a copy")
-    r = recipe(backend, prefill)
+    expert on average: the decode layout in row tiles) and below them (one token each)."""
+    r = recipe(backend)
     full = full_model(kind, r, layers=1 if backend == "triton" else 2)
     tokens = 72 if kind == "dense" else 136
     ids = torch.randint(0, full.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(1))
@@ -88,11 +84,10 @@ def test_logits_bitwise_the_full_models(kind, backend, prefill):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-@pytest.mark.parametrize("prefill", ["codes", "copy"])
-def test_gpu_logits_bitwise_at_every_tile(kind, prefill):
-    """On the GPU (bf16 operands, the TMA tiles on the copy): prefill of 3000 tokens (the large tiles),
-    300 and 1 token, sampler-only against the full model."""
-    full = full_model(kind, recipe("auto", prefill), device="cuda")
+def test_gpu_logits_bitwise_at_every_tile(kind):
+    """On the GPU (bf16 operands; the full model on the TMA tiles of its copies, the sampler-only one
+    on its decode layouts in row tiles): prefill of 3000 tokens (the large tiles), 300 and 1 token."""
+    full = full_model(kind, recipe("auto"), device="cuda")
     ids = torch.randint(0, full.config.vocab_size, (1, 3000), device="cuda")
     with torch.no_grad():
         want = [full(ids[:, :n]) for n in (3000, 300, 1)]
