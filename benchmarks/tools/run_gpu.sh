@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU work batched into one device call. Usage (repository root): bash benchmarks/tools/run_gpu.sh PART...
 #   tests            pytest -m gpu tests
-#   OP               benchmarks/ops/bench_OP.py: quantize gemm grouped_gemm decode_gemm grouped_decode
+#   OP               benchmarks/ops/bench_OP.py: quantize gemm grouped_gemm decode_gemm decode_rows grouped_decode
 #                    attention attention_backward norm sample
 #   rollout          dense rollout (Qwen3-1.7B shape) against Hugging Face generate
 #   rollout_moe      MoE rollout (24 of 48 Qwen3-30B-A3B layers) bf16 vs aligned, 3 paired rounds
@@ -48,7 +48,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv | tee "$log"
 for part in "$@"; do
   case $part in
     tests) py "${TESTS_CAP:-200}" pytest -q -m gpu -p no:cacheprovider tests ;;
-    quantize|gemm|grouped_gemm|decode_gemm|grouped_decode|attention|attention_backward|norm|sample)
+    quantize|gemm|grouped_gemm|decode_gemm|decode_rows|grouped_decode|attention|attention_backward|norm|sample)
       py 200 "benchmarks.ops.bench_$part" --out "$x/$part.json" ;;
     rollout) py 170 benchmarks.e2e.bench_rollout --models dense --out "$x/rollout_dense.json" ;;
     rollout_moe)

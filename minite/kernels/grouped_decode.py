@@ -153,11 +153,13 @@ def _row_offsets(m: int, device) -> torch.Tensor:
 
 
 def decode_gemm_rows(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, w_scale: torch.Tensor,
-                     epilogue: str = "sdec", out_dtype=torch.bfloat16) -> torch.Tensor:
+                     epilogue: str = "sdec", out_dtype=torch.bfloat16,
+                     config: dict | None = None) -> torch.Tensor:
     """a [M, K] (any M) times one weight [N, K] in the decode layout -> [M, N]: `grouped_decode_gemm`
-    with a single expert, so the rows run in BM-row tiles and get the aligned path's bits."""
+    with a single expert (`config` its tile), so the rows run in BM-row tiles and get the aligned
+    path's bits."""
     if w.codes.ndim != 4:
         raise ValueError(f"w must be one weight [N, K] in the decode layout, got {tuple(w.shape)}")
     experts = DecodeWeight(w.codes.unsqueeze(0), w.scales.unsqueeze(0), w.n)
     return grouped_decode_gemm(a, a_scale, experts, w_scale.reshape(1), _row_offsets(a.shape[0], a.device),
-                               epilogue, out_dtype)
+                               epilogue, out_dtype, config)
