@@ -42,10 +42,22 @@ GROUPED_DECODE_TILES = (
 )
 
 
-def grouped_decode_config(rows: int, experts: int, k: int | None = None) -> dict:
-    """The tile for `rows` sorted rows over `experts` experts (depends on the counts, never the data)."""
+# `decode_gemm_rows`' tile from 2048 rows, or from 512 on a weight of N >= 4096 rows: 128 rows, 8 warps
+# (each row tile dequantizes the weight again; half as many tiles). benchmarks/ops/bench_decode_rows.py
+# on the H200 (decode_rows.json, 33b93d3): from 2048 rows 17-21 % faster than the 64-row tile on
+# every shape; at 512 rows on q (N 4096) 19.7 vs 23.6 us and gate|up (N 12288) 56.0 vs 67.2 us, but
+# slower on the narrow ones (o 33.3 vs 26.5 us).
+WIDE_ROWS_TILE = dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=3, HALVES=True)
+
+
+def grouped_decode_config(rows: int, experts: int, k: int | None = None, n: int | None = None) -> dict:
+    """The tile for `rows` sorted rows over `experts` experts (depends on the counts, never the data);
+    one "expert" of N = `n` weight rows (`decode_gemm_rows`) takes `WIDE_ROWS_TILE` where it is faster."""
     avg = rows / max(experts, 1)
-    cfg = dict(next(t for most, t in GROUPED_DECODE_TILES if most is None or avg <= most))
+    if experts == 1 and n is not None and (rows >= 2048 or rows >= 512 and n >= 4096):
+        cfg = dict(WIDE_ROWS_TILE)
+    else:
+        cfg = dict(next(t for most, t in GROUPED_DECODE_TILES if most is None or avg <= most))
     if interpreted():
         cfg.update(BN=32, BK=64, num_stages=1)
     while k is not None and k % cfg["BK"]:
@@ -100,7 +112,7 @@ def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight,
     """a [T, K] e2m1 * s_b (the weight's operand dtype), rows sorted by expert; a_scale fp32 [T] (or
     one number); w the experts [E, N, K] in the decode layout (`decode_gemm.pack_weight`); w_scale
     fp32 [E]; offsets int [E + 1] from 0 to T, non-decreasing. -> [T, N]. config defaults to
-    `grouped_decode_config(T, E, K)`; its BK must divide K and be a multiple of KGROUP."""
+    `grouped_decode_config(T, E, K, N)`; its BK must divide K and be a multiple of KGROUP."""
     if w.codes.ndim != 5:
         raise ValueError(f"w must hold experts [E, N, K] in the decode layout, got {tuple(w.shape)}")
     e, n, k = w.shape
@@ -119,7 +131,7 @@ def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight,
                          f"{tuple(offsets.shape)}")
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue={epilogue!r} is not supported; choose one of {list(EPILOGUES)}")
-    cfg = config or grouped_decode_config(t, e, k)
+    cfg = config or grouped_decode_config(t, e, k, n)
     if k % cfg["BK"] or cfg["BK"] % KGROUP or cfg["BK"] > w.tk:
         raise ValueError(f"BK={cfg['BK']} must divide K={k}, be a multiple of {KGROUP} and at most the "
                          f"layout's tile width {w.tk}")
@@ -156,8 +168,8 @@ def decode_gemm_rows(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, w_
                      epilogue: str = "sdec", out_dtype=torch.bfloat16,
                      config: dict | None = None) -> torch.Tensor:
     """a [M, K] (any M) times one weight [N, K] in the decode layout -> [M, N]: `grouped_decode_gemm`
-    with a single expert (`config` its tile), so the rows run in BM-row tiles and get the aligned
-    path's bits."""
+    with a single expert (`config` its tile; default `grouped_decode_config(M, 1, K, N)`), so the
+    rows run in BM-row tiles and get the aligned path's bits."""
     if w.codes.ndim != 4:
         raise ValueError(f"w must be one weight [N, K] in the decode layout, got {tuple(w.shape)}")
     experts = DecodeWeight(w.codes.unsqueeze(0), w.scales.unsqueeze(0), w.n)

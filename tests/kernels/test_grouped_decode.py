@@ -54,6 +54,11 @@ def test_config_follows_the_average_rows_per_expert():
         (16, False), (16, False), (16, False), (32, True), (64, True), (64, True)]
     assert gd.grouped_decode_config(1024, 128, 768)["BK"] == (64 if interpreted() else 256)
     assert gd.grouped_decode_config(1024, 128, 96)["BK"] == 32  # BK halves until it divides K
+    # one weight (`decode_gemm_rows`): 128-row tiles from 2048 rows, or from 512 on N >= 4096
+    wide = [gd.grouped_decode_config(m, 1, 2048, n)["BM"] for m, n in ((512, 2048), (512, 4096), (2048, 512),
+                                                                      (128, 12288))]
+    assert wide == [64, 128, 128, 64]
+    assert gd.grouped_decode_config(4096, 128, 2048, 4096)["BM"] == 64  # experts keep their tiles
 
 
 def test_bad_arguments_raise():
@@ -126,10 +131,11 @@ def test_gpu_decode_without_split_k_is_the_aligned_order_at_every_k_step(m):
                            aligned)
 
 
+@pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("m", [1, 24, 150])
-def test_dense_weight_at_any_row_count_gives_the_aligned_bits(m):
-    """`decode_gemm_rows`: one weight, its rows in several row tiles above 64, bitwise the dense aligned
-    GEMM on the bf16 copy (heavy-tailed data, where the K order shows in the bits)."""
+def test_dense_weight_at_any_row_count_gives_the_aligned_bits(m, wide):
+    """`decode_gemm_rows`: one weight, its rows in several row tiles above 64 (or 128: the wide tile),
+    bitwise the dense aligned GEMM on the bf16 copy (heavy-tailed data, where the K order shows)."""
     dev = device()
     k, n = 256, 96
     xq = nvfp4.quantize(heavy(m, k, 7).to(dev), "row")
@@ -137,7 +143,10 @@ def test_dense_weight_at_any_row_count_gives_the_aligned_bits(m):
     a, sa = xq.unscaled().to(kg.operand_dtype(dev)), xq.global_scale.reshape(-1)
     want = kg.w4a4_gemm(a, sa, kg.unscaled_copy(wq).to(a.dtype), wq.global_scale, out_dtype=torch.float32)
     dw = kd.pack_weight(wq.codes, wq.block_scales, a.dtype)
-    got = gd.decode_gemm_rows(a, sa, dw, wq.global_scale, out_dtype=torch.float32)
+    cfg = None
+    if wide:
+        cfg = dict(gd.WIDE_ROWS_TILE, **(dict(BN=32, BK=64, num_stages=1) if interpreted() else {}))
+    got = gd.decode_gemm_rows(a, sa, dw, wq.global_scale, out_dtype=torch.float32, config=cfg)
     assert got.shape == (m, n) and torch.equal(got, want)
     with pytest.raises(ValueError, match="one weight"):
         gd.decode_gemm_rows(a, sa, kd.pack_weight(wq.codes[None], wq.block_scales[None], a.dtype),
