@@ -44,7 +44,7 @@ GROUPED_DECODE_TILES = (
 
 # `decode_gemm_rows`' tile from 2048 rows, or from 512 on a weight of N >= 4096 rows: 128 rows, 8 warps
 # (each row tile dequantizes the weight again; half as many tiles). benchmarks/ops/bench_decode_rows.py
-# on the H200 (decode_rows.json, 33b93d3): from 2048 rows 17-21 % faster than the 64-row tile on
+# on the H200 (decode_rows.json, dfc674f): from 2048 rows 17-21 % faster than the 64-row tile on
 # every shape; at 512 rows on q (N 4096) 19.7 vs 23.6 us and gate|up (N 12288) 56.0 vs 67.2 us, but
 # slower on the narrow ones (o 33.3 vs 26.5 us).
 WIDE_ROWS_TILE = dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=3, HALVES=True)
