@@ -150,16 +150,19 @@ def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight,
 
 
 _ROW_OFFSETS: dict = {}
+CACHED_ROWS = 8192  # row counts up to this keep their offsets (decode batch widths); above, made per call
 
 
 def _row_offsets(m: int, device) -> torch.Tensor:
-    """int32 [0, m] on `device`: cached where made outside a CUDA graph capture (the sampler's warm-up
-    makes them), else made inside it, in the graph's own memory."""
+    """int32 [0, m] on `device`. Up to CACHED_ROWS rows cached where made outside a CUDA graph capture
+    (the sampler's warm-up makes them before capturing; never evicted, since a graph may hold them);
+    otherwise made now (inside a capture: in the graph's own memory)."""
     key = (m, device)
     offsets = _ROW_OFFSETS.get(key)
     if offsets is None:
         offsets = torch.arange(2, dtype=torch.int32, device=device) * m
-        if offsets.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        capturing = offsets.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if m <= CACHED_ROWS and not capturing:
             _ROW_OFFSETS[key] = offsets
     return offsets
 
