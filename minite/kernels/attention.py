@@ -44,11 +44,12 @@ from minite.ref.kv_quant import QuantizedKV
 KV_IDS = {"bf16": 0, "fp8": 1, "nvfp4": 2}
 
 CONFIGS = {
-    # The one configuration of every GPU call (decode, prefill, learner): never switch per batch.
-    # H200 sweep (benchmarks/results/h200/attention.json, 512 seqs decode / 8 x 1024 prefill, context
-    # 512): BLOCK_M=64 424 / 290 us; BLOCK_M=16 293 / 513 us (0.86-0.92 of HBM in decode). Rollouts
-    # are decode-bound, so BLOCK_M=16; the bitwise GPU tests run on this configuration.
-    "gpu": dict(BLOCK_M=16, BLOCK_N=KV_BLOCK, num_warps=4, num_stages=2),
+    # The one configuration of every GPU call (decode, prefill, learner; every KV format): never switch
+    # per batch. H200 sweep (benchmarks/results/h200/attention_kv_formats.json; 512 sequences decode):
+    # 2 warps beat 4 (bf16 KV 0.89-0.98 of HBM against 0.84-0.93; fp8 KV 1.36-1.43x faster: with 4
+    # warps the softmax's row reductions cross warps through shared memory); BLOCK_M=64 and 32 are
+    # slower in decode, which rollouts are bound by. The bitwise GPU tests run on this configuration.
+    "gpu": dict(BLOCK_M=16, BLOCK_N=KV_BLOCK, num_warps=2, num_stages=2),
     # fp32 operands (fp32 models, tests): the same tiles, fewer stages (fp32 tiles are twice the size)
     "gpu_fp32": dict(BLOCK_M=64, BLOCK_N=KV_BLOCK, num_warps=8, num_stages=1),
     # The CPU interpreter: small tiles so that tiny tests walk several chunks.
@@ -57,18 +58,54 @@ CONFIGS = {
 
 
 @triton.jit
-def _e4m3_signed(b, HW: tl.constexpr):
-    """Signed E4M3 bytes (uint8) -> exact fp32 values: by the GPU's cvt, or built from the bits (the
-    interpreter)."""
-    if HW:
-        v = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:
-        i = b.to(tl.int32)
-        mag = i & 0x7F
-        normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
-        u = tl.where(mag < 8, (mag & 7).to(tl.float32) * 0.001953125, normal)
-        v = tl.where((i & 0x80) != 0, -u, u)
-    return v
+def _e4m3_signed(b):
+    """Signed E4M3 bytes (uint8) -> exact fp32 values built from the bits (the interpreter's path)."""
+    i = b.to(tl.int32)
+    mag = i & 0x7F
+    normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    u = tl.where(mag < 8, (mag & 7).to(tl.float32) * 0.001953125, normal)
+    return tl.where((i & 0x80) != 0, -u, u)
+
+
+@triton.jit
+def _e4m3_words(ptr, rows, in_seq, D: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr):
+    """E4M3 rows [BLOCK_N, D] loaded as 32-bit words -> exact values [BLOCK_N, D] in DT (bf16 / fp16).
+    Converting whole words in registers, before the layout change to the dot operand, keeps the
+    value tile's shared-memory reads vectorized (loaded as bytes in the operand layout, the keys-major
+    value tile is read a byte at a time)."""
+    w = tl.load((ptr + rows).to(tl.pointer_type(tl.int32)) + tl.arange(0, D // 4)[None, :],
+                mask=in_seq[:, None], other=0)
+    # one word -> its four bytes' values, byte 0 first: two packed E4M3 -> fp16 conversions (exact)
+    if DT == tl.float16:
+        b0, b1, b2, b3 = tl.inline_asm_elementwise("""{
+    .reg .b16 lo, hi;
+    .reg .b32 h0, h1;
+    mov.b32 {lo, hi}, $4;
+    cvt.rn.f16x2.e4m3x2 h0, lo;
+    cvt.rn.f16x2.e4m3x2 h1, hi;
+    mov.b32 {$0, $1}, h0;
+    mov.b32 {$2, $3}, h1;
+}""", "=h,=h,=h,=h,r", [w], dtype=(tl.float16,) * 4, is_pure=True, pack=1)
+    else:  # bf16: then fp16 -> fp32 -> bf16, each exact
+        b0, b1, b2, b3 = tl.inline_asm_elementwise("""{
+    .reg .b16 lo, hi, a0, a1, a2, a3;
+    .reg .b32 h0, h1, r0, r1;
+    .reg .f32 f0, f1, f2, f3;
+    mov.b32 {lo, hi}, $4;
+    cvt.rn.f16x2.e4m3x2 h0, lo;
+    cvt.rn.f16x2.e4m3x2 h1, hi;
+    mov.b32 {a0, a1}, h0;
+    mov.b32 {a2, a3}, h1;
+    cvt.f32.f16 f0, a0;
+    cvt.f32.f16 f1, a1;
+    cvt.f32.f16 f2, a2;
+    cvt.f32.f16 f3, a3;
+    cvt.rn.bf16x2.f32 r0, f1, f0;
+    cvt.rn.bf16x2.f32 r1, f3, f2;
+    mov.b32 {$0, $1}, r0;
+    mov.b32 {$2, $3}, r1;
+}""", "=h,=h,=h,=h,r", [w], dtype=(tl.bfloat16,) * 4, is_pure=True, pack=1)
+    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [BLOCK_N, D])
 
 
 @triton.jit
@@ -77,9 +114,11 @@ def _kv_tile(ptr, bs_ptr, slots, in_seq, kvh, stride_s, stride_h, stride_bs, str
     """Keys or values of slots [BLOCK_N], kv head kvh, from their quantized payload -> the exact
     unscaled values [BLOCK_N, D] in DT (KV 1: E4M3 bytes; 2: packed E2M1 codes times E4M3 block scales)."""
     rows = slots[:, None] * stride_s + kvh * stride_h
+    if KV == 1 and HW:
+        return _e4m3_words(ptr, rows, in_seq, D, BLOCK_N, DT)
     if KV == 1:
         b = tl.load(ptr + rows + tl.arange(0, D)[None, :], mask=in_seq[:, None], other=0)  # uint8
-        return _e4m3_signed(b, HW).to(DT)
+        return _e4m3_signed(b).to(DT)
     p = tl.load(ptr + rows + tl.arange(0, D // 2)[None, :], mask=in_seq[:, None], other=0)  # [BLOCK_N, D/2]
     f16: tl.constexpr = DT != tl.bfloat16
     v = tl.reshape(tl.join(_e2m1_to_float(p & 15, f16), _e2m1_to_float(p >> 4, f16)), [BLOCK_N, D])
@@ -333,6 +372,9 @@ def _check_kv(k, v, q, kname):
         raise ValueError(f"quantized {kname} and v must share their layout (strides)")
     if any(t.stride(-1) != 1 for t in (*k.fields(), *v.fields()) if t.ndim == k.payload.ndim):
         raise ValueError(f"quantized {kname} and v need unit stride along D")
+    if k.format == "fp8" and any(t.data_ptr() % 4 or any(st % 4 for st in t.stride()[:-1])
+                                 for t in (k.payload, v.payload)):
+        raise ValueError(f"fp8 {kname} and v are read as 32-bit words: their rows must start 4-byte aligned")
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"q must be bf16/fp16/fp32, got {q.dtype}")
 

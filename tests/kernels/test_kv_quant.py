@@ -2,6 +2,8 @@
 quantized keys and values against `minite.ref.attention` (close) and against itself, paged vs packed
 (bitwise); on the GPU, bf16 at Qwen3 head shapes."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -108,6 +110,10 @@ def test_quantized_kv_inputs_are_checked():
         paged_attention(q, kq, nv, qseq, qpos, tables, lens)
     with pytest.raises(ValueError, match="power-of-two"):
         quantize_kv(torch.zeros(2, 2, 48, device=q.device), "fp8")
+    wide = torch.zeros(*kq.payload.shape[:-1], 17, dtype=kq.payload.dtype, device=q.device)
+    k17, v17 = (dataclasses.replace(t, payload=wide[..., :16]) for t in (kq, vq))  # rows 17 bytes apart
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        paged_attention(q, k17, v17, qseq, qpos, tables, lens)
 
 
 # GPU: the quantizer's bits at the learner's sizes, and bitwise invariance across batches
