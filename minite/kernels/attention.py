@@ -11,10 +11,11 @@ s = (q @ k^T) * scale * log2(e) in an fp32-accumulating MMA, fp32 online softmax
 the value dtype, acc += p @ v (fp32 accumulation), out = acc / l.
 
 Quantized keys and values (`minite.ref.kv_quant.QuantizedKV`, the `kv_cache` formats; constexpr KV:
-0 the model dtype, 1 fp8, 2 nvfp4): the payload is loaded as bytes and turned into the exact
-unscaled values in registers (E4M3 by the GPU's cvt, E2M1 codes and E4M3 block scales from their
-bits), the MMAs run on those in the value dtype, and each key's / value's fp32 row scale multiplies its
-column of s before the softmax scale and of p before its cast; no other pass. bf16 keys take the
+0 the model dtype, 1 fp8, 2 nvfp4): the payload is turned into the exact unscaled values in
+registers (fp8: loaded as 32-bit words, four E4M3 at a time by the GPU's packed cvt; nvfp4: E2M1
+codes and E4M3 block scales from their bits), the MMAs run on those in the value dtype, and each
+key's / value's fp32 row scale multiplies its column of s before the softmax scale and of p before
+its cast; no other pass. bf16 keys take the
 unchanged loads and arithmetic above, so their bits are those of the unquantized kernel.
 
 Batch invariance: one fixed launch configuration per operand dtype (CONFIGS["gpu"] for bf16/fp16)
@@ -45,10 +46,11 @@ KV_IDS = {"bf16": 0, "fp8": 1, "nvfp4": 2}
 
 CONFIGS = {
     # The one configuration of every GPU call (decode, prefill, learner; every KV format): never switch
-    # per batch. H200 sweep (benchmarks/results/h200/attention_kv_formats.json; 512 sequences decode):
-    # 2 warps beat 4 (bf16 KV 0.89-0.98 of HBM against 0.84-0.93; fp8 KV 1.36-1.43x faster: with 4
-    # warps the softmax's row reductions cross warps through shared memory); BLOCK_M=64 and 32 are
-    # slower in decode, which rollouts are bound by. The bitwise GPU tests run on this configuration.
+    # per batch. H200 sweep (benchmarks/results/h200/attention_kv_formats.json, 512 sequences decode
+    # / 8 x 1024 prefill): 2 warps beat 4 in decode (bf16 KV 0.91-0.96 of HBM against 0.86-0.92; fp8
+    # KV 1.36x, attention_fp8_configs.json: fewer warps share the softmax's row reductions) and tie
+    # in prefill; BLOCK_M 32 / 64 are slower in decode, which rollouts are bound by. The bitwise GPU
+    # tests run on this configuration.
     "gpu": dict(BLOCK_M=16, BLOCK_N=KV_BLOCK, num_warps=2, num_stages=2),
     # fp32 operands (fp32 models, tests): the same tiles, fewer stages (fp32 tiles are twice the size)
     "gpu_fp32": dict(BLOCK_M=64, BLOCK_N=KV_BLOCK, num_warps=8, num_stages=1),
