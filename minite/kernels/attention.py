@@ -48,9 +48,10 @@ CONFIGS = {
     # The one configuration of every GPU call (decode, prefill, learner; every KV format): never switch
     # per batch. H200 sweep (benchmarks/results/h200/attention_kv_formats.json, 512 sequences decode
     # / 8 x 1024 prefill): 2 warps beat 4 in decode (bf16 KV 0.91-0.96 of HBM against 0.86-0.92; fp8
-    # KV 1.36x, attention_fp8_configs.json: fewer warps share the softmax's row reductions) and tie
-    # in prefill; BLOCK_M 32 / 64 are slower in decode, which rollouts are bound by. The bitwise GPU
-    # tests run on this configuration.
+    # KV 1.36-1.43x, attention_fp8_configs.json: fewer warps share the softmax's row reductions);
+    # prefill timings vary between runs more than the warps move them (docs/performance.md); BLOCK_M
+    # 32 / 64 are slower in decode, which rollouts are bound by. The bitwise GPU tests run on this
+    # configuration.
     "gpu": dict(BLOCK_M=16, BLOCK_N=KV_BLOCK, num_warps=2, num_stages=2),
     # fp32 operands (fp32 models, tests): the same tiles, fewer stages (fp32 tiles are twice the size)
     "gpu_fp32": dict(BLOCK_M=64, BLOCK_N=KV_BLOCK, num_warps=8, num_stages=1),
