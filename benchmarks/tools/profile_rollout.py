@@ -90,10 +90,12 @@ def main():
     p.add_argument("--kernels", type=int, default=0, help="profile this many eager decode steps")
     p.add_argument("--model", choices=["dense", "moe"], default="dense")
     p.add_argument("--moe-layers", type=int, default=4)
+    p.add_argument("--prompts", type=int, default=64, help="prompts of 8 samples each (the batch)")
     p.add_argument("--sampler-only", action="store_true",
                    help="an NVFP4 recipe on a sampler-only model (bench_rollout --sampler-only)")
     args = p.parse_args()
-    bargs = bench_rollout.parse_args(["--backend", "triton", "--moe-layers", str(args.moe_layers)])
+    bargs = bench_rollout.parse_args(["--backend", "triton", "--moe-layers", str(args.moe_layers),
+                                      "--prompts", str(args.prompts)])
     device = torch.device("cuda")
     config = bench_rollout.model_config(args.model, bargs)
     if args.sampler_only and args.recipe.partition("/")[0] != "bf16":
