@@ -19,9 +19,9 @@ The Hugging Face baseline (`Qwen3ForCausalLM` / `Qwen3MoeForCausalLM`, bf16, SDP
 state dict under Hugging Face names where both copies fit on the GPU (the largest logit difference on
 one prompt is reported as a mapping check); otherwise (the full MoE) it is built after ours is freed,
 with its own random weights of the same shape (no stop token: the weights do not change the work).
-Each engine runs a short warm-up (graph capture, kernel compilation) before the timed run. `--tiny`
-runs tiny models on the CPU in seconds (smoke test). Prints a table and writes JSON (GPU, date,
-commit, arguments, rows) to `--out`.
+Each engine runs a short warm-up before the timed run (`warm_up`: kernel compilation, and the capture
+of every decode graph the run replays). `--tiny` runs tiny models on the CPU in seconds (smoke test).
+Prints a table and writes JSON (GPU, date, commit, arguments, rows) to `--out`.
 
     python -m benchmarks.e2e.bench_rollout --models dense --out OUT.json
     python -m benchmarks.e2e.bench_rollout --models moe --new-tokens 256 --no-hf --rounds 3
@@ -52,6 +52,7 @@ from minite.models.sampler_model import build_sampler_model, random_fill
 from minite.nn.sampler_weights import is_sampler_only
 from minite.recipe import get_recipe
 from minite.sampler import Sampler
+from minite.sampler.graphs import bucket_width
 from minite.sampler.kv_cache import KVCache
 from minite.sampling import SamplingParams
 
@@ -162,8 +163,7 @@ def run_ours(model, spec: str, prompts, args, device, async_decode: bool | None 
     max_num_seqs = max(args.max_num_seqs, seqs) if args.max_batch else args.max_num_seqs
     sampler = Sampler(model, max_num_seqs=max_num_seqs, kv_cache_tokens=kv_tokens,
                       cuda_graphs=False if args.no_cuda_graphs else None, async_decode=async_decode)
-    # the warm-up runs the whole batch: the kernels of its row counts compile outside the timed run
-    sampler.generate(prompts, SamplingParams(n=args.samples, max_tokens=min(16, args.new_tokens), seed=1))
+    warm_up(sampler, model.config, len(prompts), args)
     sync()
     decode_s, step, stats = [0.0], sampler.step, sampler.stats
 
@@ -202,6 +202,22 @@ def run_ours(model, spec: str, prompts, args, device, async_decode: bool | None 
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def warm_up(sampler: Sampler, config, n_prompts: int, args) -> None:
+    """Short runs of the whole batch (the kernels of its row counts compile) whose decode steps reach
+    every block-table width bucket the timed run crosses, the widest first: each decode graph the run
+    replays is captured here, not inside the timed run. Other random prompts than the workload's."""
+    first, last = args.prompt_len + 1, args.prompt_len + args.new_tokens
+    starts = {}  # width bucket -> the first context length in it
+    for ctx in range(first, last + 1):
+        starts.setdefault(bucket_width(-(-ctx // sampler.block_size)), ctx)
+    steps = min(4, args.new_tokens)
+    g = torch.Generator().manual_seed(args.seed + 2)
+    for ctx in sorted(set(starts.values()) | {last}, reverse=True):
+        length = max(1, min(ctx, last - steps + 1) - 1)
+        prompts = torch.randint(0, config.vocab_size, (n_prompts, length), generator=g).tolist()
+        sampler.generate(prompts, SamplingParams(n=args.samples, max_tokens=steps, seed=1))
 
 
 def workload_prompts(config, n: int, args) -> list[list[int]]:
