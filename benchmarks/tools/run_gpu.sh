@@ -9,6 +9,7 @@
 #   rollout_moe_full the full 48-layer MoE on sampler-only models: bf16, aligned, aligned/fp8, 3 paired rounds
 #   rollout_dense_sampler_only the dense shape on sampler-only models: bf16, aligned, aligned/fp8
 #   rollout_max_batch each recipe at the largest batch its memory holds (full MoE, sampler-only)
+#   rollout_batch    rollout against batch size, 32-512 sequences: dense (full models), full MoE (sampler-only)
 #   profile_rollout_moe48 a decode step's kernels on the full MoE, aligned sampler-only
 #   agreement_kv     aligned learner vs sampler with each quantized KV cache, dense and MoE
 #   memory           benchmarks/e2e/bench_memory.py on the dense shape: bytes by kind, measured
@@ -65,6 +66,11 @@ for part in "$@"; do
       --recipes bf16,aligned,aligned/fp8 --out "$x/rollout_dense_sampler_only.json" ;;
     rollout_max_batch) py 300 benchmarks.e2e.bench_rollout --models moe --sampler-only --new-tokens 256 --no-hf \
       --max-batch --recipes bf16,aligned/fp8 --out "$x/rollout_moe48_max_batch.json" ;;
+    rollout_batch)
+      sizes="--sequences 32,64,128,256,512 --recipes bf16,aligned,aligned/fp8"
+      py 200 benchmarks.e2e.sweep_rollout_batch --model dense $sizes --out "$x/sweep_rollout_batch_dense.json"
+      py 290 benchmarks.e2e.sweep_rollout_batch --model moe --sampler-only --new-tokens 256 $sizes \
+        --out "$x/sweep_rollout_batch_moe48.json" ;;
     profile_rollout_moe48) py 150 benchmarks.tools.profile_rollout --model moe --moe-layers 48 --kernels 3 \
       --recipe aligned --sampler-only --out "$x/profile_rollout_moe48_aligned.json" ;;
     agreement_kv)  # each quantized KV cache: the dense shape at full depth, the MoE shape at 8 of 48 layers

@@ -48,15 +48,20 @@ SIGNATURE = {"w_ptr": "*i32", "codes_ptr": "*u8", "scales_ptr": "*u8", "vals_ptr
              "stride_wr": "i32", "rows_per_gs": "i32"}
 
 
-def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, aligned=()) -> tuple[str, str]:
-    """(SASS text, ptxas -v summary) of fn for sm_90; pointers and the `aligned` ints are declared
-    16-divisible, as Triton's launcher specializes them at run time."""
+def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, aligned=(),
+                 num_stages: int | None = None) -> tuple[str, str]:
+    """(SASS text, ptxas -v summary and the launch's shared memory) of fn for sm_90 (num_stages: Triton's
+    default unless given); pointers and the `aligned` ints are declared 16-divisible, as Triton's
+    launcher specializes them at run time."""
     names = list(signature)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
              if signature[n].startswith("*") or n in aligned}
     sig = dict(signature, **{k: "constexpr" for k in constexprs})
+    options = dict(num_warps=num_warps)
+    if num_stages is not None:
+        options["num_stages"] = num_stages
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+                       target=GPUTarget("cuda", 90, 32), options=options)
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:
         cubin, ptx = os.path.join(d, "k.cubin"), os.path.join(d, "k.ptx")
@@ -75,7 +80,7 @@ def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, aligned=
                 break
     summary = " ".join(line.split("info    : ")[-1].strip() for line in v.splitlines()
                        if "Used" in line or "spill" in line)
-    return sass, summary
+    return sass, f"{summary}, {k.metadata.shared} bytes of shared memory"
 
 
 def main_body_ops(sass: str) -> collections.Counter:
@@ -209,7 +214,8 @@ def attention(_k: int) -> None:
             else:
                 sig[n] = "i32"
         sass, summary = compile_sass(ka._attention_kernel, sig, const, cfg["num_warps"],
-                                     aligned=tuple(n for n in sig if n.startswith("stride")))
+                                     aligned=tuple(n for n in sig if n.startswith("stride")),
+                                     num_stages=cfg["num_stages"])
         ops = main_loop_ops(sass)
         total = sum(ops.values())
         print(f"attention, {name} KV: main loop {total} instructions per 64-key chunk, "

@@ -65,3 +65,51 @@ def test_decode_roofline_of_the_dense_shape():
     fp4 = decode_step(qwen3_1_7b(), 512, 128 + 256.5, "nvfp4", "nvfp4")
     assert fp4["tflop"] == bf16["tflop"] and fp4["kv_gb"] < bf16["kv_gb"] / 3 < fp4["kv_gb"] * 1.2
     assert fp4["roofline_ms"] < bf16["roofline_ms"]
+
+
+def test_warm_up_reaches_every_table_width_widest_first():
+    """The warm-up's runs decode at every block-table width bucket of the timed run, the widest first
+    (the decode graphs' buffers are sized by the first run; a wider later run would drop them)."""
+    from minite.sampler.graphs import bucket_width
+
+    args = bench.parse_args(["--prompt-len", "20", "--new-tokens", "60", "--samples", "2"])
+    calls = []
+
+    class Recorder:
+        block_size = 16
+
+        def generate(self, prompts, params):
+            calls.append((len(prompts), {len(p) for p in prompts}, params.n, params.max_tokens))
+
+    bench.warm_up(Recorder(), bench.model_config("dense", bench.parse_args(["--tiny"])), 3, args)
+    assert all(n == 3 and s == 2 for n, _, s, _ in calls)  # the timed run's rows
+    lengths = [next(iter(ls)) for _, ls, _, _ in calls]
+    assert lengths == sorted(lengths, reverse=True)
+    widths = {bucket_width(-(-(length + k) // 16)) for length in lengths for k in range(1, calls[0][3] + 1)}
+    timed = {bucket_width(-(-c // 16)) for c in range(21, 81)}
+    assert timed <= widths
+    assert bucket_width(-(-(lengths[0] + calls[0][3]) // 16)) == max(timed)  # buffers sized to the run
+
+
+def test_sweep_rollout_batch_tiny(tmp_path):
+    """The batch-size sweep on tiny models: a row per recipe and batch, the ratio to bf16 at the same
+    batch, the JSON's environment and the plot (also redrawn from the JSON)."""
+    from benchmarks.e2e import sweep_rollout_batch as sweep
+
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    # --tiny: 2 samples per prompt, 6 new tokens, prompts of 5
+    sweep.main(["--tiny", "--model", "moe", "--recipes", "bf16,aligned", "--sequences", "2,4",
+                "--out", str(out), "--plot", str(png)])
+    doc = json.loads(out.read_text())
+    assert {"gpu", "date", "commit"} <= doc["env"].keys()
+    rows = doc["rows"]
+    assert [(r["recipe"], r["sequences"]) for r in rows] == [("bf16", 2), ("bf16", 4), ("aligned", 2),
+                                                             ("aligned", 4)]
+    assert all(r["gen_tokens"] == r["sequences"] * 6 and r["vs_bf16"] > 0 for r in rows)
+    assert [r["vs_bf16"] for r in rows[:2]] == [1.0, 1.0]
+    assert png.stat().st_size > 0
+    png.unlink()
+    sweep.main(["--plot-from", str(out), "--plot", str(png)])
+    assert png.stat().st_size > 0
+    with pytest.raises(SystemExit, match="multiples"):
+        sweep.main(["--tiny", "--sequences", "3"])
