@@ -85,7 +85,8 @@ def _rms_norm_bwd_kernel(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_part_ptr, n_rows, D, s
 MAX_BWD_PROGRAMS = 264  # dW partials [programs, D] fp32: about two programs per H200 SM
 
 
-def _backward(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, eps: float):
+def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, eps: float):
+    """dx, dW of `rms_norm` for the output gradient dy (the one-launch backward, module docstring)."""
     d = x.shape[-1]
     x2, dy2 = x.reshape(-1, d), dy.reshape(-1, d)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -164,7 +165,7 @@ class _RMSNorm(torch.autograd.Function):
         if grad is None:  # the output itself took no part in the loss
             return None, None, None, None, None
         x, weight = ctx.saved_tensors
-        dx, dw = _backward(x, weight, grad, ctx.eps)
+        dx, dw = rms_norm_backward(x, weight, grad, ctx.eps)
         return (dx if ctx.needs_input_grad[0] else None, dw if ctx.needs_input_grad[1] else None, None, None,
                 None)
 

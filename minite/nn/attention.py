@@ -40,7 +40,8 @@ from minite.kernels import lazy
 from minite.nn.kv_quant import quantize_kv
 from minite.nn.linear import Linear, SegmentedLinear
 from minite.nn.norm import RMSNorm
-from minite.nn.rope import apply_rope, rope_cos_sin
+from minite.nn.qk_norm_rope import qk_norm_rope
+from minite.nn.rope import rope_cos_sin
 
 
 def kernel_applies(q: torch.Tensor, execution: Execution = DEFAULT) -> bool:
@@ -178,26 +179,32 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
 
-    def project_qkv(self, x: torch.Tensor, positions: torch.Tensor, quantized=None):
+    def project_qkv(self, x: torch.Tensor, positions: torch.Tensor, quantized=None, store=None):
         """x `[..., T, H]` (`quantized`: its quantization, handed over by the norm before), positions
         `[..., T]` -> q `[..., T, Hq, D]`, k and v `[..., T, Hkv, D]`; q and k are normed per head and
-        rotated."""
+        rotated (`minite.nn.qk_norm_rope`; `store` (k_rows, v_rows, slots): k and v also written there)."""
         lead = x.shape[:-1]
         q, k, v = self.qkv_proj(x, quantized)
         execution = self.qkv_proj.recipe.execution
-        q = self.q_norm(q.view(*lead, self.num_heads, self.head_dim), execution)
-        k = self.k_norm(k.view(*lead, self.num_kv_heads, self.head_dim), execution)
+        q = q.view(*lead, self.num_heads, self.head_dim)
+        k = k.view(*lead, self.num_kv_heads, self.head_dim)
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
-        return apply_rope(q, cos, sin, execution), apply_rope(k, cos, sin, execution), v
+        q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin,
+                            execution, store=None if store is None else (v, *store))
+        return q, k, v
 
     def forward(self, x: torch.Tensor, context, quantized=None) -> torch.Tensor:
         """x `[..., T, H]` -> `[..., T, H]` under the forward's `minite.nn.context.ForwardContext`
-        (positions `[..., T]`; not imported here: the context's backends import this module)."""
-        q, k, v = self.project_qkv(x, context.positions, quantized)
-        if context.kv_cache is not None:
-            # the new tokens' keys join the cache before any query reads it: fresh and cached keys alike
-            context.kv_cache.write(self.layer_index, context.slots, k, v)
+        (positions `[..., T]`; not imported here: the context's backends import this module). A cached
+        step's new keys join the cache before any query reads it: fresh and cached keys alike (a bf16
+        cache in the norm and rotation's launch)."""
+        cache = context.kv_cache
+        rows = cache.rows(self.layer_index) if cache is not None else None
+        store = None if rows is None else (*rows, context.slots)
+        q, k, v = self.project_qkv(x, context.positions, quantized, store)
+        if cache is not None and rows is None:
+            cache.write(self.layer_index, context.slots, k, v)
         return self.o_proj(context.attention(self.layer_index, q, k, v))
 
 

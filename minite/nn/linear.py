@@ -181,7 +181,7 @@ class SegmentedLinear(Linear):
     segments share one global scale, as serving engines decode a fused group (`minite.nn.shared_scale`);
     a checkpoint's NVFP4 containers are used as they are (`minite.nn.pinned_weights`). The checkpoint
     code maps the segments to Hugging Face's separate tensors (`minite.models.hf_layout`). Execution:
-    bf16 recipes and calibration run one `F.linear` per segment (the separate linears' bits); NVFP4 on
+    bf16 recipes run one `F.linear` over the whole weight, calibration one per segment; NVFP4 on
     the kernels with more than `execution.decode_max_m` rows one GEMM launch over the segments'
     concatenated copy (`minite.nn.segmented_matmul`, made once per weight update); otherwise each
     segment's GEMM on its own, sharing one quantization of the input (on the kernels; the reference
@@ -315,8 +315,8 @@ class SegmentedLinear(Linear):
         if self._calib_amax is not None:
             self._calib_amax = torch.maximum(self._calib_amax, x.detach().abs().amax().float())
             return tuple(F.linear(x, w) for w in views)
-        if not self.recipe.fp4:
-            return tuple(F.linear(x, w) for w in views)
+        if not self.recipe.fp4:  # one GEMM over the segments (bf16 promises no engine's bits)
+            return F.linear(x, self.weight).split(self.widths, -1)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{self!r} expects in_features={self.in_features}, got x {tuple(x.shape)}")
         recipe = self.recipe

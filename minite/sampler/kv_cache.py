@@ -106,6 +106,15 @@ class KVCache:
         for a 2-byte dtype; fp8: 2 * Hkv * (D + 4); nvfp4: 2 * Hkv * (D / 2 + D / 16 + 4))."""
         return num_layers * block_size * bytes_per_token(kv_format, num_kv_heads, head_dim, dtype)
 
+    def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer `layer`'s k and v slots `[slots, Hkv, D]` (views) where a bf16 cache is written in
+        place by the attention layer's norm and rotation (`minite.nn.qk_norm_rope`); None for a
+        quantized format (`write` quantizes)."""
+        if self.kv_format != "bf16":
+            return None
+        flat = (-1, *self.k.shape[-2:])
+        return self.k[layer].view(flat), self.v[layer].view(flat)
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v `[N, Hkv, D]` at flat slots `[N]` of layer `layer` (quantized for fp8 / nvfp4)."""
         if self.kv_format != "bf16":
