@@ -76,7 +76,8 @@ def _norm_rope_rows(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, kc_ptr, vsrc_ptr, v
 
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, kc_ptr,
-                         vc_ptr, slot_ptr, n_tok, HQ, HKV, q_blocks, stride_q, stride_k, stride_v, stride_c, eps,
+                         vc_ptr, slot_ptr, n_tok, HQ, HKV, q_blocks, stride_q, stride_k, stride_v, stride_c,
+                         eps,
                          D: tl.constexpr, BLOCK_R: tl.constexpr, STORE: tl.constexpr):
     """Programs 0 .. q_blocks - 1 take q's rows, the rest k's (and, with STORE, the cache write)."""
     pid = tl.program_id(0)
