@@ -24,6 +24,8 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     """q `[..., T, Hq, D]`, k `[..., T, Hkv, D]`, norm weights `[D]`, cos / sin `[..., T, D]` -> q and
     k normed per head and rotated. `store` (v `[..., T, Hkv, D]`, k_rows, v_rows `[S, Hkv, D]`,
     slots `[n_tok]`): rotated k and v also written at the tokens' slots (no gradient flows there)."""
+    if store is not None and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        raise ValueError("qk_norm_rope: the cache store is a cached step's, without gradients")
     if execution.elementwise_kernels(q) and lazy.qk_norm_rope.applies(q, k, q_weight, k_weight, cos):
         if store is not None:
             return lazy.qk_norm_rope.qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin, store)

@@ -121,9 +121,9 @@ class KVCache:
             for x, cache in ((k, self.k), (v, self.v)):
                 quantize_kv(x, self.kv_format, self.execution, out=cache[layer].flatten(0, 1), slots=slots)
             return
-        flat = (-1, *self.k.shape[-2:])
-        self.k[layer].view(flat)[slots] = k
-        self.v[layer].view(flat)[slots] = v
+        k_rows, v_rows = self.rows(layer)
+        k_rows[slots] = k
+        v_rows[slots] = v
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """block_tables `[B, W]` -> k, v `[B, W * block_size, Hkv, D]` in position order (quantized
