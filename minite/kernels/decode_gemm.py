@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from minite.kernels import interpreted
-from minite.kernels.epilogue import EPILOGUES, epilogue
+from minite.kernels.epilogue import EPILOGUES, epilogue, segment_bounds, segment_views, store_segments
 from minite.kernels.launch import cdiv
 from minite.kernels.launch import launch as launch_kernel
 
@@ -272,11 +272,13 @@ def decode_acc(a_rows, mask_m, w_rows, s_rows, mask_n, k_begin, KS: tl.constexpr
 
 @triton.jit
 def _w4a4_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, part_ptr, count_ptr, M, N,
-                        stride_am, stride_om, stride_sa, K: tl.constexpr, TK: tl.constexpr,
+                        stride_am, stride_om, stride_sa, N1, N2, K: tl.constexpr, TK: tl.constexpr,
                         EPILOGUE: tl.constexpr, BF16: tl.constexpr, HW: tl.constexpr, W_SHIFT: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr):
-    """out[:M, tile] for a weight in the decode layout (`DecodeWeight`); `decode_acc` is the loop."""
+                        SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr, SEGMENTED: tl.constexpr):
+    """out[:M, tile] for a weight in the decode layout (`DecodeWeight`); `decode_acc` is the loop.
+    SEGMENTED (no split-K): the weight is 2-3 weights concatenated along N, sw_ptr their 3 scales, out
+    their flat outputs (`epilogue.store_segments`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -292,7 +294,10 @@ def _w4a4_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, part_
     out_mask = mask_m[:, None] & mask_n[None, :]
     sa = tl.load(sa_ptr + offs_m * stride_sa, mask=mask_m, other=1.0)
     sw = tl.load(sw_ptr)
-    if SPLIT_K == 1:
+    if SEGMENTED:
+        store_segments(acc, sa_ptr, sw, tl.load(sw_ptr + 1), tl.load(sw_ptr + 2), out_ptr, offs_m, offs_n, M,
+                       N, N1, N2, stride_sa, EPILOGUE)
+    elif SPLIT_K == 1:
         tl.store(out_ptrs, epilogue(acc, sa, sw, EPILOGUE).to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         # part [SPLIT_K, BM, N] fp32; the last program of this N tile to arrive sums the partials in
@@ -401,8 +406,36 @@ def decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, w_scale
     return out
 
 
-def launch(a, sa, w: DecodeWeight, w_scale, out, epilogue_id: int, cfg: dict) -> None:
-    """out[:M] = the decode GEMM of a [M, K] and w (checked by the callers)."""
+def decode_gemm_segments(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, w_scales: torch.Tensor,
+                         widths: tuple[int, ...], epilogue: str = "sdec", out_dtype=torch.bfloat16,
+                         config: dict | None = None) -> list[torch.Tensor]:
+    """`decode_gemm` of a against 2-3 weights concatenated along N in one decode layout (each
+    `widths[j]` rows, a multiple of TILE_N, so every memory tile belongs to one weight), w_scales fp32
+    [3] their epilogue factors (the last repeated for two): each weight's output [M, width], contiguous
+    views of one buffer, bitwise what `decode_gemm` gives for that weight alone under the same config.
+    config defaults to `aligned_decode_config(M, K)` (no split-K: the aligned bits)."""
+    if w.codes.ndim != 4 or a.ndim != 2 or a.shape[1] != w.shape[1] or a.dtype != w.scales.dtype \
+            or a.stride(1) != 1:
+        raise ValueError(f"decode_gemm_segments takes a [M, K={w.shape[-1]}] in {w.scales.dtype} and a 2D "
+                         f"weight, got {tuple(a.shape)} {a.dtype} and {tuple(w.shape)}")
+    m, k = a.shape
+    bounds = segment_bounds(widths, w.shape[0], w_scales, m)
+    if any(n % TILE_N for n in widths):
+        raise ValueError(f"segment widths {tuple(widths)} must be multiples of {TILE_N} (the layout's tiles)")
+    if a_scale.dtype != torch.float32 or a_scale.numel() not in (1, m) or epilogue not in EPILOGUES:
+        raise ValueError(f"a_scale must be fp32 with 1 or M={m} elements and epilogue one of "
+                         f"{list(EPILOGUES)}, got {a_scale.dtype} {tuple(a_scale.shape)} and {epilogue!r}")
+    cfg = config or aligned_decode_config(m, k)
+    if cfg["SPLIT_K"] != 1:
+        raise ValueError("decode_gemm_segments runs without split-K")
+    buf = torch.empty(m * w.shape[0], dtype=out_dtype, device=a.device)
+    launch(a, a_scale.reshape(-1), w, w_scales, buf, EPILOGUES[epilogue], cfg, bounds)
+    return segment_views(buf, m, widths)
+
+
+def launch(a, sa, w: DecodeWeight, w_scale, out, epilogue_id: int, cfg: dict, bounds=None) -> None:
+    """out[:M] = the decode GEMM of a [M, K] and w (checked by the callers); `bounds` (N1, N2): w is
+    weights concatenated along N, out their flat outputs (`decode_gemm_segments`)."""
     m, k = a.shape
     n = w.shape[0]
     bm, bn, bk, split = cfg["BM"], cfg["BN"], cfg["BK"], cfg["SPLIT_K"]
@@ -419,7 +452,8 @@ def launch(a, sa, w: DecodeWeight, w_scale, out, epilogue_id: int, cfg: dict) ->
         part = counters = out
     launch_kernel(_w4a4_decode_kernel, (tiles, split), (
         a, w.codes, w.scales, sa, w_scale, out, part, counters, m, n,
-        a.stride(0), out.stride(0), 0 if sa.numel() == 1 else 1), K=k, TK=w.tk, EPILOGUE=epilogue_id,
-        BF16=a.dtype == torch.bfloat16, HW=not interpreted(), W_SHIFT=W_SHIFT[a.dtype], BM=bm, BN=bn, BK=bk,
-        SPLIT_K=split, EVEN_N=w.n_pad % bn == 0,
+        a.stride(0), out.stride(0), 0 if sa.numel() == 1 else 1, *(bounds or (0, 0))),
+        K=k, TK=w.tk, EPILOGUE=epilogue_id, BF16=a.dtype == torch.bfloat16, HW=not interpreted(),
+        W_SHIFT=W_SHIFT[a.dtype], BM=bm, BN=bn, BK=bk, SPLIT_K=split, EVEN_N=w.n_pad % bn == 0,
+        SEGMENTED=bounds is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

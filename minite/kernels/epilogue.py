@@ -2,6 +2,7 @@
 the global scales, exactly as `minite.ref.gemm` applies them; `store_tile` applies it to an output tile
 and stores the rows and columns inside the masks."""
 
+import torch
 import triton
 import triton.language as tl
 
@@ -61,3 +62,24 @@ def store_segments(acc, sa_ptr, sw0, sw1, sw2, out_ptr, offs_m, offs_n, M, N, N1
     local = offs_m[:, None] * width[None, :] + (offs_n - start)[None, :]
     off = (start.to(tl.int64) * M)[None, :] + local
     tl.store(out_ptr + off, out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n < N)[None, :])
+
+
+def segment_bounds(widths: tuple[int, ...], n: int, w_scales: torch.Tensor, m: int) -> tuple[int, int]:
+    """(N1, N2) of `store_segments` for 2-3 weights of `widths` rows concatenated into N rows, checked:
+    positive widths summing to N, 3 scales, M * width below 2^31 (32-bit offsets inside an output)."""
+    if len(widths) not in (2, 3) or sum(widths) != n or min(widths) <= 0 or w_scales.numel() != 3:
+        raise ValueError(f"segments: 2 or 3 positive widths summing to N={n} and 3 scales; got "
+                         f"{tuple(widths)} and {w_scales.numel()} scales")
+    if m * max(widths) >= 2**31:
+        raise ValueError(f"segments: M * width = {m} * {max(widths)} must stay below 2^31 (32-bit offsets "
+                         "inside each output)")
+    return widths[0], n if len(widths) == 2 else widths[0] + widths[1]
+
+
+def segment_views(buf: torch.Tensor, m: int, widths: tuple[int, ...]) -> list[torch.Tensor]:
+    """The outputs `store_segments` wrote into the flat `buf`: [M, width] each, contiguous views."""
+    outs, start = [], 0
+    for width in widths:
+        outs.append(buf[m * start:m * (start + width)].view(m, width))
+        start += width
+    return outs

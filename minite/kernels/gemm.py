@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from minite.kernels import decode_gemm, interpreted
-from minite.kernels.epilogue import EPILOGUES, store_segments, store_tile
+from minite.kernels.epilogue import EPILOGUES, segment_bounds, segment_views, store_segments, store_tile
 from minite.kernels.launch import cdiv
 from minite.kernels.launch import launch as launch_kernel
 
@@ -272,23 +272,13 @@ def gemm_segments(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, w_scales: 
     operations): one launch instead of one per weight, for the projections that read the same input."""
     m = a.shape[0]
     n = w.shape[0]
-    if len(widths) not in (2, 3) or sum(widths) != n or min(widths) <= 0 or w_scales.numel() != 3:
-        raise ValueError(f"gemm_segments takes 2 or 3 positive widths summing to N={n} and 3 scales; got "
-                         f"{tuple(widths)} and {w_scales.numel()} scales")
-    if m * max(widths) >= 2**31:
-        raise ValueError(f"gemm_segments: M * width = {m} * {max(widths)} must stay below 2^31 (32-bit "
-                         "offsets inside each output)")
-    bounds = (widths[0], n if len(widths) == 2 else widths[0] + widths[1])
+    bounds = segment_bounds(widths, n, w_scales, m)
     buf = torch.empty(m * n, dtype=out_dtype, device=a.device)
     if cfg.get("TMA") and _tma_ok(a, w):
         _launch_tma(a, sa, w, w_scales, buf, epilogue, cfg, cdiv(m, cfg["BM"]) * cdiv(n, cfg["BN"]), bounds)
     else:
         _launch_pointer(a, w, w, sa, w_scales, buf, epilogue, cfg, bounds)
-    outs, start = [], 0
-    for width in widths:
-        outs.append(buf[m * start:m * (start + width)].view(m, width))
-        start += width
-    return outs
+    return segment_views(buf, m, widths)
 
 
 def _launch_pointer(a, w, ws, sa, w_scale, out, epilogue, cfg, bounds=None) -> None:

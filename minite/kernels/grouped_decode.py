@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from minite.kernels import interpreted
-from minite.kernels.decode_gemm import KGROUP, W_SHIFT, DecodeWeight, decode_acc, layout_rows
-from minite.kernels.epilogue import EPILOGUES, store_tile
+from minite.kernels.decode_gemm import KGROUP, TILE_N, W_SHIFT, DecodeWeight, decode_acc, layout_rows
+from minite.kernels.epilogue import EPILOGUES, segment_bounds, segment_views, store_segments, store_tile
 from minite.kernels.grouped_gemm import expert_tile
 from minite.kernels.launch import cdiv, next_power_of_2
 from minite.kernels.launch import launch as launch_kernel
@@ -67,26 +67,32 @@ def grouped_decode_config(rows: int, experts: int, k: int | None = None, n: int 
 
 @triton.jit
 def _row_tile(a_ptr, row0, row_end, w_rows, s_rows, offs_n, mask_n, sa_ptr, sw_ptr, e, out_ptr, stride_am,
-              stride_om, stride_sa, K: tl.constexpr, TK: tl.constexpr, EPILOGUE: tl.constexpr,
+              stride_om, stride_sa, N, N1, N2, K: tl.constexpr, TK: tl.constexpr, EPILOGUE: tl.constexpr,
               BF16: tl.constexpr, HW: tl.constexpr, W_SHIFT: tl.constexpr, ROWS: tl.constexpr,
-              BN: tl.constexpr, BK: tl.constexpr, EVEN_N: tl.constexpr):
-    """Rows row0 .. row0 + ROWS (those before row_end) of expert e times its N tile, stored."""
+              BN: tl.constexpr, BK: tl.constexpr, EVEN_N: tl.constexpr, SEGMENTED: tl.constexpr):
+    """Rows row0 .. row0 + ROWS (those before row_end) of expert e times its N tile, stored
+    (SEGMENTED: one expert whose rows are 2-3 weights, `epilogue.store_segments`)."""
     offs_m = row0 + tl.arange(0, ROWS)
     mask_m = offs_m < row_end
     # the columns in plain order (the aligned K order), no split-K
     a_rows = a_ptr + offs_m.to(tl.int64) * stride_am
     acc_t = decode_acc(a_rows, mask_m, w_rows, s_rows, mask_n, 0, K, TK, BF16, HW, ROWS, BN, BK, EVEN_N)
     acc = tl.trans(acc_t) * W_SHIFT  # [ROWS, BN]
-    store_tile(acc, sa_ptr, tl.load(sw_ptr + e), out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om,
-               stride_sa, EPILOGUE)
+    if SEGMENTED:
+        store_segments(acc, sa_ptr, tl.load(sw_ptr), tl.load(sw_ptr + 1), tl.load(sw_ptr + 2), out_ptr,
+                       offs_m, offs_n, row_end, N, N1, N2, stride_sa, EPILOGUE)
+    else:
+        store_tile(acc, sa_ptr, tl.load(sw_ptr + e), out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om,
+                   stride_sa, EPILOGUE)
 
 
 @triton.jit
 def _grouped_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, offsets_ptr, out_ptr, N, E,
-                           stride_am, stride_ce, stride_se, stride_om, stride_sa,
+                           stride_am, stride_ce, stride_se, stride_om, stride_sa, N1, N2,
                            K: tl.constexpr, TK: tl.constexpr, EPILOGUE: tl.constexpr, BF16: tl.constexpr,
                            HW: tl.constexpr, W_SHIFT: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr,
-                           BN: tl.constexpr, BK: tl.constexpr, EVEN_N: tl.constexpr, HALVES: tl.constexpr):
+                           BN: tl.constexpr, BK: tl.constexpr, EVEN_N: tl.constexpr, HALVES: tl.constexpr,
+                           SEGMENTED: tl.constexpr):
     pid_n = tl.program_id(0)
     e, row0, row_end = expert_tile(offsets_ptr, E, tl.program_id(1), BM, E_P2)
     if e >= E:
@@ -100,19 +106,23 @@ def _grouped_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, offsets_ptr
     HM: tl.constexpr = BM // 2
     if HALVES and row_end - row0 <= HM:
         _row_tile(a_ptr, row0, row_end, w_rows, s_rows, offs_n, mask_n, sa_ptr, sw_ptr, e, out_ptr, stride_am,
-                  stride_om, stride_sa, K, TK, EPILOGUE, BF16, HW, W_SHIFT, HM, BN, BK, EVEN_N)
+                  stride_om, stride_sa, N, N1, N2, K, TK, EPILOGUE, BF16, HW, W_SHIFT, HM, BN, BK, EVEN_N,
+                  SEGMENTED)
     else:
         _row_tile(a_ptr, row0, row_end, w_rows, s_rows, offs_n, mask_n, sa_ptr, sw_ptr, e, out_ptr, stride_am,
-                  stride_om, stride_sa, K, TK, EPILOGUE, BF16, HW, W_SHIFT, BM, BN, BK, EVEN_N)
+                  stride_om, stride_sa, N, N1, N2, K, TK, EPILOGUE, BF16, HW, W_SHIFT, BM, BN, BK, EVEN_N,
+                  SEGMENTED)
 
 
 def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, w_scale: torch.Tensor,
                         offsets: torch.Tensor, epilogue: str = "sdec", out_dtype=torch.bfloat16,
-                        config: dict | None = None) -> torch.Tensor:
+                        config: dict | None = None, segments: tuple | None = None) -> torch.Tensor:
     """a [T, K] e2m1 * s_b (the weight's operand dtype), rows sorted by expert; a_scale fp32 [T] (or
     one number); w the experts [E, N, K] in the decode layout (`decode_gemm.pack_weight`); w_scale
     fp32 [E]; offsets int [E + 1] from 0 to T, non-decreasing. -> [T, N]. config defaults to
-    `grouped_decode_config(T, E, K, N)`; its BK must divide K and be a multiple of KGROUP."""
+    `grouped_decode_config(T, E, K, N)`; its BK must divide K and be a multiple of KGROUP. `segments`
+    (N1, N2): one expert whose rows are 2-3 weights, w_scale their 3 factors, the flat outputs
+    returned (`decode_rows_segments`)."""
     if w.codes.ndim != 5:
         raise ValueError(f"w must hold experts [E, N, K] in the decode layout, got {tuple(w.shape)}")
     e, n, k = w.shape
@@ -124,7 +134,7 @@ def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight,
     t = a.shape[0]
     if a_scale.dtype != torch.float32 or a_scale.numel() not in (1, t):
         raise ValueError(f"a_scale must be fp32 with 1 or T={t} elements, got {tuple(a_scale.shape)}")
-    if w_scale.dtype != torch.float32 or w_scale.numel() != e:
+    if w_scale.dtype != torch.float32 or w_scale.numel() != (3 if segments else e):
         raise ValueError(f"w_scale must be fp32 [E={e}], got {w_scale.dtype} {tuple(w_scale.shape)}")
     if offsets.dtype not in (torch.int32, torch.int64) or tuple(offsets.shape) != (e + 1,):
         raise ValueError(f"offsets must be int32/int64 [E + 1] = [{e + 1}], got {offsets.dtype} "
@@ -135,17 +145,18 @@ def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight,
     if k % cfg["BK"] or cfg["BK"] % KGROUP or cfg["BK"] > w.tk:
         raise ValueError(f"BK={cfg['BK']} must divide K={k}, be a multiple of {KGROUP} and at most the "
                          f"layout's tile width {w.tk}")
-    out = torch.empty(t, n, dtype=out_dtype, device=a.device)
+    out = torch.empty(t * n if segments else (t, n), dtype=out_dtype, device=a.device)
     sa = a_scale.reshape(-1)
     bm, bn = cfg["BM"], cfg["BN"]
     grid = (cdiv(n, bn), cdiv(t, bm) + e)
     launch_kernel(_grouped_decode_kernel, grid, (
         a, w.codes, w.scales, sa, w_scale.reshape(-1), offsets, out, n, e,
-        a.stride(0), w.codes.stride(0), w.scales.stride(0), out.stride(0), 0 if sa.numel() == 1 else 1),
+        a.stride(0), w.codes.stride(0), w.scales.stride(0), out.stride(0), 0 if sa.numel() == 1 else 1,
+        *(segments or (0, 0))),
         K=k, TK=w.tk, EPILOGUE=EPILOGUES[epilogue], BF16=a.dtype == torch.bfloat16, HW=not interpreted(),
         W_SHIFT=W_SHIFT[a.dtype], E_P2=max(16, next_power_of_2(e)), BM=bm, BN=bn, BK=cfg["BK"],
-        EVEN_N=w.n_pad % bn == 0, HALVES=cfg.get("HALVES", False), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        EVEN_N=w.n_pad % bn == 0, HALVES=cfg.get("HALVES", False), SEGMENTED=segments is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
@@ -178,3 +189,22 @@ def decode_gemm_rows(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, w_
     experts = DecodeWeight(w.codes.unsqueeze(0), w.scales.unsqueeze(0), w.n)
     return grouped_decode_gemm(a, a_scale, experts, w_scale.reshape(1), _row_offsets(a.shape[0], a.device),
                                epilogue, out_dtype, config)
+
+
+def decode_rows_segments(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, w_scales: torch.Tensor,
+                         widths: tuple[int, ...], epilogue: str = "sdec", out_dtype=torch.bfloat16,
+                         config: dict | None = None) -> list[torch.Tensor]:
+    """`decode_gemm_rows` of a against 2-3 weights concatenated along N in one decode layout (as
+    `decode_gemm.decode_gemmsegments` takes them: widths multiples of TILE_N, w_scales fp32 [3]):
+    each weight's output [M, width], contiguous views of one buffer, bitwise `decode_gemm_rows` of
+    that weight alone."""
+    if w.codes.ndim != 4:
+        raise ValueError(f"w must be one weight [N, K] in the decode layout, got {tuple(w.shape)}")
+    m = a.shape[0]
+    bounds = segment_bounds(widths, w.shape[0], w_scales, m)
+    if any(n % TILE_N for n in widths):
+        raise ValueError(f"segment widths {tuple(widths)} must be multiples of {TILE_N} (the layout's tiles)")
+    experts = DecodeWeight(w.codes.unsqueeze(0), w.scales.unsqueeze(0), w.n)
+    buf = grouped_decode_gemm(a, a_scale, experts, w_scales.reshape(-1), _row_offsets(m, a.device), epilogue,
+                              out_dtype, config, bounds)
+    return segment_views(buf, m, widths)

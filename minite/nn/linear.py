@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minite.nn import quantized_weight as qwm
+from minite.nn import segmented_decode
 from minite.nn.nvfp4_matmul import (
     LinearMatmul,
     QuantizedActivation,
@@ -199,6 +200,7 @@ class SegmentedLinear(Linear):
         self.offsets = tuple(sum(self.widths[:j]) for j in range(len(self.widths) + 1))
         self._qweights: tuple[QuantizedWeight, ...] | None = None
         self._copy: SegmentedCopy | None = None
+        self._decode: segmented_decode.SegmentedDecode | None = None
         super().__init__(in_features, self.offsets[-1], bias=False, recipe=recipe, dtype=dtype, device=device)
 
     def reset_parameters(self) -> None:
@@ -213,7 +215,7 @@ class SegmentedLinear(Linear):
 
     def set_recipe(self, recipe: str | Recipe) -> None:
         super().set_recipe(recipe)
-        self._qweights, self._copy = None, None
+        self._qweights, self._copy, self._decode = None, None, None
 
     def quantized_weight(self) -> QuantizedWeight:
         raise TypeError("a SegmentedLinear has one quantized weight per segment: use quantized_weights()")
@@ -250,13 +252,13 @@ class SegmentedLinear(Linear):
         """Use `qweights` (one per segment, made from the segments' current rows) from now on."""
         if len(qweights) != len(self.widths):
             raise ValueError(f"{len(qweights)} quantized weights for {len(self.widths)} segments")
-        self._qweights, self._copy = tuple(qweights), None
+        self._qweights, self._copy, self._decode = tuple(qweights), None, None
 
     def refresh_quantized_weight(self, qweight: QuantizedWeight | None = None) -> None:
         """Re-quantize the segments now (and make the fused GEMM's copy where it runs)."""
         if qweight is not None:
             raise TypeError("install a SegmentedLinear's quantized weights with install_quantized_weights")
-        self._qweights, self._copy = None, None
+        self._qweights, self._copy, self._decode = None, None, None
         if self.recipe.fp4:
             self.quantized_weights()
             self.prepare()
@@ -292,6 +294,16 @@ class SegmentedLinear(Linear):
         self._qweights, self._copy = copy.qweights, copy
         return copy
 
+    def decode_group(self, dtype: torch.dtype) -> segmented_decode.SegmentedDecode:
+        """The segments' concatenated decode layout for `dtype` activations, made once per quantized
+        weights (`minite.nn.segmented_decode`)."""
+        qws, group = self.quantized_weights(), self._decode
+        if group is not None and group.weight.scales.dtype == dtype and all(
+                a is b for a, b in zip(group.qweights, qws)):
+            return group
+        group = self._decode = segmented_decode.segmented_decode(qws, self.recipe, dtype)
+        return group
+
     def _fusable(self, device) -> bool:
         """The settings allow the one-launch GEMM (whatever the input): 2-3 segments, NVFP4 on the
         kernels with the 'dequantized' backward, per-row or per-tensor (not static) activation scales,
@@ -325,6 +337,10 @@ class SegmentedLinear(Linear):
         qws, static = self.quantized_weights(), self._static_scale()
         if quantized is None and x.numel() and use_kernels(recipe, x.device):
             quantized = quantize_input(x, recipe, static)  # one quantization for every segment
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        rows = 0 if quantized is None else quantized.values.shape[0]
+        if quantized is not None and segmented_decode.applies(qws, self.widths, recipe, x, rows, needs_grad):
+            return segmented_decode.forward(x, self.decode_group(quantized.values.dtype), recipe, quantized)
         return tuple(LinearMatmul.apply(x, w, qw, recipe, static, quantized) for w, qw in zip(views, qws))
 
     def extra_repr(self) -> str:

@@ -157,6 +157,15 @@ class QuantizedWeight:
             decode[dtype] = pack_weight(q.codes[..., :n, :], q.block_scales[..., :n, :], dtype)
         return decode[dtype]
 
+    def share_decode_weight(self, dtype: torch.dtype, layout) -> None:
+        """Use `layout`, this weight's decode layout for `dtype` stored elsewhere (a view into a segmented
+        group's concatenated one, `minite.nn.segmented_decode`), instead of its own."""
+        own = self.decode_weight(dtype)
+        if (layout.n, layout.codes.shape, layout.scales.shape) != (own.n, own.codes.shape, own.scales.shape):
+            raise ValueError(f"decode layout {tuple(layout.codes.shape)} does not fit this weight's "
+                             f"{tuple(own.codes.shape)}")
+        self._derived.decode[dtype] = layout
+
     def decode_dtypes(self) -> tuple[torch.dtype, ...]:
         """The activation dtypes whose decode layout was made (`decode_weight`)."""
         return tuple(self._derived.decode)

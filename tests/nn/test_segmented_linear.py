@@ -112,6 +112,62 @@ def test_steps_aside_where_it_does_not_apply(monkeypatch):
     assert calls == [1]
 
 
+def _decode_launches(monkeypatch):
+    """Calls of the segments' one-launch decode GEMMs: [(kernel, rows)]."""
+    from minite.kernels import decode_gemm as kd
+    from minite.kernels import grouped_decode as gd
+
+    calls = []
+    for mod, name in ((kd, "decode_gemm_segments"), (gd, "decode_rows_segments")):
+        def counting(a, *rest, _real=getattr(mod, name), _name=name, **kw):
+            calls.append((_name, a.shape[0]))
+            return _real(a, *rest, **kw)
+        monkeypatch.setattr(mod, name, counting)
+    return calls
+
+
+@pytest.mark.parametrize("widths", [(128, 64, 64), (64, 64)])
+def test_few_rows_without_grad_run_one_decode_launch_with_each_linears_bits(monkeypatch, widths):
+    """At most `decode_max_m` rows and no autograd: the segments' decode layouts as one launch, each
+    output bitwise its Linear's; the segments' own layouts become views of the concatenated one."""
+    seg, calls = _segmented(widths, 128), _decode_launches(monkeypatch)
+    x = torch.randn(3, 7, 128, device=DEVICE) ** 3
+    with torch.no_grad():
+        outs = seg(x)
+        assert calls == [("decode_gemm_segments", 21)]
+        for o, lin, n in zip(outs, _separate(seg), widths, strict=True):
+            assert o.shape == (3, 7, n) and torch.equal(o, lin(x))
+    group = seg._decode
+    base = group.weight.codes.untyped_storage().data_ptr()
+    for qw in seg.quantized_weights():
+        assert qw.decode_weight(group.weight.scales.dtype).codes.untyped_storage().data_ptr() == base
+    with_grad = seg(x)  # the weight needs gradients: the segments one by one, the same bits
+    assert len(calls) == 1 and all(torch.equal(a, b) for a, b in zip(outs, with_grad))
+
+
+def test_sampler_form_runs_one_decode_launch_at_any_row_count(monkeypatch):
+    from minite.nn.sampler_weights import to_sampler_weights
+
+    seg = _segmented((128, 64, 64), 128)
+    x = torch.randn(100, 128, device=DEVICE)
+    with torch.no_grad():
+        want = [lin(x) for lin in _separate(seg)]
+        to_sampler_weights(seg)
+        calls = _decode_launches(monkeypatch)
+        outs = seg(x)
+    assert calls == [("decode_rows_segments", 100)]
+    assert all(torch.equal(o, w) for o, w in zip(outs, want, strict=True))
+
+
+def test_segments_off_the_layouts_tiles_run_one_by_one(monkeypatch):
+    seg, calls = _segmented((96, 32), 128), _decode_launches(monkeypatch)
+    x = torch.randn(5, 128, device=DEVICE)
+    with torch.no_grad():
+        outs = seg(x)
+        assert all(torch.equal(o, lin(x)) for o, lin in zip(outs, _separate(seg)))
+    assert calls == []
+
+
 def test_a_per_tensor_activation_scale_fuses_with_each_linears_bits(monkeypatch):
     """`te`: one amax for the shared input, so the fused GEMM gives each linear's own outputs."""
     calls = _launches(monkeypatch)
