@@ -9,6 +9,7 @@
 - `grouped_decode.grouped_decode_gemm`: MoE experts of a decode step on their decode layouts, aligned K
   order, one launch.
 - `moe_combine.combine`: the MoE combine (gather, weight, sum over top-k) in one launch.
+- `moe_sort.sort_by_expert`: a decode step's MoE assignments sorted by expert, a counting sort.
 - `sample.draw` / `draw_from_logits`: the sampler's inverse-CDF token draw, one read of the row.
 - `logprobs.row_lse` / `token_logprob_grad`: the plain distribution's log-sum-exp and gradient.
 

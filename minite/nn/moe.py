@@ -5,7 +5,8 @@ the logits in fp32; the top-k of p, renormalized to sum 1 if `norm_topk_prob`, c
 Expert e computes down_e(silu(x W_gate,e^T) * (x W_up,e^T)) with gate_up_proj[e] = [W_gate,e; W_up,e].
 
 Grouped execution (one path for all experts; no Python loop over tokens): the T*k token-expert
-assignments are sorted by expert (stable; `sort_by_expert`, computed on the device). Then:
+assignments are sorted by expert (stable; `sort_by_expert`, computed on the device: a counting sort in
+two launches where the element-wise kernels run, `minite.kernels.moe_sort`). Then:
 
 - Triton kernels (the recipe's backend runs them on CUDA, row-scaled recipes they cover, see
   `minite.nn.nvfp4_matmul`): the sorted rows [T*k, H] and the per-expert row offsets [E + 1] go to one
@@ -42,12 +43,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minite.execution import DEFAULT, Execution
+from minite.kernels import lazy
 from minite.nn.linear import TE_AMAX_TO_SCALE, Linear
 from minite.nn.moe_combine import combine
 from minite.nn.nvfp4_matmul import grouped_nvfp4_matmul, nvfp4_matmul, use_grouped_kernels
 from minite.nn.quantized_weight import QuantizedWeight, quantize_weight, weight_key
 from minite.nn.swiglu import swiglu, swiglu_quantized
 from minite.recipe import Recipe, get_recipe
+from minite.ref import moe_sort as ref_moe_sort
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
@@ -78,19 +82,14 @@ class Grouping(NamedTuple):
     capacity: int  # C
 
 
-def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> SortedGrouping:
-    """topk_ids [T, k] -> SortedGrouping; no host synchronization (fixed shapes, device ops only)."""
-    flat = topk_ids.reshape(-1)  # [R]
-    # narrow keys, the same stable order: an int64 sort of a decode step's 4096 ids took ~34 us on the
-    # H200 (radix passes over all 64 bits), 4 % of a MoE rollout step
-    keys = flat.to(torch.uint8 if num_experts <= 256 else torch.int32)
-    order = torch.argsort(keys, stable=True)
-    positions = torch.arange(flat.numel(), device=flat.device)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat))  # [E]
-    inverse = torch.empty_like(order).scatter_(0, order, positions)
-    return SortedGrouping(order // topk_ids.shape[-1], flat[order], F.pad(torch.cumsum(counts, 0), (1, 0)),
-                          inverse)
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int,
+                   execution: Execution = DEFAULT) -> SortedGrouping:
+    """topk_ids [T, k] -> SortedGrouping (`minite.ref.moe_sort`); no host synchronization. Where the
+    execution runs the element-wise kernels, a decode step's assignments take the counting sort
+    (`minite.kernels.moe_sort`: the same integers in two launches)."""
+    if execution.elementwise_kernels(topk_ids) and lazy.moe_sort.serves(topk_ids.numel(), num_experts):
+        return SortedGrouping(*lazy.moe_sort.sort_by_expert(topk_ids, num_experts))
+    return SortedGrouping(*ref_moe_sort.sort_by_expert(topk_ids, num_experts))
 
 
 def group_by_expert(topk_ids: torch.Tensor, num_experts: int) -> Grouping:
@@ -180,7 +179,7 @@ class MoEExperts(nn.Module):
             return (torch.zeros_like(x), r) if return_router else torch.zeros_like(x)
         self.last_topk_ids = r.experts.detach()
         if self._calib_amax is None and self.graph_safe():
-            s = sort_by_expert(r.experts, self.num_experts)
+            s = sort_by_expert(r.experts, self.num_experts, self.recipe.execution)
             ys = self.sorted_experts_forward(x2[s.tokens], s)  # [R, H]
             out = combine(ys, s.inverse, r.weights, self.recipe.execution)  # [T, H]
         else:

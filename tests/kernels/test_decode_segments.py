@@ -27,8 +27,8 @@ def weights(widths, k, dev, seed=3):
 
 def concatenated(wqs, dtype):
     layouts = [kd.pack_weight(q.codes, q.block_scales, dtype) for q in wqs]
-    return layouts, kd.DecodeWeight(torch.cat([w.codes for w in layouts]), torch.cat([w.scales for w in layouts]),
-                                    sum(w.n for w in layouts))
+    codes, scales = torch.cat([w.codes for w in layouts]), torch.cat([w.scales for w in layouts])
+    return layouts, kd.DecodeWeight(codes, scales, sum(w.n for w in layouts))
 
 
 def scales(wqs, alpha=False):

@@ -118,11 +118,14 @@ def _decode_launches(monkeypatch):
     from minite.kernels import grouped_decode as gd
 
     calls = []
+
+    def counting(real, name):
+        def run(a, *rest, **kw):
+            calls.append((name, a.shape[0]))
+            return real(a, *rest, **kw)
+        return run
     for mod, name in ((kd, "decode_gemm_segments"), (gd, "decode_rows_segments")):
-        def counting(a, *rest, _real=getattr(mod, name), _name=name, **kw):
-            calls.append((_name, a.shape[0]))
-            return _real(a, *rest, **kw)
-        monkeypatch.setattr(mod, name, counting)
+        monkeypatch.setattr(mod, name, counting(getattr(mod, name), name))
     return calls
 
 

@@ -285,6 +285,23 @@ def test_sort_by_expert_agrees_with_the_padded_grouping():
     assert torch.equal(s.experts[s.inverse].reshape(ids.shape), ids)
 
 
+def test_sort_by_expert_takes_the_counting_sort_where_the_elementwise_kernels_run(monkeypatch):
+    """A decode step's assignments on the counting sort kernel (the same integers); beyond what it
+    serves, and where the element-wise kernels do not run, the reference."""
+    from minite.execution import Execution
+    from minite.kernels import moe_sort as km
+
+    calls = []
+    real = km.sort_by_expert
+    monkeypatch.setattr(km, "sort_by_expert", lambda *a: calls.append(a[0].numel()) or real(*a))
+    ids = torch.randint(0, 16, (40, 4), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    on, off = Execution(elementwise="triton"), Execution("ref", "ref")
+    assert all(torch.equal(a, b) for a, b in zip(sort_by_expert(ids, 16, on), sort_by_expert(ids, 16, off)))
+    assert calls == [160]
+    many = torch.zeros(km.MAX_CHUNKS * km.CHUNK // 4 + 1, 4, dtype=torch.int64, device=DEVICE)
+    assert sort_by_expert(many, 16, on).offsets[1].item() == many.numel() and calls == [160]
+
+
 def test_moe_triton_matches_ref_and_moe_reference():
     ref, tri = _pair(MoEExperts, 4, 64, 32, 2)
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(6)).to(DEVICE)

@@ -1,0 +1,98 @@
+"""The MoE assignments sorted by expert as a counting sort in two launches: exactly
+`minite.ref.moe_sort.sort_by_expert`'s tensors (a stable sort is unique).
+
+torch runs it as a radix argsort, a scatter-add of the counts, a cumsum, the inverse scatter and three
+gathers: about a dozen launches a MoE layer, the sort alone ~9 us at a decode step's 256 assignments
+(H200, `benchmarks/results/h200/profile_rollout_moe48_aligned_32seqs.json`). Here the assignments
+are cut into chunks of CHUNK:
+
+1. `_count_kernel`, one program per chunk: its count per expert (a one-hot sum) into counts [C, E].
+2. `_place_kernel`, one program per chunk: reads all chunks' counts (at most MAX_CHUNKS), so each
+   expert's start (the offsets) and the assignments of that expert in earlier chunks are known; an
+   assignment's sorted position is its expert's start, plus that expert's count in earlier chunks,
+   plus its rank among the chunk's earlier assignments of that expert (a cumulative one-hot sum).
+   It writes tokens, experts and inverse at those positions, and program 0 the offsets.
+
+Serves up to MAX_CHUNKS * CHUNK assignments and MAX_EXPERTS experts (a decode step); `minite.nn.moe`
+runs the reference beyond (the same integers).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from minite.kernels import interpreted
+from minite.kernels.launch import cdiv, next_power_of_2
+from minite.kernels.launch import launch as launch_kernel
+
+CHUNK = 128
+MAX_CHUNKS = 64  # 8192 assignments: 1024 tokens at top-8
+MAX_EXPERTS = 256
+
+
+@triton.jit
+def _one_hot(ids_ptr, c, R, CHUNK: tl.constexpr, E_P2: tl.constexpr):
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < R
+    ids = tl.load(ids_ptr + offs, mask=mask, other=0).to(tl.int32)
+    hot = (ids[:, None] == tl.arange(0, E_P2)[None, :]) & mask[:, None]
+    return offs, mask, ids, hot.to(tl.int32)  # [CHUNK, E_P2]
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, R, CHUNK: tl.constexpr, E_P2: tl.constexpr):
+    c = tl.program_id(0)
+    _, _, _, hot = _one_hot(ids_ptr, c, R, CHUNK, E_P2)
+    tl.store(counts_ptr + c * E_P2 + tl.arange(0, E_P2), tl.sum(hot, axis=0))
+
+
+@triton.jit
+def _place_kernel(ids_ptr, counts_ptr, tokens_ptr, experts_ptr, offsets_ptr, inverse_ptr, R, C, E,
+                  K: tl.constexpr, CHUNK: tl.constexpr, E_P2: tl.constexpr, C_P2: tl.constexpr):
+    c = tl.program_id(0)
+    chunks = tl.arange(0, C_P2)
+    cols = tl.arange(0, E_P2)
+    counts = tl.load(counts_ptr + chunks[:, None] * E_P2 + cols[None, :], mask=(chunks < C)[:, None], other=0)
+    totals = tl.sum(counts, axis=0)  # [E_P2]
+    starts = tl.cumsum(totals, axis=0) - totals  # each expert's first sorted row
+    before = tl.sum(tl.where((chunks < c)[:, None], counts, 0), axis=0)  # in earlier chunks
+    if c == 0:
+        tl.store(offsets_ptr, 0)
+        tl.store(offsets_ptr + 1 + cols, (starts + totals).to(tl.int64), mask=cols < E)
+    offs, mask, ids, hot = _one_hot(ids_ptr, c, R, CHUNK, E_P2)
+    rank = tl.sum(tl.cumsum(hot, axis=0) * hot, axis=1) - 1  # among the chunk's earlier ones
+    base = tl.sum(hot * (starts + before)[None, :], axis=1)
+    pos = (base + rank).to(tl.int64)
+    tl.store(inverse_ptr + offs, pos, mask=mask)
+    tl.store(tokens_ptr + pos, (offs // K).to(tl.int64), mask=mask)
+    tl.store(experts_ptr + pos, ids.to(tl.int64), mask=mask)
+
+
+def serves(assignments: int, num_experts: int) -> bool:
+    """Whether `sort_by_expert` takes this many assignments and experts."""
+    return 0 < assignments <= MAX_CHUNKS * CHUNK and num_experts <= MAX_EXPERTS
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int):
+    """topk_ids [T, k] int (ids below num_experts) -> (tokens, experts, offsets, inverse): the
+    reference's tensors (module docstring), in two launches, no host sync."""
+    if topk_ids.ndim != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int [T, k], got {topk_ids.dtype} {tuple(topk_ids.shape)}")
+    if topk_ids.device.type != "cuda" and not interpreted():
+        raise ValueError(f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1); got {topk_ids.device}")
+    flat = topk_ids.reshape(-1).contiguous()
+    r = flat.numel()
+    if not serves(r, num_experts):
+        raise ValueError(f"sort_by_expert serves 1 to {MAX_CHUNKS * CHUNK} assignments and at most "
+                         f"{MAX_EXPERTS} experts; got {r} and {num_experts}")
+    chunks, e_p2 = cdiv(r, CHUNK), max(16, next_power_of_2(num_experts))
+    counts = torch.empty(chunks, e_p2, dtype=torch.int32, device=flat.device)
+    tokens, experts, inverse = (torch.empty(r, dtype=torch.int64, device=flat.device) for _ in range(3))
+    offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=flat.device)
+    warps = 4 if e_p2 <= 128 else 8
+    launch_kernel(_count_kernel, (chunks,), (flat, counts, r), CHUNK=CHUNK, E_P2=e_p2, num_warps=warps)
+    launch_kernel(_place_kernel, (chunks,), (flat, counts, tokens, experts, offsets, inverse, r, chunks,
+                                             num_experts),
+                  K=topk_ids.shape[1], CHUNK=CHUNK, E_P2=e_p2, C_P2=max(2, next_power_of_2(chunks)),
+                  num_warps=warps)
+    return tokens, experts, offsets, inverse
