@@ -1,9 +1,9 @@
 """The aligned decode kernel (no split-K) on narrow N tiles against its BN 64 tile: each tile's bits
 against the aligned tile on the bf16 copy (heavy-tailed data) and its time (CUDA graphs over 8 weight
 copies), at Qwen3-1.7B and Qwen3-30B-A3B shapes, M 1-64. BN 64 with 4 warps runs wgmma; BN 16-32
-runs mma.sync, with more programs for a narrow weight.
+runs mma.sync, with more programs for a narrow weight; 8 warps put two warpgroups on one tile.
 
-    python -m benchmarks.tools.probe_decode_narrow_tiles OUT.json
+    python -m benchmarks.tools.probe_decode_narrow_tiles OUT.json ["BN64 w4,BN64 w8"]
 """
 
 # ruff: noqa: B023  (lambdas are timed at once, inside the loop that binds them)
@@ -28,7 +28,12 @@ SHAPES = {"dense qkv": (4096, 2048), "dense o": (2048, 2048), "dense gate|up": (
           "dense down": (2048, 6144), "moe qkv": (5120, 2048), "moe o": (2048, 4096)}
 VARIANTS = [("BN64 w4", dict(BN=64, num_warps=4)), ("BN32 w4", dict(BN=32, num_warps=4)),
             ("BN32 w2", dict(BN=32, num_warps=2)), ("BN16 w1", dict(BN=16, num_warps=1)),
-            ("BN16 w2", dict(BN=16, num_warps=2)), ("BN32 w1", dict(BN=32, num_warps=1))]
+            ("BN16 w2", dict(BN=16, num_warps=2)), ("BN32 w1", dict(BN=32, num_warps=1)),
+            # two warpgroups on one 64-row weight tile: twice the threads dequantizing each K step
+            ("BN64 w8", dict(BN=64, num_warps=8)), ("BN64 w8 s2", dict(BN=64, num_warps=8, num_stages=2)),
+            ("BN128 w8", dict(BN=128, num_warps=8))]
+if len(sys.argv) > 2:  # a comma-separated choice of the variants' names
+    VARIANTS = [v for v in VARIANTS if v[0] in sys.argv[2].split(",")]
 rows = []
 for name, (n, k) in SHAPES.items():
     wqs = [nvfp4.quantize(heavy(n, k, s).cuda(), "tensor") for s in range(8)]
