@@ -184,9 +184,11 @@ class SegmentedLinear(Linear):
     code maps the segments to Hugging Face's separate tensors (`minite.models.hf_layout`). Execution:
     bf16 recipes run one `F.linear` over the whole weight, calibration one per segment; NVFP4 on
     the kernels with more than `execution.decode_max_m` rows one GEMM launch over the segments'
-    concatenated copy (`minite.nn.segmented_matmul`, made once per weight update); otherwise each
-    segment's GEMM on its own, sharing one quantization of the input (on the kernels; the reference
-    quantizes per GEMM, as a Linear does). The input's quantization can be handed over by the op before
+    concatenated copy (`minite.nn.segmented_matmul`, made once per weight update); where the segments
+    read their decode layouts (fewer rows, or the sampler form) and no gradient is needed, one launch
+    over those layouts concatenated (`minite.nn.segmented_decode`); otherwise each segment's GEMM on
+    its own, sharing one quantization of the input (on the kernels; the reference quantizes per GEMM,
+    as a Linear does). The input's quantization can be handed over by the op before
     (`quantized`: the norm that quantized its output in the same launch). A calibrated static input
     scale is one for all segments: they read the same input, so separate linears would each have found
     the same amax.

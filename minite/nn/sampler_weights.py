@@ -11,8 +11,8 @@ as they are.
 Outputs are bitwise the full model's: every row count reads the decode layout, in row tiles above the
 decode thresholds (`grouped_decode.decode_gemm_rows`, the grouped decode kernel: the aligned K order,
 the same bits as the bf16 copy); the reference backend (CPU) multiplies a copy made for the call.
-Segmented projections run their segments one GEMM each (the fused launch reads a concatenated bf16
-copy), the same bits.
+Segmented projections run their segments as one launch on their decode layouts concatenated along N
+(`minite.nn.segmented_decode`), the same bits.
 
 The form is for sampling: the quantized layers have no backward (a clear error), their recipe and
 weights are fixed (re-quantizing a released parameter is an error), and the model is used on the
