@@ -162,6 +162,26 @@ def test_sampler_form_runs_one_decode_launch_at_any_row_count(monkeypatch):
     assert all(torch.equal(o, w) for o, w in zip(outs, want, strict=True))
 
 
+@pytest.mark.parametrize("name", ["vllm", "te"])
+def test_one_decode_launch_under_static_and_per_tensor_scales(monkeypatch, name):
+    """A calibrated static input scale (vLLM's) and a per-tensor one (TE's 'alpha' epilogue): one
+    factor for every row, each segment's own weight factor; the segments' Linears' bits."""
+    from minite.nn import calibrate
+
+    recipe = get_recipe(name).with_execution(backend="triton")
+    seg, calls = _segmented((64, 64, 128), 128, recipe=recipe), _decode_launches(monkeypatch)
+    x = torch.randn(6, 128, device=DEVICE) ** 3
+    lins = _separate(seg)
+    if name == "vllm":
+        for m in (seg, *lins):
+            with torch.no_grad(), calibrate(m):
+                m(x)
+    with torch.no_grad():
+        outs = seg(x)
+        assert all(torch.equal(o, lin(x)) for o, lin in zip(outs, lins, strict=True))
+    assert calls == [("decode_gemm_segments", 6)]
+
+
 def test_segments_off_the_layouts_tiles_run_one_by_one(monkeypatch):
     seg, calls = _segmented((96, 32), 128), _decode_launches(monkeypatch)
     x = torch.randn(5, 128, device=DEVICE)
