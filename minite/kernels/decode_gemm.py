@@ -419,9 +419,7 @@ def decode_gemm_segments(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight
         raise ValueError(f"decode_gemm_segments takes a [M, K={w.shape[-1]}] in {w.scales.dtype} and a 2D "
                          f"weight, got {tuple(a.shape)} {a.dtype} and {tuple(w.shape)}")
     m, k = a.shape
-    bounds = segment_bounds(widths, w.shape[0], w_scales, m)
-    if any(n % TILE_N for n in widths):
-        raise ValueError(f"segment widths {tuple(widths)} must be multiples of {TILE_N} (the layout's tiles)")
+    bounds = segment_bounds(widths, w.shape[0], w_scales, m, TILE_N)
     if a_scale.dtype != torch.float32 or a_scale.numel() not in (1, m) or epilogue not in EPILOGUES:
         raise ValueError(f"a_scale must be fp32 with 1 or M={m} elements and epilogue one of "
                          f"{list(EPILOGUES)}, got {a_scale.dtype} {tuple(a_scale.shape)} and {epilogue!r}")

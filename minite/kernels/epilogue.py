@@ -64,12 +64,16 @@ def store_segments(acc, sa_ptr, sw0, sw1, sw2, out_ptr, offs_m, offs_n, M, N, N1
     tl.store(out_ptr + off, out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n < N)[None, :])
 
 
-def segment_bounds(widths: tuple[int, ...], n: int, w_scales: torch.Tensor, m: int) -> tuple[int, int]:
+def segment_bounds(widths: tuple[int, ...], n: int, w_scales: torch.Tensor, m: int,
+                   tile: int = 1) -> tuple[int, int]:
     """(N1, N2) of `store_segments` for 2-3 weights of `widths` rows concatenated into N rows, checked:
-    positive widths summing to N, 3 scales, M * width below 2^31 (32-bit offsets inside an output)."""
+    positive widths summing to N (multiples of `tile`: a decode layout's memory tiles each belong to
+    one weight), 3 scales, M * width below 2^31 (32-bit offsets inside an output)."""
     if len(widths) not in (2, 3) or sum(widths) != n or min(widths) <= 0 or w_scales.numel() != 3:
         raise ValueError(f"segments: 2 or 3 positive widths summing to N={n} and 3 scales; got "
                          f"{tuple(widths)} and {w_scales.numel()} scales")
+    if any(w % tile for w in widths):
+        raise ValueError(f"segment widths {tuple(widths)} must be multiples of {tile} (the layout's tiles)")
     if m * max(widths) >= 2**31:
         raise ValueError(f"segments: M * width = {m} * {max(widths)} must stay below 2^31 (32-bit offsets "
                          "inside each output)")

@@ -135,7 +135,8 @@ def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight,
     if a_scale.dtype != torch.float32 or a_scale.numel() not in (1, t):
         raise ValueError(f"a_scale must be fp32 with 1 or T={t} elements, got {tuple(a_scale.shape)}")
     if w_scale.dtype != torch.float32 or w_scale.numel() != (3 if segments else e):
-        raise ValueError(f"w_scale must be fp32 [E={e}], got {w_scale.dtype} {tuple(w_scale.shape)}")
+        raise ValueError(f"w_scale must be fp32 [{3 if segments else f'E={e}'}], got {w_scale.dtype} "
+                         f"{tuple(w_scale.shape)}")
     if offsets.dtype not in (torch.int32, torch.int64) or tuple(offsets.shape) != (e + 1,):
         raise ValueError(f"offsets must be int32/int64 [E + 1] = [{e + 1}], got {offsets.dtype} "
                          f"{tuple(offsets.shape)}")
@@ -195,15 +196,13 @@ def decode_rows_segments(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight
                          widths: tuple[int, ...], epilogue: str = "sdec", out_dtype=torch.bfloat16,
                          config: dict | None = None) -> list[torch.Tensor]:
     """`decode_gemm_rows` of a against 2-3 weights concatenated along N in one decode layout (as
-    `decode_gemm.decode_gemmsegments` takes them: widths multiples of TILE_N, w_scales fp32 [3]):
+    `decode_gemm.decode_gemm_segments` takes them: widths multiples of TILE_N, w_scales fp32 [3]):
     each weight's output [M, width], contiguous views of one buffer, bitwise `decode_gemm_rows` of
     that weight alone."""
     if w.codes.ndim != 4:
         raise ValueError(f"w must be one weight [N, K] in the decode layout, got {tuple(w.shape)}")
     m = a.shape[0]
-    bounds = segment_bounds(widths, w.shape[0], w_scales, m)
-    if any(n % TILE_N for n in widths):
-        raise ValueError(f"segment widths {tuple(widths)} must be multiples of {TILE_N} (the layout's tiles)")
+    bounds = segment_bounds(widths, w.shape[0], w_scales, m, TILE_N)
     experts = DecodeWeight(w.codes.unsqueeze(0), w.scales.unsqueeze(0), w.n)
     buf = grouped_decode_gemm(a, a_scale, experts, w_scales.reshape(-1), _row_offsets(m, a.device), epilogue,
                               out_dtype, config, bounds)
