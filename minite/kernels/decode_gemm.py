@@ -383,23 +383,31 @@ def _split_counters(n_tiles: int, device) -> torch.Tensor:
     return buf
 
 
-def decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, w_scale: torch.Tensor,
-                epilogue: str = "sdec", out_dtype=torch.bfloat16, config: dict | None = None) -> torch.Tensor:
-    """`gemm.w4a4_gemm`'s decode config for a weight in the decode layout (`pack_weight`): a [M, K]
-    e2m1 * s_b (the weight's operand dtype), a_scale fp32 [M] or [], w_scale fp32 [] -> [M, N].
-    config defaults to `decode_config(M, N, K)`."""
+def _check(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, epilogue: str) -> None:
+    """The arguments `decode_gemm` and `decode_gemm_segments` share: a 2D weight, a [M, K] in its
+    operand dtype, a_scale fp32 [M] or [], a known epilogue."""
     if w.codes.ndim != 4:
         raise ValueError(f"decode_gemm takes a 2D weight, got {tuple(w.shape)} (experts: grouped_decode)")
     if a.ndim != 2 or a.shape[1] != w.shape[1] or a.dtype != w.scales.dtype or a.stride(1) != 1:
         raise ValueError(f"a must be [M, K={w.shape[1]}] in {w.scales.dtype} with unit stride along K, "
                          f"got {tuple(a.shape)} {a.dtype}")
-    m, k = a.shape
-    n = w.shape[0]
-    if a_scale.dtype != torch.float32 or a_scale.numel() not in (1, m) or w_scale.numel() != 1:
-        raise ValueError(f"a_scale must be fp32 with 1 or M={m} elements and w_scale one number, got "
-                         f"{a_scale.dtype} {tuple(a_scale.shape)} and {tuple(w_scale.shape)}")
+    if a_scale.dtype != torch.float32 or a_scale.numel() not in (1, a.shape[0]):
+        raise ValueError(f"a_scale must be fp32 with 1 or M={a.shape[0]} elements, got {a_scale.dtype} "
+                         f"{tuple(a_scale.shape)}")
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue={epilogue!r} is not supported; choose one of {list(EPILOGUES)}")
+
+
+def decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, w_scale: torch.Tensor,
+                epilogue: str = "sdec", out_dtype=torch.bfloat16, config: dict | None = None) -> torch.Tensor:
+    """`gemm.w4a4_gemm`'s decode config for a weight in the decode layout (`pack_weight`): a [M, K]
+    e2m1 * s_b (the weight's operand dtype), a_scale fp32 [M] or [], w_scale fp32 [] -> [M, N].
+    config defaults to `decode_config(M, N, K)`."""
+    _check(a, a_scale, w, epilogue)
+    m, k = a.shape
+    n = w.shape[0]
+    if w_scale.numel() != 1:
+        raise ValueError(f"w_scale must be one number, got {tuple(w_scale.shape)}")
     cfg = config or decode_config(m, n, k)
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     launch(a, a_scale.reshape(-1), w, w_scale, out, EPILOGUES[epilogue], cfg)
@@ -414,15 +422,9 @@ def decode_gemm_segments(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight
     [3] their epilogue factors (the last repeated for two): each weight's output [M, width], contiguous
     views of one buffer, bitwise what `decode_gemm` gives for that weight alone under the same config.
     config defaults to `aligned_decode_config(M, K)` (no split-K: the aligned bits)."""
-    if w.codes.ndim != 4 or a.ndim != 2 or a.shape[1] != w.shape[1] or a.dtype != w.scales.dtype \
-            or a.stride(1) != 1:
-        raise ValueError(f"decode_gemm_segments takes a [M, K={w.shape[-1]}] in {w.scales.dtype} and a 2D "
-                         f"weight, got {tuple(a.shape)} {a.dtype} and {tuple(w.shape)}")
+    _check(a, a_scale, w, epilogue)
     m, k = a.shape
     bounds = segment_bounds(widths, w.shape[0], w_scales, m, TILE_N)
-    if a_scale.dtype != torch.float32 or a_scale.numel() not in (1, m) or epilogue not in EPILOGUES:
-        raise ValueError(f"a_scale must be fp32 with 1 or M={m} elements and epilogue one of "
-                         f"{list(EPILOGUES)}, got {a_scale.dtype} {tuple(a_scale.shape)} and {epilogue!r}")
     cfg = config or aligned_decode_config(m, k)
     if cfg["SPLIT_K"] != 1:
         raise ValueError("decode_gemm_segments runs without split-K")

@@ -2,9 +2,10 @@
 `minite.ref.moe_sort.sort_by_expert`'s tensors (a stable sort is unique).
 
 torch runs it as a radix argsort, a scatter-add of the counts, a cumsum, the inverse scatter and three
-gathers: about a dozen launches a MoE layer, the sort alone ~9 us at a decode step's 256 assignments
-(H200, `benchmarks/results/h200/profile_rollout_moe48_aligned_32seqs.json`). Here the assignments
-are cut into chunks of CHUNK:
+gathers: about a dozen launches a MoE layer, the radix sort alone ~9 us at a decode step's 256
+assignments (H200, a profiled 48-layer step at 86be0ba; this kernel took ~1 ms off that step in both
+recipes, `benchmarks/results/h200/moe_sort_ab_moe_*.json`). Here the assignments are cut into chunks
+of CHUNK:
 
 1. `_count_kernel`, one program per chunk: its count per expert (a one-hot sum) into counts [C, E].
 2. `_place_kernel`, one program per chunk: reads all chunks' counts (at most MAX_CHUNKS), so each
