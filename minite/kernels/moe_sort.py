@@ -27,6 +27,7 @@ from minite.kernels.launch import cdiv, next_power_of_2
 from minite.kernels.launch import launch as launch_kernel
 
 CHUNK = 128
+COMPARE = False  # an assignment's rank in its chunk from the one-hot's running sum
 MAX_CHUNKS = 64  # 8192 assignments: 1024 tokens at top-8
 MAX_EXPERTS = 256
 
@@ -49,7 +50,8 @@ def _count_kernel(ids_ptr, counts_ptr, R, CHUNK: tl.constexpr, E_P2: tl.constexp
 
 @triton.jit
 def _place_kernel(ids_ptr, counts_ptr, tokens_ptr, experts_ptr, offsets_ptr, inverse_ptr, R, C, E,
-                  K: tl.constexpr, CHUNK: tl.constexpr, E_P2: tl.constexpr, C_P2: tl.constexpr):
+                  K: tl.constexpr, CHUNK: tl.constexpr, E_P2: tl.constexpr, C_P2: tl.constexpr,
+                  COMPARE: tl.constexpr):
     c = tl.program_id(0)
     chunks = tl.arange(0, C_P2)
     cols = tl.arange(0, E_P2)
@@ -61,7 +63,12 @@ def _place_kernel(ids_ptr, counts_ptr, tokens_ptr, experts_ptr, offsets_ptr, inv
         tl.store(offsets_ptr, 0)
         tl.store(offsets_ptr + 1 + cols, (starts + totals).to(tl.int64), mask=cols < E)
     offs, mask, ids, hot = _one_hot(ids_ptr, c, R, CHUNK, E_P2)
-    rank = tl.sum(tl.cumsum(hot, axis=0) * hot, axis=1) - 1  # among the chunk's earlier ones
+    if COMPARE:  # the chunk's earlier assignments of the same expert, counted pairwise
+        i = tl.arange(0, CHUNK)
+        same = (ids[:, None] == ids[None, :]) & (i[None, :] < i[:, None]) & mask[None, :]
+        rank = tl.sum(same.to(tl.int32), axis=1)
+    else:  # the same count from the one-hot's running sum
+        rank = tl.sum(tl.cumsum(hot, axis=0) * hot, axis=1) - 1
     base = tl.sum(hot * (starts + before)[None, :], axis=1)
     pos = (base + rank).to(tl.int64)
     tl.store(inverse_ptr + offs, pos, mask=mask)
@@ -77,6 +84,10 @@ def serves(assignments: int, num_experts: int) -> bool:
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int):
     """topk_ids [T, k] int (ids below num_experts) -> (tokens, experts, offsets, inverse): the
     reference's tensors (module docstring), in two launches, no host sync."""
+    return _sort(topk_ids, num_experts, CHUNK, COMPARE)
+
+
+def _sort(topk_ids: torch.Tensor, num_experts: int, chunk: int, compare: bool):
     if topk_ids.ndim != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids must be int [T, k], got {topk_ids.dtype} {tuple(topk_ids.shape)}")
     if topk_ids.device.type != "cuda" and not interpreted():
@@ -86,14 +97,14 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int):
     if not serves(r, num_experts):
         raise ValueError(f"sort_by_expert serves 1 to {MAX_CHUNKS * CHUNK} assignments and at most "
                          f"{MAX_EXPERTS} experts; got {r} and {num_experts}")
-    chunks, e_p2 = cdiv(r, CHUNK), max(16, next_power_of_2(num_experts))
+    chunks, e_p2 = cdiv(r, chunk), max(16, next_power_of_2(num_experts))
     counts = torch.empty(chunks, e_p2, dtype=torch.int32, device=flat.device)
     tokens, experts, inverse = (torch.empty(r, dtype=torch.int64, device=flat.device) for _ in range(3))
     offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=flat.device)
     warps = 4 if e_p2 <= 128 else 8
-    launch_kernel(_count_kernel, (chunks,), (flat, counts, r), CHUNK=CHUNK, E_P2=e_p2, num_warps=warps)
+    launch_kernel(_count_kernel, (chunks,), (flat, counts, r), CHUNK=chunk, E_P2=e_p2, num_warps=warps)
     launch_kernel(_place_kernel, (chunks,), (flat, counts, tokens, experts, offsets, inverse, r, chunks,
                                              num_experts),
-                  K=topk_ids.shape[1], CHUNK=CHUNK, E_P2=e_p2, C_P2=max(2, next_power_of_2(chunks)),
-                  num_warps=warps)
+                  K=topk_ids.shape[1], CHUNK=chunk, E_P2=e_p2, C_P2=max(2, next_power_of_2(chunks)),
+                  COMPARE=compare, num_warps=warps)
     return tokens, experts, offsets, inverse
