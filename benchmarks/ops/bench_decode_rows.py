@@ -21,10 +21,15 @@ from minite.kernels import nvfp4 as kq
 
 SHAPES = {"moe q": (4096, 2048), "moe k|v": (512, 2048), "moe o": (2048, 4096),
           "dense gate|up": (12288, 2048), "dense down": (2048, 6144)}
-MS = (128, 512, 2048, 4096)
+MS = (128, 256, 512, 2048, 4096)
 ROW_TILES = (None, dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=3, HALVES=True),
              dict(BM=128, BN=64, BK=128, num_warps=4, num_stages=3, HALVES=True),
-             dict(BM=64, BN=256, BK=128, num_warps=8, num_stages=3, HALVES=True))
+             dict(BM=64, BN=256, BK=128, num_warps=8, num_stages=3, HALVES=True),
+             # more programs an SM: registers capped (BM 64: 168 a thread, ~130 bytes of spills in
+             # ptxas -v), or half the accumulator
+             dict(BM=64, BN=128, BK=128, num_warps=4, num_stages=3, HALVES=True, maxnreg=168),
+             dict(BM=64, BN=64, BK=128, num_warps=4, num_stages=3, HALVES=True),
+             dict(BM=32, BN=64, BK=128, num_warps=4, num_stages=3, HALVES=True))
 
 
 def main():
@@ -50,7 +55,8 @@ def main():
                        aligned_copy_us=graph_us([lambda w=w_: kg.w4a4_gemm(a, sa, w, wq.global_scale)
                                                  for w_ in wcs]))
             for cfg in ROW_TILES:
-                tag = "rows" if cfg is None else f"rows_bm{cfg['BM']}_bn{cfg['BN']}_w{cfg['num_warps']}"
+                tag = "rows" if cfg is None else (f"rows_bm{cfg['BM']}_bn{cfg['BN']}_w{cfg['num_warps']}"
+                                                   + (f"_r{cfg['maxnreg']}" if "maxnreg" in cfg else ""))
                 try:
                     same = torch.equal(gd.decode_gemm_rows(a, sa, dw, wq.global_scale, config=cfg), want)
                     us = graph_us([lambda d=d: gd.decode_gemm_rows(a, sa, d, wq.global_scale, config=cfg)

@@ -22,7 +22,7 @@ from minite.kernels import grouped_decode as gd
 from minite.kernels import grouped_gemm as gg
 from minite.kernels import nvfp4 as kq
 
-TOKENS = (64, 256, 512, 1024)
+TOKENS = (64, 128, 256, 512, 1024)
 CALLS = 4  # calls per graph
 # tiles around `grouped_decode.GROUPED_DECODE_TILES`: BM 16 for few rows per expert; HALVES (a BM-row
 # tile whose rows fit in BM / 2 runs half-height MMAs: the weight dequantized once per BM rows) above
@@ -32,7 +32,14 @@ SWEEP = ([dict(BM=16, BN=bn, BK=bk, num_warps=4, num_stages=3) for bn in (64, 12
          + [dict(BM=bm, BN=bn, BK=128, num_warps=8, num_stages=3, HALVES=True) for bm in (32, 64)
             for bn in (128, 256)]
          + [dict(BM=64, BN=64, BK=128, num_warps=4, num_stages=4, HALVES=True),
-            dict(BM=64, BN=128, BK=256, num_warps=4, num_stages=2, HALVES=True)])
+            dict(BM=64, BN=128, BK=256, num_warps=4, num_stages=2, HALVES=True)]
+         # registers capped so that three programs share an SM (157 instead of 192 a thread at BM 32, no
+         # spills in ptxas -v), and BM 32 on BN 64 (half the accumulator, twice the programs)
+         + [dict(BM=32, BN=bn, BK=bk, num_warps=4, num_stages=st, HALVES=True, maxnreg=168)
+            for bn, bk, st in ((128, 128, 3), (128, 128, 4), (256, 128, 3), (64, 128, 3), (64, 256, 3))]
+         + [dict(BM=32, BN=64, BK=bk, num_warps=4, num_stages=st, HALVES=True)
+            for bk, st in ((128, 3), (256, 3), (128, 4))]
+         + [dict(BM=16, BN=bn, BK=256, num_warps=4, num_stages=4) for bn in (64, 128)])
 
 
 def experts(n, k):

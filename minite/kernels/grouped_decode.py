@@ -157,8 +157,13 @@ def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight,
         K=k, TK=w.tk, EPILOGUE=EPILOGUES[epilogue], BF16=a.dtype == torch.bfloat16, HW=not interpreted(),
         W_SHIFT=W_SHIFT[a.dtype], E_P2=max(16, next_power_of_2(e)), BM=bm, BN=bn, BK=cfg["BK"],
         EVEN_N=w.n_pad % bn == 0, HALVES=cfg.get("HALVES", False), SEGMENTED=segments is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_register_cap(cfg))
     return out
+
+
+def _register_cap(cfg: dict) -> dict:
+    """The launch's `maxnreg` where the tile caps its registers per thread (more programs an SM)."""
+    return {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not interpreted() else {}
 
 
 _ROW_OFFSETS: dict = {}
