@@ -2,10 +2,10 @@
 layout in BM-row tiles, the aligned bits) vs the aligned tile on the bf16 copy (what a full model
 runs) and cuBLAS bf16, at 128-4096 rows.
 
-Shapes: the Qwen3-30B-A3B attention projections (q, k or v, o) and the Qwen3-1.7B MLP (gate|up,
-down). Each column is a CUDA graph of back-to-back calls over rotating weight copies (more bytes than
-L2), in microseconds per call; `ROW_TILES` are the row tiles tried (the first is the default), each
-checked bitwise against the aligned tile on the copy.
+Shapes: the Qwen3-30B-A3B attention projections (q, k or v, q|k|v as one weight, o) and the
+Qwen3-1.7B MLP (gate|up, down). Each column is a CUDA graph of back-to-back calls over rotating
+weight copies (more bytes than L2), in microseconds per call; `ROW_TILES` are the row tiles tried
+(the first is the default), each checked bitwise against the aligned tile on the copy.
 
     python -m benchmarks.ops.bench_decode_rows --out OUT.json
 """
@@ -19,7 +19,7 @@ from minite.kernels import gemm as kg
 from minite.kernels import grouped_decode as gd
 from minite.kernels import nvfp4 as kq
 
-SHAPES = {"moe q": (4096, 2048), "moe k|v": (512, 2048), "moe o": (2048, 4096),
+SHAPES = {"moe q": (4096, 2048), "moe k|v": (512, 2048), "moe q|k|v": (5120, 2048), "moe o": (2048, 4096),
           "dense gate|up": (12288, 2048), "dense down": (2048, 6144)}
 MS = (128, 256, 512, 2048, 4096)
 ROW_TILES = (None, dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=3, HALVES=True),

@@ -1,5 +1,5 @@
 """The MoE assignments' counting sort (`kernels.moe_sort`) at a decode step's sizes (32, 256 and 512
-tokens at top-8 of 128 experts): each chunk size and rank method against torch's sort (the
+tokens at top-8 of 128 experts): each chunk size against torch's sort (the
 reference), its integers checked equal, timed as CUDA graphs of 8 calls (microseconds a call).
 
     python -m benchmarks.tools.probe_moe_sort OUT.json
@@ -16,7 +16,7 @@ from minite.kernels import moe_sort as km
 from minite.ref import moe_sort as ref
 
 EXPERTS, TOP_K = 128, 8
-VARIANTS = [(128, False), (128, True), (64, False), (64, True), (32, True)]
+CHUNKS = (128, 64, 32)
 
 
 def main():
@@ -28,10 +28,9 @@ def main():
         want = ref.sort_by_expert(ids, EXPERTS)
         row = dict(tokens=tokens, assignments=ids.numel(),
                    torch_us=graph_us([lambda: ref.sort_by_expert(ids, EXPERTS)] * 8))
-        for chunk, compare in VARIANTS:
-            got = km._sort(ids, EXPERTS, chunk, compare)
-            name = f"chunk{chunk}_{'compare' if compare else 'cumsum'}"
-            row[name] = dict(us=graph_us([lambda: km._sort(ids, EXPERTS, chunk, compare)] * 8),
+        for chunk in CHUNKS:
+            got = km._sort(ids, EXPERTS, chunk)
+            row[f"chunk{chunk}"] = dict(us=graph_us([lambda: km._sort(ids, EXPERTS, chunk)] * 8),
                              same=all(torch.equal(a, b) for a, b in zip(got, want)))
         rows.append(row)
         print(row, flush=True)

@@ -49,15 +49,29 @@ GROUPED_DECODE_TILES = (
 # slower on the narrow ones (o 33.3 vs 26.5 us).
 WIDE_ROWS_TILE = dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=3, HALVES=True)
 
+# Below that, one weight's row tiles narrow while its grid holds few programs: BN 64 under NARROW_N
+# programs, then BM 32 under NARROW_M. Each program runs the whole K chain (no split-K in the aligned
+# order), so a step of few programs is bound by the chain's latency, and twice the programs halve it.
+# H200, benchmarks/ops/bench_decode_rows.py (decode_rows_regcap.json, e43d6cf), at 128-256 rows: the
+# Qwen3-30B-A3B o projection 17.0 / 19.6 us against 25.9 / 26.0 on BM 64 / BN 128, k|v 9.8 against
+# 14.7, the Qwen3-1.7B down 24.0 / 27.9 against 37.5 / 38.0; every other shape within 1 %.
+NARROW_N, NARROW_M = 256, 128
+
 
 def grouped_decode_config(rows: int, experts: int, k: int | None = None, n: int | None = None) -> dict:
     """The tile for `rows` sorted rows over `experts` experts (depends on the counts, never the data);
-    one "expert" of N = `n` weight rows (`decode_gemm_rows`) takes `WIDE_ROWS_TILE` where it is faster."""
+    one "expert" of N = `n` weight rows (`decode_gemm_rows`) takes `WIDE_ROWS_TILE` where it is faster,
+    narrower tiles where its grid holds few programs (NARROW_N, NARROW_M)."""
     avg = rows / max(experts, 1)
     if experts == 1 and n is not None and (rows >= 2048 or rows >= 512 and n >= 4096):
         cfg = dict(WIDE_ROWS_TILE)
     else:
         cfg = dict(next(t for most, t in GROUPED_DECODE_TILES if most is None or avg <= most))
+        if experts == 1 and n is not None and cfg["BM"] == 64:
+            if cdiv(n, cfg["BN"]) * cdiv(rows, cfg["BM"]) < NARROW_N:
+                cfg["BN"] = 64
+            if cdiv(n, cfg["BN"]) * cdiv(rows, cfg["BM"]) < NARROW_M:
+                cfg["BM"] = 32
     if interpreted():
         cfg.update(BN=32, BK=64, num_stages=1)
     while k is not None and k % cfg["BK"]:

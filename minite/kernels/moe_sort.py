@@ -11,8 +11,10 @@ of CHUNK:
 2. `_place_kernel`, one program per chunk: reads all chunks' counts (at most MAX_CHUNKS), so each
    expert's start (the offsets) and the assignments of that expert in earlier chunks are known; an
    assignment's sorted position is its expert's start, plus that expert's count in earlier chunks,
-   plus its rank among the chunk's earlier assignments of that expert (a cumulative one-hot sum).
-   It writes tokens, experts and inverse at those positions, and program 0 the offsets.
+   plus its rank among the chunk's earlier assignments of that expert (counted pairwise, a
+   [CHUNK, CHUNK] comparison: 6.4 us at 256 assignments against 9.7 us for a running sum of the
+   one-hot, the same integers; `benchmarks/results/h200/probe_moe_sort.json`, e43d6cf). It writes
+   tokens, experts and inverse at those positions, and program 0 the offsets.
 
 Serves up to MAX_CHUNKS * CHUNK assignments and MAX_EXPERTS experts (a decode step); `minite.nn.moe`
 runs the reference beyond (the same integers).
@@ -27,7 +29,6 @@ from minite.kernels.launch import cdiv, next_power_of_2
 from minite.kernels.launch import launch as launch_kernel
 
 CHUNK = 128
-COMPARE = False  # an assignment's rank in its chunk from the one-hot's running sum
 MAX_CHUNKS = 64  # 8192 assignments: 1024 tokens at top-8
 MAX_EXPERTS = 256
 
@@ -50,8 +51,7 @@ def _count_kernel(ids_ptr, counts_ptr, R, CHUNK: tl.constexpr, E_P2: tl.constexp
 
 @triton.jit
 def _place_kernel(ids_ptr, counts_ptr, tokens_ptr, experts_ptr, offsets_ptr, inverse_ptr, R, C, E,
-                  K: tl.constexpr, CHUNK: tl.constexpr, E_P2: tl.constexpr, C_P2: tl.constexpr,
-                  COMPARE: tl.constexpr):
+                  K: tl.constexpr, CHUNK: tl.constexpr, E_P2: tl.constexpr, C_P2: tl.constexpr):
     c = tl.program_id(0)
     chunks = tl.arange(0, C_P2)
     cols = tl.arange(0, E_P2)
@@ -63,12 +63,9 @@ def _place_kernel(ids_ptr, counts_ptr, tokens_ptr, experts_ptr, offsets_ptr, inv
         tl.store(offsets_ptr, 0)
         tl.store(offsets_ptr + 1 + cols, (starts + totals).to(tl.int64), mask=cols < E)
     offs, mask, ids, hot = _one_hot(ids_ptr, c, R, CHUNK, E_P2)
-    if COMPARE:  # the chunk's earlier assignments of the same expert, counted pairwise
-        i = tl.arange(0, CHUNK)
-        same = (ids[:, None] == ids[None, :]) & (i[None, :] < i[:, None]) & mask[None, :]
-        rank = tl.sum(same.to(tl.int32), axis=1)
-    else:  # the same count from the one-hot's running sum
-        rank = tl.sum(tl.cumsum(hot, axis=0) * hot, axis=1) - 1
+    i = tl.arange(0, CHUNK)  # the chunk's earlier assignments of the same expert
+    same = (ids[:, None] == ids[None, :]) & (i[None, :] < i[:, None]) & mask[None, :]
+    rank = tl.sum(same.to(tl.int32), axis=1)
     base = tl.sum(hot * (starts + before)[None, :], axis=1)
     pos = (base + rank).to(tl.int64)
     tl.store(inverse_ptr + offs, pos, mask=mask)
@@ -84,10 +81,10 @@ def serves(assignments: int, num_experts: int) -> bool:
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int):
     """topk_ids [T, k] int (ids below num_experts) -> (tokens, experts, offsets, inverse): the
     reference's tensors (module docstring), in two launches, no host sync."""
-    return _sort(topk_ids, num_experts, CHUNK, COMPARE)
+    return _sort(topk_ids, num_experts, CHUNK)
 
 
-def _sort(topk_ids: torch.Tensor, num_experts: int, chunk: int, compare: bool):
+def _sort(topk_ids: torch.Tensor, num_experts: int, chunk: int):
     if topk_ids.ndim != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids must be int [T, k], got {topk_ids.dtype} {tuple(topk_ids.shape)}")
     if topk_ids.device.type != "cuda" and not interpreted():
@@ -106,5 +103,5 @@ def _sort(topk_ids: torch.Tensor, num_experts: int, chunk: int, compare: bool):
     launch_kernel(_place_kernel, (chunks,), (flat, counts, tokens, experts, offsets, inverse, r, chunks,
                                              num_experts),
                   K=topk_ids.shape[1], CHUNK=chunk, E_P2=e_p2, C_P2=max(2, next_power_of_2(chunks)),
-                  COMPARE=compare, num_warps=warps)
+                  num_warps=warps)
     return tokens, experts, offsets, inverse

@@ -59,6 +59,12 @@ def test_config_follows_the_average_rows_per_expert():
                                                                       (128, 12288))]
     assert wide == [64, 128, 128, 64]
     assert gd.grouped_decode_config(4096, 128, 2048, 4096)["BM"] == 64  # experts keep their tiles
+    # below that, a grid of few programs narrows: BN 64 under NARROW_N programs, then BM 32 under NARROW_M
+    narrow = [gd.grouped_decode_config(m, 1, 2048, n) for m, n in ((128, 2048), (256, 2048), (256, 12288))]
+    assert [c["BM"] for c in narrow] == [32, 64, 64]
+    if not interpreted():
+        assert [c["BN"] for c in narrow] == [64, 64, 128]
+    assert gd.grouped_decode_config(1024, 16, 2048, 2048)["BM"] == 64  # experts never narrow
 
 
 def test_bad_arguments_raise():
