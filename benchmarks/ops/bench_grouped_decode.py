@@ -33,10 +33,11 @@ SWEEP = ([dict(BM=16, BN=bn, BK=bk, num_warps=4, num_stages=3) for bn in (64, 12
             for bn in (128, 256)]
          + [dict(BM=64, BN=64, BK=128, num_warps=4, num_stages=4, HALVES=True),
             dict(BM=64, BN=128, BK=256, num_warps=4, num_stages=2, HALVES=True)]
-         # registers capped so that three programs share an SM (157 instead of 192 a thread at BM 32, no
-         # spills in ptxas -v), and BM 32 on BN 64 (half the accumulator, twice the programs)
-         + [dict(BM=32, BN=bn, BK=bk, num_warps=4, num_stages=st, HALVES=True, maxnreg=168)
-            for bn, bk, st in ((128, 128, 3), (128, 128, 4), (256, 128, 3), (64, 128, 3), (64, 256, 3))]
+         # registers capped so that four programs share an SM (the BM 32 tile holds 162 a thread, three
+         # programs: ncu on the H200), and BM 32 on BN 64 (half the accumulator, twice the programs)
+         + [dict(BM=32, BN=128, BK=bk, num_warps=4, num_stages=st, HALVES=True, maxnreg=cap)
+            for cap in (128, 144) for bk, st in ((128, 3), (128, 2), (64, 4))]
+         + [dict(BM=16, BN=bn, BK=256, num_warps=4, num_stages=3, maxnreg=128) for bn in (64, 128)]
          + [dict(BM=32, BN=64, BK=bk, num_warps=4, num_stages=st, HALVES=True)
             for bk, st in ((128, 3), (256, 3), (128, 4))]
          + [dict(BM=16, BN=bn, BK=256, num_warps=4, num_stages=4) for bn in (64, 128)])

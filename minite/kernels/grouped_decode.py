@@ -34,10 +34,13 @@ from minite.kernels.launch import launch as launch_kernel
 # 128, BK 128 and 3 stages won at every count, by 16-40 % over BN 64 / BK 256 / 2 stages (gate|up at 32 rows:
 # 124.1 vs 170.3 us); HALVES (a tile of BM rows whose rows fit in BM / 2 runs half-height MMAs:
 # the weight dequantized once per BM rows, no BM-row MMAs for short experts). BK halves until it
-# divides K.
+# divides K. The BM 32 tile caps its registers at 128 a thread (162 uncapped: three programs an SM,
+# ncu_grouped_decode_experts.txt), four programs an SM: at 16 rows per expert gate|up 91.2 vs 92.6 us
+# and down 52.2 vs 54.9 (grouped_decode_regcap128.json, 02cb5eb); the kernel is not bound by
+# occupancy (ncu: L2 78 % busy, DRAM 60 %, 0.56 instructions a cycle per scheduler).
 GROUPED_DECODE_TILES = (
     (8, dict(BM=16, BN=64, BK=256, num_warps=4, num_stages=3)),
-    (16, dict(BM=32, BN=128, BK=128, num_warps=4, num_stages=3, HALVES=True)),
+    (16, dict(BM=32, BN=128, BK=128, num_warps=4, num_stages=3, HALVES=True, maxnreg=128)),
     (None, dict(BM=64, BN=128, BK=128, num_warps=4, num_stages=3, HALVES=True)),
 )
 
