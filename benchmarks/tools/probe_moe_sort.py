@@ -1,6 +1,6 @@
 """The MoE assignments' counting sort (`kernels.moe_sort`) at a decode step's sizes (32, 256 and 512
-tokens at top-8 of 128 experts): each chunk size against torch's sort (the
-reference), its integers checked equal, timed as CUDA graphs of 8 calls (microseconds a call).
+tokens at top-8 of 128 experts): each chunk size against torch's sort (the reference), its integers
+checked equal, timed as CUDA graphs of 8 calls (microseconds a call).
 
     python -m benchmarks.tools.probe_moe_sort OUT.json
 """
@@ -31,7 +31,7 @@ def main():
         for chunk in CHUNKS:
             got = km._sort(ids, EXPERTS, chunk)
             row[f"chunk{chunk}"] = dict(us=graph_us([lambda: km._sort(ids, EXPERTS, chunk)] * 8),
-                             same=all(torch.equal(a, b) for a, b in zip(got, want)))
+                                        same=all(torch.equal(a, b) for a, b in zip(got, want)))
         rows.append(row)
         print(row, flush=True)
     json.dump(dict(benchmark="MoE assignments' counting sort variants", rows=rows, env=env_info()),

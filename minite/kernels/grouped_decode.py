@@ -54,7 +54,7 @@ WIDE_ROWS_TILE = dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=3, HALVES=
 
 # Below that, one weight's row tiles narrow while its grid holds few programs: BN 64 under NARROW_N
 # programs, then BM 32 under NARROW_M. Each program runs the whole K chain (no split-K in the aligned
-# order), so a step of few programs is bound by the chain's latency, and twice the programs halve it.
+# order), so a grid of few programs is bound by the chain's latency, which more programs overlap.
 # H200, benchmarks/ops/bench_decode_rows.py (decode_rows_regcap.json, e43d6cf), at 128-256 rows: the
 # Qwen3-30B-A3B o projection 17.0 / 19.6 us against 25.9 / 26.0 on BM 64 / BN 128, k|v 9.8 against
 # 14.7, the Qwen3-1.7B down 24.0 / 27.9 against 37.5 / 38.0; every other shape within 1 %.
