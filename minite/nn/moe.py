@@ -1,7 +1,8 @@
 """Mixture-of-experts FFN of Qwen3-MoE: a bf16 top-k router and SwiGLU experts as NVFP4 linears.
 
 Routing (as HF Qwen3-MoE): logits = gate(x) [T, E] (bf16 Linear, never quantized); p = softmax of
-the logits in fp32; the top-k of p, renormalized to sum 1 if `norm_topk_prob`, cast to x.dtype.
+the logits in fp32; the top-k of p, renormalized to sum 1 if `norm_topk_prob`, cast to x.dtype (one
+kernel where the fused kernels run, equal logits to the lower expert: `minite.nn.router`).
 Expert e computes down_e(silu(x W_gate,e^T) * (x W_up,e^T)) with gate_up_proj[e] = [W_gate,e; W_up,e].
 
 Grouped execution (one path for all experts; no Python loop over tokens): the T*k token-expert
@@ -40,7 +41,6 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minite.execution import DEFAULT, Execution
@@ -49,6 +49,7 @@ from minite.nn.linear import TE_AMAX_TO_SCALE, Linear
 from minite.nn.moe_combine import combine
 from minite.nn.nvfp4_matmul import grouped_nvfp4_matmul, nvfp4_matmul, use_grouped_kernels
 from minite.nn.quantized_weight import QuantizedWeight, quantize_weight, weight_key
+from minite.nn.router import route
 from minite.nn.swiglu import swiglu, swiglu_quantized
 from minite.recipe import Recipe, get_recipe
 from minite.ref import moe_sort as ref_moe_sort
@@ -166,11 +167,8 @@ class MoEExperts(nn.Module):
     def route(self, x2: torch.Tensor) -> Routing:
         """x2 [T, H] -> Routing (HF Qwen3-MoE's softmax / top-k / renormalize)."""
         logits = self.gate(x2)  # [T, E]
-        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return Routing(logits, weights.to(logits.dtype), ids)
+        weights, ids = route(logits, self.top_k, self.norm_topk_prob, self.recipe.execution)  # [T, k]
+        return Routing(logits, weights, ids)
 
     def forward(self, x: torch.Tensor, return_router: bool = False):
         x2 = x.reshape(-1, self.hidden_size)  # [T, H]
