@@ -40,12 +40,7 @@ SWEEP = ([dict(BM=16, BN=bn, BK=bk, num_warps=4, num_stages=3) for bn in (64, 12
          + [dict(BM=16, BN=bn, BK=256, num_warps=4, num_stages=3, maxnreg=128) for bn in (64, 128)]
          + [dict(BM=32, BN=64, BK=bk, num_warps=4, num_stages=st, HALVES=True)
             for bk, st in ((128, 3), (256, 3), (128, 4))]
-         + [dict(BM=16, BN=bn, BK=256, num_warps=4, num_stages=4) for bn in (64, 128)]
-         # persistent programs (PERSIST an SM) walking the tiles in one flattened loop
-         + [dict(BM=16, BN=64, BK=bk, num_warps=4, num_stages=st, PERSIST=p)
-            for p in (2, 3, 4) for bk, st in ((256, 3), (128, 4))]
-         + [dict(BM=32, BN=128, BK=128, num_warps=4, num_stages=3, HALVES=h, PERSIST=p, maxnreg=128)
-            for h in (True, False) for p in (3, 4)])
+         + [dict(BM=16, BN=bn, BK=256, num_warps=4, num_stages=4) for bn in (64, 128)])
 
 
 def experts(n, k):

@@ -25,8 +25,7 @@ import triton.language as tl
 from minite.kernels import interpreted
 from minite.kernels.decode_gemm import KGROUP, TILE_N, W_SHIFT, DecodeWeight, decode_acc, layout_rows
 from minite.kernels.epilogue import EPILOGUES, segment_bounds, segment_views, store_segments, store_tile
-from minite.kernels.gemm import _sm_count
-from minite.kernels.grouped_gemm import expert_table, expert_tile, table_tile
+from minite.kernels.grouped_gemm import expert_tile
 from minite.kernels.launch import cdiv, next_power_of_2
 from minite.kernels.launch import launch as launch_kernel
 
@@ -105,12 +104,16 @@ def _row_tile(a_ptr, row0, row_end, w_rows, s_rows, offs_n, mask_n, sa_ptr, sw_p
 
 
 @triton.jit
-def _expert_tile(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, e, row0, row_end, pid_n, N, stride_am,
-                 stride_ce, stride_se, stride_om, stride_sa, N1, N2, K: tl.constexpr, TK: tl.constexpr,
-                 EPILOGUE: tl.constexpr, BF16: tl.constexpr, HW: tl.constexpr, W_SHIFT: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_N: tl.constexpr,
-                 HALVES: tl.constexpr, SEGMENTED: tl.constexpr):
-    """Rows row0 .. row0 + BM (those before row_end) of expert e times its N tile pid_n."""
+def _grouped_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, offsets_ptr, out_ptr, N, E,
+                           stride_am, stride_ce, stride_se, stride_om, stride_sa, N1, N2,
+                           K: tl.constexpr, TK: tl.constexpr, EPILOGUE: tl.constexpr, BF16: tl.constexpr,
+                           HW: tl.constexpr, W_SHIFT: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr,
+                           BN: tl.constexpr, BK: tl.constexpr, EVEN_N: tl.constexpr, HALVES: tl.constexpr,
+                           SEGMENTED: tl.constexpr):
+    pid_n = tl.program_id(0)
+    e, row0, row_end = expert_tile(offsets_ptr, E, tl.program_id(1), BM, E_P2)
+    if e >= E:
+        return
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     w_rows, s_rows = layout_rows(codes_ptr + e.to(tl.int64) * stride_ce, ws_ptr + e.to(tl.int64) * stride_se,
@@ -126,31 +129,6 @@ def _expert_tile(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, e, row0, row
         _row_tile(a_ptr, row0, row_end, w_rows, s_rows, offs_n, mask_n, sa_ptr, sw_ptr, e, out_ptr, stride_am,
                   stride_om, stride_sa, N, N1, N2, K, TK, EPILOGUE, BF16, HW, W_SHIFT, BM, BN, BK, EVEN_N,
                   SEGMENTED)
-
-
-@triton.jit
-def _grouped_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, offsets_ptr, out_ptr, N, E,
-                           stride_am, stride_ce, stride_se, stride_om, stride_sa, N1, N2, programs,
-                           K: tl.constexpr, TK: tl.constexpr, EPILOGUE: tl.constexpr, BF16: tl.constexpr,
-                           HW: tl.constexpr, W_SHIFT: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr,
-                           BN: tl.constexpr, BK: tl.constexpr, EVEN_N: tl.constexpr, HALVES: tl.constexpr,
-                           SEGMENTED: tl.constexpr, PERSISTENT: tl.constexpr):
-    """One (N tile, row tile) per program, or (PERSISTENT) the experts' tiles `programs` apart in one
-    flattened loop, so that the next tile's loads overlap this one's last steps and epilogue."""
-    if PERSISTENT:  # GPU only: the interpreter cannot take a run-time range() bound
-        grid_n = tl.cdiv(N, BN)
-        experts, start, end, tiles, cum = expert_table(offsets_ptr, E, BM, E_P2)
-        for tile in tl.range(tl.program_id(0), tl.sum(tiles, 0) * grid_n, programs, flatten=True):
-            e, row0, row_end = table_tile(experts, start, end, tiles, cum, tile // grid_n, BM)
-            _expert_tile(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, e, row0, row_end,
-                         tile % grid_n, N, stride_am, stride_ce, stride_se, stride_om, stride_sa, N1, N2, K,
-                         TK, EPILOGUE, BF16, HW, W_SHIFT, BM, BN, BK, EVEN_N, HALVES, SEGMENTED)
-    else:
-        e, row0, row_end = expert_tile(offsets_ptr, E, tl.program_id(1), BM, E_P2)
-        if e < E:
-            _expert_tile(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, e, row0, row_end,
-                         tl.program_id(0), N, stride_am, stride_ce, stride_se, stride_om, stride_sa, N1, N2,
-                         K, TK, EPILOGUE, BF16, HW, W_SHIFT, BM, BN, BK, EVEN_N, HALVES, SEGMENTED)
 
 
 def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, w_scale: torch.Tensor,
@@ -189,18 +167,14 @@ def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight,
     sa = a_scale.reshape(-1)
     bm, bn = cfg["BM"], cfg["BN"]
     grid = (cdiv(n, bn), cdiv(t, bm) + e)
-    persistent = bool(cfg.get("PERSIST")) and not interpreted()
-    programs = cfg.get("PERSIST", 0) * _sm_count(a.device.index) if persistent else 0
-    if persistent:
-        grid = (programs, 1)
     launch_kernel(_grouped_decode_kernel, grid, (
         a, w.codes, w.scales, sa, w_scale.reshape(-1), offsets, out, n, e,
         a.stride(0), w.codes.stride(0), w.scales.stride(0), out.stride(0), 0 if sa.numel() == 1 else 1,
-        *(segments or (0, 0)), programs),
+        *(segments or (0, 0))),
         K=k, TK=w.tk, EPILOGUE=EPILOGUES[epilogue], BF16=a.dtype == torch.bfloat16, HW=not interpreted(),
         W_SHIFT=W_SHIFT[a.dtype], E_P2=max(16, next_power_of_2(e)), BM=bm, BN=bn, BK=cfg["BK"],
         EVEN_N=w.n_pad % bn == 0, HALVES=cfg.get("HALVES", False), SEGMENTED=segments is not None,
-        PERSISTENT=persistent, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_register_cap(cfg))
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_register_cap(cfg))
     return out
 
 

@@ -7,9 +7,10 @@ import torch
 
 from minite.execution import Execution
 from minite.kernels import moe_combine as kc
-from minite.nn import MoEExperts, router
+from minite.nn import MoEExperts
 from minite.nn import moe as moe_module
 from minite.nn import moe_combine as nc
+from minite.nn import router
 from minite.recipe import get_recipe
 from minite.ref.moe_combine import combine as reference
 from tests.kernels.helpers import device
