@@ -43,6 +43,12 @@ GROUPED_DECODE_TILES = (
     (16, dict(BM=32, BN=128, BK=128, num_warps=4, num_stages=3, HALVES=True, maxnreg=128)),
     (None, dict(BM=64, BN=128, BK=128, num_warps=4, num_stages=3, HALVES=True)),
 )
+# Experts of K <= SHORT_K (the MoE down projection, K 768) skip the 16-row tile: its programs run 3 K
+# steps each, the 32-row tile's hold twice the weight rows. H200, 4 / 8 rows per expert, two sweeps on
+# two days (grouped_decode_regcap128.json at 02cb5eb, grouped_decode_persistent.json at fac99ba): down
+# 46.9-47.0 / 48.4-48.7 us against 52.3 / 55.1-55.3; gate|up (K 2048) keeps the 16-row tile (78.6-79.0
+# / 82.5-82.7 us against 80.0-80.3 / 83.4-83.7).
+SHORT_K = 1024
 
 
 # `decode_gemm_rows`' tile from 2048 rows, or from 512 on a weight of N >= 4096 rows: 128 rows, 8 warps
@@ -69,7 +75,9 @@ def grouped_decode_config(rows: int, experts: int, k: int | None = None, n: int 
     if experts == 1 and n is not None and (rows >= 2048 or rows >= 512 and n >= 4096):
         cfg = dict(WIDE_ROWS_TILE)
     else:
-        cfg = dict(next(t for most, t in GROUPED_DECODE_TILES if most is None or avg <= most))
+        short_k = experts > 1 and k is not None and k <= SHORT_K
+        tiles = GROUPED_DECODE_TILES[1:] if short_k else GROUPED_DECODE_TILES
+        cfg = dict(next(t for most, t in tiles if most is None or avg <= most))
         if experts == 1 and n is not None and cfg["BM"] == 64:
             if cdiv(n, cfg["BN"]) * cdiv(rows, cfg["BM"]) < NARROW_N:
                 cfg["BN"] = 64

@@ -52,8 +52,10 @@ def test_config_follows_the_average_rows_per_expert():
     cfgs = [gd.grouped_decode_config(t, 128) for t in (128, 512, 1024, 2048, 4096, 8192)]
     assert [(c["BM"], c.get("HALVES", False)) for c in cfgs] == [
         (16, False), (16, False), (16, False), (32, True), (64, True), (64, True)]
-    assert gd.grouped_decode_config(1024, 128, 768)["BK"] == (64 if interpreted() else 256)
+    assert gd.grouped_decode_config(1024, 128, 2048)["BK"] == (64 if interpreted() else 256)
+    assert gd.grouped_decode_config(1024, 128, 768)["BM"] == 32  # short K: the 32-row tile
     assert gd.grouped_decode_config(1024, 128, 96)["BK"] == 32  # BK halves until it divides K
+    assert gd.grouped_decode_config(8, 1, 768, 2048)["BM"] == 16  # one weight keeps the 16-row tile
     # one weight (`decode_gemm_rows`): 128-row tiles from 2048 rows, or from 512 on N >= 4096
     wide = [gd.grouped_decode_config(m, 1, 2048, n)["BM"] for m, n in ((512, 2048), (512, 4096), (2048, 512),
                                                                       (128, 12288))]
