@@ -51,6 +51,28 @@ def model_through_fused_kernels(monkeypatch, module, name: str):
     return want, got, len(calls), model.config.num_hidden_layers
 
 
+def moe_through_fused_kernels(monkeypatch, module, name: str):
+    """A tiny fp32 MoE layer (the sorted path: torch._grouped_mm experts) run with the element-wise
+    kernels off, then on: for each, (output, routed experts, input gradient, parameter gradients)
+    of a fixed loss; and how many times `module.name` ran while on."""
+    from minite.nn import MoEExperts
+    from minite.recipe import get_recipe
+
+    moe = MoEExperts(8, 32, 16, 2, recipe="bf16")
+    x, g = torch.randn(3, 11, 32), torch.randn(3, 11, 32)
+    calls, runs = [], []
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(1) or real(*a))
+    for elementwise in ("ref", "triton"):
+        moe.set_recipe(get_recipe("bf16").with_execution(elementwise=elementwise, grouped_mm=True))
+        xi = x.clone().requires_grad_()
+        y, r = moe(xi, return_router=True)
+        y.backward(g)
+        runs.append((y.detach(), r.experts, xi.grad, [p.grad.clone() for p in moe.parameters()]))
+        moe.zero_grad()
+    return runs[0], runs[1], len(calls)
+
+
 class ZeroFills:
     """Counts the zero-filled tensors made while active (autograd materializing the gradients of
     outputs that took no part in the loss dispatches `zeros_like` / `zeros` / `zero_` / `fill_`)."""

@@ -7,13 +7,11 @@ import torch
 
 from minite.execution import Execution
 from minite.kernels import moe_combine as kc
-from minite.nn import MoEExperts
 from minite.nn import moe as moe_module
 from minite.nn import moe_combine as nc
 from minite.nn import router
-from minite.recipe import get_recipe
 from minite.ref.moe_combine import combine as reference
-from tests.kernels.helpers import device
+from tests.kernels.helpers import device, moe_through_fused_kernels
 
 
 def _inputs(t, k, h, dtype, seed=0, dev="cpu"):
@@ -59,25 +57,11 @@ def test_autograd_op_gives_autograd_gradients_of_the_torch_form():
                     "torch._grouped_mm); on CUDA the agreement runs cover the MoE layer")
 def test_moe_layer_through_the_kernel_equals_the_torch_combine(monkeypatch):
     """Bitwise on the CPU interpreter (fp32): output, input and parameter gradients."""
-    moe = MoEExperts(8, 32, 16, 2, recipe="bf16")
-    calls = []
-    real = kc.combine
-    monkeypatch.setattr(kc, "combine", lambda *a: calls.append(1) or real(*a))
     # the router's torch form in both runs (its kernel rounds the weights its own way)
     monkeypatch.setattr(moe_module, "route", lambda logits, k, norm, _: router.route(logits, k, norm))
-    x = torch.randn(3, 11, 32)
-    g = torch.randn(3, 11, 32)
-    results = []
-    for elementwise in ("ref", "triton"):
-        # grouped_mm: the sorted path (torch._grouped_mm), where the combine kernel runs
-        moe.set_recipe(get_recipe("bf16").with_execution(elementwise=elementwise, grouped_mm=True))
-        xi = x.clone().requires_grad_()
-        y = moe(xi)
-        y.backward(g)
-        results.append([y.detach(), xi.grad] + [p.grad.clone() for p in moe.parameters()])
-        moe.zero_grad()
-    assert len(calls) == 1
-    for a, b in zip(*results):
+    plain, fused, calls = moe_through_fused_kernels(monkeypatch, kc, "combine")
+    assert calls == 1
+    for a, b in zip(plain[:3] + tuple(plain[3]), fused[:3] + tuple(fused[3])):
         assert torch.equal(a, b)
 
 

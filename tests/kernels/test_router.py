@@ -8,11 +8,9 @@ import torch
 
 from minite.execution import Execution
 from minite.kernels import router as kr
-from minite.nn import MoEExperts
 from minite.nn import router as nr
-from minite.recipe import get_recipe
 from minite.ref.router import route as reference
-from tests.kernels.helpers import device
+from tests.kernels.helpers import device, moe_through_fused_kernels
 
 # the weights' tolerance: a few fp32 ulps before the cast, so at most one unit of a 16-bit dtype
 RTOL = {torch.float32: 1e-6, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
@@ -81,22 +79,10 @@ def test_autograd_op_gives_autograd_gradients_of_the_torch_form():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-interpreter test (fp32); on CUDA the "
                     "agreement runs cover the MoE layer")
 def test_moe_layer_routes_through_the_kernel(monkeypatch):
-    moe = MoEExperts(8, 32, 16, 2, recipe="bf16")
-    calls = []
-    real = kr.route
-    monkeypatch.setattr(kr, "route", lambda *a: calls.append(1) or real(*a))
-    x = torch.randn(3, 11, 32)
-    results = []
-    for elementwise in ("ref", "triton"):
-        moe.set_recipe(get_recipe("bf16").with_execution(elementwise=elementwise, grouped_mm=True))
-        xi = x.clone().requires_grad_()
-        y, r = moe(xi, return_router=True)
-        y.sum().backward()
-        results.append((y.detach(), r.experts, xi.grad, moe.gate.weight.grad.clone()))
-        moe.zero_grad()
-    assert len(calls) == 1
-    assert torch.equal(results[0][1], results[1][1])
-    for a, b in zip(results[0][::2] + results[0][3:], results[1][::2] + results[1][3:]):
+    plain, fused, calls = moe_through_fused_kernels(monkeypatch, kr, "route")
+    assert calls == 1
+    assert torch.equal(plain[1], fused[1])  # the same experts
+    for a, b in zip((plain[0], plain[2], *plain[3]), (fused[0], fused[2], *fused[3])):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
