@@ -2,7 +2,7 @@
 # GPU work batched into one device call. Usage (repository root): bash benchmarks/tools/run_gpu.sh PART...
 #   tests            pytest -m gpu tests
 #   OP               benchmarks/ops/bench_OP.py: quantize gemm grouped_gemm decode_gemm decode_rows grouped_decode
-#                    attention attention_backward norm sample
+#                    attention attention_backward norm sample router
 #   rollout          dense rollout (Qwen3-1.7B shape) against Hugging Face generate
 #   rollout_moe      MoE rollout (24 of 48 Qwen3-30B-A3B layers) bf16 vs aligned, 3 paired rounds
 #   rollout_kv       dense rollout: bf16, aligned and aligned with each quantized KV cache (no HF)
@@ -19,6 +19,8 @@
 #   learner_gaps learner_host linear_host decode_floor   the profiles and probes in benchmarks/tools/
 #   ncu_decode       Nsight Compute counters of the decode GEMM (NCU_SPECS: one ncu_decode.py line each)
 #   ncu_attention    Nsight Compute counters of decode attention on bf16, fp8 and nvfp4 KV caches
+#   ncu_grouped_decode Nsight Compute counters and warp stalls of the MoE experts (256 tokens, gate|up)
+#                    and of the o projection in row tiles (128 rows)
 #   gemm_tiles gemm_tma decode_tiles quantize_tiles      the tile sweeps in benchmarks/tools/
 #   pair_attention   dense rollouts, attention at 4 against 2 warps, paired (bf16 and aligned/fp8 sampler-only)
 #   agreement        aligned learner vs sampler on 4 layers of qwen3-1.7b and qwen3-30b-a3b
@@ -50,7 +52,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv | tee "$log"
 for part in "$@"; do
   case $part in
     tests) py "${TESTS_CAP:-200}" pytest -q -m gpu -p no:cacheprovider tests ;;
-    quantize|gemm|grouped_gemm|decode_gemm|decode_rows|grouped_decode|attention|attention_backward|norm|sample)
+    quantize|gemm|grouped_gemm|decode_gemm|decode_rows|grouped_decode|attention|attention_backward|norm|sample|router)
       py 200 "benchmarks.ops.bench_$part" --out "$x/$part.json" ;;
     rollout) py 170 benchmarks.e2e.bench_rollout --models dense --out "$x/rollout_dense.json" ;;
     rollout_moe)
@@ -115,6 +117,14 @@ for part in "$@"; do
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
         --section SourceCounters python3 -m benchmarks.tools.ncu_attention
       cp "$x/step.txt" "$x/ncu_attention.csv" ;;
+    ncu_grouped_decode)
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -n 1)
+      for target in experts rows; do
+        step 60 "$NCU" --clock-control none --profile-from-start off --csv --page details \
+          --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+          --section SchedulerStats --section SourceCounters python3 -m benchmarks.tools.ncu_grouped_decode $target
+        cp "$x/step.txt" "$x/ncu_grouped_decode_$target.csv"
+      done ;;
     agreement)
       for preset in qwen3-1.7b qwen3-30b-a3b; do
         py 60 minite.cli agreement --preset $preset --layers 4 --num-prompts 16 --n 4 --max-tokens 64 \
