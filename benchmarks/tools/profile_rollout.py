@@ -61,15 +61,15 @@ def evented(marks: list, kind: str, fn, before: bool):
     return wrapper
 
 
-def gpu_busy_idle(marks: list) -> tuple[float, float]:
-    """(ms between each step's start and end events, ms between one step's end and the next start)."""
-    busy = idle = 0.0
+def gpu_phases(marks: list) -> dict[str, float]:
+    """ms summed over the steps: "forward" (each step's start to its logits), "sample" (logits to the
+    drawn tokens: keys, uniforms, draw, log-probs) and "idle" (one step's end to the next start)."""
+    phase = {("start", "logits"): "forward", ("logits", "end"): "sample", ("end", "start"): "idle"}
+    ms = dict.fromkeys(phase.values(), 0.0)
     for (k0, e0), (k1, e1) in zip(marks, marks[1:]):
-        if k0 == "start" and k1 == "end":
-            busy += e0.elapsed_time(e1)
-        elif k0 == "end" and k1 == "start":
-            idle += e0.elapsed_time(e1)
-    return busy, idle
+        if (k0, k1) in phase:
+            ms[phase[k0, k1]] += e0.elapsed_time(e1)
+    return ms
 
 
 def kernel_table(model, prompts, params, n_steps: int, kv_tokens: int) -> list[dict]:
@@ -121,7 +121,8 @@ def main():
     # CUDA events around each step's GPU work (forward launch .. draw): the time between one step's
     # last event and the next step's first is GPU idle (the host had not queued the next step yet)
     marks: list[tuple[str, torch.cuda.Event]] = []
-    sampler._forward = evented(marks, "start", sampler._forward, before=True)
+    sampler._forward = evented(marks, "start", evented(marks, "logits", sampler._forward, before=False),
+                               before=True)
     engine.sample = evented(marks, "end", engine.sample, before=False)
     groups = [sampler.add_request(pr, params, i) for i, pr in enumerate(prompts)]
     step_times, kinds = [], []
@@ -135,7 +136,7 @@ def main():
         kinds.append("decode" if sampler.stats["decode_steps"] > before else "prefill")
     torch.cuda.synchronize()
     wall = time.perf_counter() - t_all
-    busy, idle = gpu_busy_idle(marks)
+    gpu = gpu_phases(marks)
     tokens = sum(s.num_generated for gr in groups for s in gr.seqs)
     decode = [s for s, k in zip(step_times, kinds) if k == "decode"]
     n = len(step_times)
@@ -157,7 +158,9 @@ def main():
                   decode_step_ms_mean=1e3 * sum(decode) / max(len(decode), 1),
                   phase_ms_per_step={k: 1e3 * v / n for k, v in phases.items()},
                   other_ms_per_step=1e3 * other / n, graph_key=list(key),
-                  gpu_busy_ms_per_step=busy / n, gpu_idle_ms_per_step=idle / n,
+                  gpu_busy_ms_per_step=(gpu["forward"] + gpu["sample"]) / n,
+                  gpu_forward_ms_per_step=gpu["forward"] / n, gpu_sample_ms_per_step=gpu["sample"] / n,
+                  gpu_idle_ms_per_step=gpu["idle"] / n,
                   graph_replay_gpu_ms=replay_ms, sample_gpu_ms=sample_ms)
     if args.kernels:
         del sampler, graphs, graph

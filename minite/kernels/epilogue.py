@@ -39,6 +39,12 @@ def store_tile(acc, sa_ptr, sw, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_
                EPILOGUE: tl.constexpr):
     """acc [BM, BN] for rows offs_m, columns offs_n: scaled by the rows' sa and the scalar sw, stored."""
     sa = tl.load(sa_ptr + offs_m * stride_sa, mask=mask_m, other=1.0)
+    store_scaled(acc, sa, sw, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, EPILOGUE)
+
+
+@triton.jit
+def store_scaled(acc, sa, sw, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, EPILOGUE: tl.constexpr):
+    """`store_tile` with the rows' sa [BM] already loaded."""
     out = epilogue(acc, sa, sw, EPILOGUE)
     tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])

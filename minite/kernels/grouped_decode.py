@@ -24,7 +24,7 @@ import triton.language as tl
 
 from minite.kernels import interpreted
 from minite.kernels.decode_gemm import KGROUP, TILE_N, W_SHIFT, DecodeWeight, decode_acc, layout_rows
-from minite.kernels.epilogue import EPILOGUES, segment_bounds, segment_views, store_segments, store_tile
+from minite.kernels.epilogue import EPILOGUES, segment_bounds, segment_views, store_scaled, store_segments
 from minite.kernels.grouped_gemm import expert_tile
 from minite.kernels.launch import cdiv, next_power_of_2
 from minite.kernels.launch import launch as launch_kernel
@@ -91,33 +91,40 @@ def grouped_decode_config(rows: int, experts: int, k: int | None = None, n: int 
 
 
 @triton.jit
-def _row_tile(a_ptr, row0, row_end, w_rows, s_rows, offs_n, mask_n, sa_ptr, sw_ptr, e, out_ptr, stride_am,
-              stride_om, stride_sa, N, N1, N2, K: tl.constexpr, TK: tl.constexpr, EPILOGUE: tl.constexpr,
-              BF16: tl.constexpr, HW: tl.constexpr, W_SHIFT: tl.constexpr, ROWS: tl.constexpr,
-              BN: tl.constexpr, BK: tl.constexpr, EVEN_N: tl.constexpr, SEGMENTED: tl.constexpr):
+def _row_tile(a_ptr, src_ptr, row0, row_end, w_rows, s_rows, offs_n, mask_n, sa_ptr, sw_ptr, e, out_ptr,
+              stride_am, stride_om, stride_sa, N, N1, N2, K: tl.constexpr, TK: tl.constexpr,
+              EPILOGUE: tl.constexpr, BF16: tl.constexpr, HW: tl.constexpr, W_SHIFT: tl.constexpr,
+              ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_N: tl.constexpr,
+              SEGMENTED: tl.constexpr, GATHER: tl.constexpr):
     """Rows row0 .. row0 + ROWS (those before row_end) of expert e times its N tile, stored
-    (SEGMENTED: one expert whose rows are 2-3 weights, `epilogue.store_segments`)."""
+    (SEGMENTED: one expert whose rows are 2-3 weights, `epilogue.store_segments`; GATHER: output row
+    r reads activation row src[r] and its scale)."""
     offs_m = row0 + tl.arange(0, ROWS)
     mask_m = offs_m < row_end
+    if GATHER:
+        src = tl.load(src_ptr + offs_m, mask=mask_m, other=0)
+    else:
+        src = offs_m
     # the columns in plain order (the aligned K order), no split-K
-    a_rows = a_ptr + offs_m.to(tl.int64) * stride_am
+    a_rows = a_ptr + src.to(tl.int64) * stride_am
     acc_t = decode_acc(a_rows, mask_m, w_rows, s_rows, mask_n, 0, K, TK, BF16, HW, ROWS, BN, BK, EVEN_N)
     acc = tl.trans(acc_t) * W_SHIFT  # [ROWS, BN]
     if SEGMENTED:
         store_segments(acc, sa_ptr, tl.load(sw_ptr), tl.load(sw_ptr + 1), tl.load(sw_ptr + 2), out_ptr,
                        offs_m, offs_n, row_end, N, N1, N2, stride_sa, EPILOGUE)
     else:
-        store_tile(acc, sa_ptr, tl.load(sw_ptr + e), out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om,
-                   stride_sa, EPILOGUE)
+        sa = tl.load(sa_ptr + src * stride_sa, mask=mask_m, other=1.0)
+        store_scaled(acc, sa, tl.load(sw_ptr + e), out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om,
+                     EPILOGUE)
 
 
 @triton.jit
-def _grouped_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, offsets_ptr, out_ptr, N, E,
+def _grouped_decode_kernel(a_ptr, src_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, offsets_ptr, out_ptr, N, E,
                            stride_am, stride_ce, stride_se, stride_om, stride_sa, N1, N2,
                            K: tl.constexpr, TK: tl.constexpr, EPILOGUE: tl.constexpr, BF16: tl.constexpr,
                            HW: tl.constexpr, W_SHIFT: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr,
                            BN: tl.constexpr, BK: tl.constexpr, EVEN_N: tl.constexpr, HALVES: tl.constexpr,
-                           SEGMENTED: tl.constexpr):
+                           SEGMENTED: tl.constexpr, GATHER: tl.constexpr):
     pid_n = tl.program_id(0)
     e, row0, row_end = expert_tile(offsets_ptr, E, tl.program_id(1), BM, E_P2)
     if e >= E:
@@ -130,24 +137,26 @@ def _grouped_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, offsets_ptr
     # is still dequantized once per BM rows)
     HM: tl.constexpr = BM // 2
     if HALVES and row_end - row0 <= HM:
-        _row_tile(a_ptr, row0, row_end, w_rows, s_rows, offs_n, mask_n, sa_ptr, sw_ptr, e, out_ptr, stride_am,
-                  stride_om, stride_sa, N, N1, N2, K, TK, EPILOGUE, BF16, HW, W_SHIFT, HM, BN, BK, EVEN_N,
-                  SEGMENTED)
+        _row_tile(a_ptr, src_ptr, row0, row_end, w_rows, s_rows, offs_n, mask_n, sa_ptr, sw_ptr, e, out_ptr,
+                  stride_am, stride_om, stride_sa, N, N1, N2, K, TK, EPILOGUE, BF16, HW, W_SHIFT, HM, BN, BK,
+                  EVEN_N, SEGMENTED, GATHER)
     else:
-        _row_tile(a_ptr, row0, row_end, w_rows, s_rows, offs_n, mask_n, sa_ptr, sw_ptr, e, out_ptr, stride_am,
-                  stride_om, stride_sa, N, N1, N2, K, TK, EPILOGUE, BF16, HW, W_SHIFT, BM, BN, BK, EVEN_N,
-                  SEGMENTED)
+        _row_tile(a_ptr, src_ptr, row0, row_end, w_rows, s_rows, offs_n, mask_n, sa_ptr, sw_ptr, e, out_ptr,
+                  stride_am, stride_om, stride_sa, N, N1, N2, K, TK, EPILOGUE, BF16, HW, W_SHIFT, BM, BN, BK,
+                  EVEN_N, SEGMENTED, GATHER)
 
 
 def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, w_scale: torch.Tensor,
                         offsets: torch.Tensor, epilogue: str = "sdec", out_dtype=torch.bfloat16,
-                        config: dict | None = None, segments: tuple | None = None) -> torch.Tensor:
+                        config: dict | None = None, segments: tuple | None = None,
+                        rows: torch.Tensor | None = None) -> torch.Tensor:
     """a [T, K] e2m1 * s_b (the weight's operand dtype), rows sorted by expert; a_scale fp32 [T] (or
     one number); w the experts [E, N, K] in the decode layout (`decode_gemm.pack_weight`); w_scale
     fp32 [E]; offsets int [E + 1] from 0 to T, non-decreasing. -> [T, N]. config defaults to
     `grouped_decode_config(T, E, K, N)`; its BK must divide K and be a multiple of KGROUP. `segments`
     (N1, N2): one expert whose rows are 2-3 weights, w_scale their 3 factors, the flat outputs
-    returned (`decode_rows_segments`)."""
+    returned (`decode_rows_segments`). `rows` int [T]: sorted row r is a[rows[r]] (a and a_scale then
+    hold the tokens, each read where an expert takes it: no gathered copy), T = rows.numel()."""
     if w.codes.ndim != 5:
         raise ValueError(f"w must hold experts [E, N, K] in the decode layout, got {tuple(w.shape)}")
     e, n, k = w.shape
@@ -156,9 +165,13 @@ def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight,
                          f"got {tuple(a.shape)} {a.dtype}")
     if a.device.type != "cuda" and not interpreted():
         raise ValueError(f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1); got {a.device}")
-    t = a.shape[0]
-    if a_scale.dtype != torch.float32 or a_scale.numel() not in (1, t):
-        raise ValueError(f"a_scale must be fp32 with 1 or T={t} elements, got {tuple(a_scale.shape)}")
+    if rows is not None and (rows.ndim != 1 or rows.dtype not in (torch.int32, torch.int64) or segments):
+        raise ValueError(f"rows must be int32/int64 [T] (and no segments), got {rows.dtype} "
+                         f"{tuple(rows.shape)}")
+    t = a.shape[0] if rows is None else rows.numel()
+    if a_scale.dtype != torch.float32 or a_scale.numel() not in (1, a.shape[0]):
+        raise ValueError(f"a_scale must be fp32 with 1 or {a.shape[0]} elements (a's rows), got "
+                         f"{tuple(a_scale.shape)}")
     if w_scale.dtype != torch.float32 or w_scale.numel() != (3 if segments else e):
         raise ValueError(f"w_scale must be fp32 [{3 if segments else f'E={e}'}], got {w_scale.dtype} "
                          f"{tuple(w_scale.shape)}")
@@ -176,13 +189,14 @@ def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight,
     bm, bn = cfg["BM"], cfg["BN"]
     grid = (cdiv(n, bn), cdiv(t, bm) + e)
     launch_kernel(_grouped_decode_kernel, grid, (
-        a, w.codes, w.scales, sa, w_scale.reshape(-1), offsets, out, n, e,
+        a, offsets if rows is None else rows, w.codes, w.scales, sa, w_scale.reshape(-1), offsets, out, n, e,
         a.stride(0), w.codes.stride(0), w.scales.stride(0), out.stride(0), 0 if sa.numel() == 1 else 1,
         *(segments or (0, 0))),
         K=k, TK=w.tk, EPILOGUE=EPILOGUES[epilogue], BF16=a.dtype == torch.bfloat16, HW=not interpreted(),
         W_SHIFT=W_SHIFT[a.dtype], E_P2=max(16, next_power_of_2(e)), BM=bm, BN=bn, BK=cfg["BK"],
         EVEN_N=w.n_pad % bn == 0, HALVES=cfg.get("HALVES", False), SEGMENTED=segments is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_register_cap(cfg))
+        GATHER=rows is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **_register_cap(cfg))
     return out
 
 

@@ -84,16 +84,15 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         """x `[B, T, H]` (or `[N, H]`, a cached step's new tokens) -> the same shape. The norms also
         quantize their output for the NVFP4 projection that reads it and hand it over (`xq`, `yq`; None
-        where they do not); not in MoE layers, where the router reads it in bf16 and the experts their
-        own rows."""
+        where they do not); in MoE layers the router reads the bf16 output and the experts each token's
+        quantized row."""
         qkv = self.self_attn.qkv_proj.recipe
         xn, xq = self.input_layernorm(x, qkv.execution, quantize_for=qkv)
         h = x + self.self_attn(xn, context, xq)
+        mlp = self.mlp.recipe if self.is_moe else self.mlp.gate_up_proj.recipe
+        y, yq = self.post_attention_layernorm(h, mlp.execution, quantize_for=mlp)
         if self.is_moe:
-            y = self.post_attention_layernorm(h, self.mlp.recipe.execution)
-            return h + self.mlp(y.reshape(-1, y.shape[-1])).view_as(y)
-        gate_up = self.mlp.gate_up_proj.recipe
-        y, yq = self.post_attention_layernorm(h, gate_up.execution, quantize_for=gate_up)
+            return h + self.mlp(y.reshape(-1, y.shape[-1]), quantized=yq).view_as(y)
         return h + self.mlp(y, yq)
 
 

@@ -170,7 +170,9 @@ class MoEExperts(nn.Module):
         weights, ids = route(logits, self.top_k, self.norm_topk_prob, self.recipe.execution)  # [T, k]
         return Routing(logits, weights, ids)
 
-    def forward(self, x: torch.Tensor, return_router: bool = False):
+    def forward(self, x: torch.Tensor, return_router: bool = False, quantized=None):
+        """`quantized`: x's quantization per token, handed over by the norm before (the grouped kernels
+        read each token's quantized row where an expert takes it)."""
         x2 = x.reshape(-1, self.hidden_size)  # [T, H]
         r = self.route(x2)
         if x2.shape[0] == 0:
@@ -178,7 +180,7 @@ class MoEExperts(nn.Module):
         self.last_topk_ids = r.experts.detach()
         if self._calib_amax is None and self.graph_safe():
             s = sort_by_expert(r.experts, self.num_experts, self.recipe.execution)
-            ys = self.sorted_experts_forward(x2[s.tokens], s)  # [R, H]
+            ys = self.sorted_experts_forward(x2, s, quantized)  # [R, H]
             out = combine(ys, s.inverse, r.weights, self.recipe.execution)  # [T, H]
         else:
             g = group_by_expert(r.experts, self.num_experts)
@@ -213,15 +215,18 @@ class MoEExperts(nn.Module):
             return w.dtype == torch.bfloat16 and torch.cuda.get_device_capability(w.device) >= (9, 0)
         return w.device.type == "cpu"
 
-    def sorted_experts_forward(self, xs: torch.Tensor, s: SortedGrouping) -> torch.Tensor:
-        """SwiGLU experts on rows sorted by expert (kernels or `torch._grouped_mm`): xs [R, H] -> [R, H]."""
+    def sorted_experts_forward(self, x2: torch.Tensor, s: SortedGrouping, quantized=None) -> torch.Tensor:
+        """SwiGLU experts on the token rows x2 [T, H] taken in expert order, x2[s.tokens] (kernels or
+        `torch._grouped_mm`) -> [R, H]. The NVFP4 kernels quantize each token once (or take `quantized`)
+        and read its row for every expert it goes to."""
         if not self.recipe.fp4:
             offs = s.offsets[1:].to(torch.int32)  # group ends
-            gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+            gate, up = torch._grouped_mm(x2[s.tokens], self.gate_up_proj.transpose(1, 2),
+                                         offs=offs).chunk(2, dim=-1)
             h = swiglu(gate, up, self.recipe.execution)
             return torch._grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs)
-        gate_up = grouped_nvfp4_matmul(xs, self.gate_up_proj, self.quantized_weight("gate_up_proj"),
-                                       self.recipe, s.offsets, s.experts)
+        gate_up = grouped_nvfp4_matmul(x2, self.gate_up_proj, self.quantized_weight("gate_up_proj"),
+                                       self.recipe, s.offsets, s.experts, quantized, rows=s.tokens)
         gate, up = gate_up.chunk(2, dim=-1)  # [R, I] each
         h, hq = swiglu_quantized(gate, up, self.recipe)  # quantized for down in the same launch
         return grouped_nvfp4_matmul(h, self.down_proj, self.quantized_weight("down_proj"), self.recipe,

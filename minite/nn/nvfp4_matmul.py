@@ -311,8 +311,9 @@ def packed_operand(qweight: QuantizedWeight, k_multiple: int) -> tuple[torch.Ten
 
 
 def _grouped_kernel(xs: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe, offsets: torch.Tensor,
-                    quantized: QuantizedActivation | None = None):
-    """xs [R, K] sorted by expert, offsets [E + 1] -> (out [R, N] in xs.dtype, a, S_dec); one launch."""
+                    quantized: QuantizedActivation | None = None, rows: torch.Tensor | None = None):
+    """xs [R, K] sorted by expert, offsets [E + 1] -> (out [R, N] in xs.dtype, a, S_dec); one launch.
+    `rows` [R]: sorted row r is xs[rows[r]] (xs the tokens, quantized once each; a, S_dec theirs)."""
     from minite import kernels
     from minite.kernels import grouped_decode as gd
     from minite.kernels import grouped_gemm as gg
@@ -322,20 +323,22 @@ def _grouped_kernel(xs: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe, 
     bk = gg.CONFIGS["interpret" if kernels.interpreted() else config]["BK"]
     e, n, k = qweight.shape
     sw = _weight_scale(qweight, recipe)
-    few_rows = xs.shape[0] <= recipe.execution.decode_max_rows_per_expert * e
+    r = xs.shape[0] if rows is None else rows.numel()
+    few_rows = r <= recipe.execution.decode_max_rows_per_expert * e
     if (few_rows or reads_codes(qweight) and not recipe.execution.fast) and k % gd.KGROUP == 0:
         # few rows per expert (decode), or a sampler-form weight at any row count: read the 4-bit codes
         # in the decode layout, not a bf16 copy
         out = gd.grouped_decode_gemm(a, row_factor, qweight.decode_weight(a.dtype), sw, offsets,
-                                     recipe.epilogue, xs.dtype)
+                                     recipe.epilogue, xs.dtype, rows=rows)
         return out, a, sdec
+    ga, gf = (a, row_factor) if rows is None else (a[rows], row_factor[rows])  # the sorted rows
     if reads_codes(qweight):
         codes, scales = packed_operand(qweight, bk)  # [E, N, Kp // 2], [E, N, Kp // 16]
-        out = gg.grouped_w4a4_gemm(_pad_k(a, 2 * codes.shape[-1]), row_factor, codes, sw, offsets, scales,
+        out = gg.grouped_w4a4_gemm(_pad_k(ga, 2 * codes.shape[-1]), gf, codes, sw, offsets, scales,
                                    recipe.epilogue, xs.dtype, config)
         return out, a, sdec
     w = qweight.operand(a.dtype, bk)  # [E, N, Kp]
-    out = gg.grouped_w4a4_gemm(_pad_k(a, w.shape[-1]), row_factor, w, sw, offsets, None, recipe.epilogue,
+    out = gg.grouped_w4a4_gemm(_pad_k(ga, w.shape[-1]), gf, w, sw, offsets, None, recipe.epilogue,
                                xs.dtype, config)
     return out, a, sdec
 
@@ -403,22 +406,34 @@ class NVFP4Matmul(torch.autograd.Function):
 class GroupedNVFP4Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xs, weight, qweight: QuantizedWeight, recipe: Recipe, offsets, row_experts,
-                quantized=None):
-        out, a, sdec = _grouped_kernel(xs, qweight, recipe, offsets, quantized)
+                quantized=None, rows=None, keep=True):
+        """`rows`: sorted row r is xs[rows[r]]; `keep`: save what the backward needs (grad mode on)."""
+        out, a, sdec = _grouped_kernel(xs, qweight, recipe, offsets, quantized, rows)
         ctx.mode, ctx.qweight, ctx.x_dtype, ctx.w_dtype = recipe.backward, qweight, xs.dtype, weight.dtype
         ctx.backend, ctx.grouped_mm = quantize_backend(recipe), recipe.execution.grouped_mm_on(weight.device)
-        saved = (a, sdec) if recipe.backward == "dequantized" else (xs,)
-        ctx.save_for_backward(offsets, row_experts, *saved)
+        ctx.tokens = xs.shape[0] if rows is not None else None
+        if keep:
+            saved = (a, sdec) if recipe.backward == "dequantized" else (xs,)
+            if rows is not None:
+                saved = tuple(t[rows] for t in saved)
+            ctx.save_for_backward(offsets, row_experts, rows, *saved)
         return out
 
     @staticmethod
     def backward(ctx, dy):
         _check_trainable(ctx.qweight)
-        offsets, row_experts, *saved = ctx.saved_tensors
+        offsets, row_experts, rows, *saved = ctx.saved_tensors
+        dx, dw = GroupedNVFP4Matmul._sorted_grads(ctx, dy, offsets, row_experts, saved)
+        if dx is not None and rows is not None:
+            # the backward of the gather xs[rows]: each token's rows summed (what autograd's indexing does)
+            dx = dx.new_zeros(ctx.tokens, dx.shape[-1]).index_put_((rows,), dx, accumulate=True)
+        return dx, dw, None, None, None, None, None, None, None
+
+    @staticmethod
+    def _sorted_grads(ctx, dy, offsets, row_experts, saved):
         if ctx.grouped_mm and ctx.mode == "dequantized" and dy.dtype == torch.bfloat16 and \
                 grouped_mm_applies(dy, ctx.qweight.unscaled):
-            return (*_grouped_mm_grads(ctx, dy.contiguous(), offsets, row_experts, *saved), None, None, None,
-                    None, None)
+            return _grouped_mm_grads(ctx, dy.contiguous(), offsets, row_experts, *saved)
         num_experts = offsets.numel() - 1
         # the padded [E, C, *] layout of the reference path; C costs one host sync (backward only)
         cap = int((offsets[1:] - offsets[:-1]).max())
@@ -433,7 +448,7 @@ class GroupedNVFP4Matmul(torch.autograd.Function):
             dx = dx[row_experts, rank].to(ctx.x_dtype)
         if dw is not None:
             dw = dw.to(ctx.w_dtype)
-        return dx, dw, None, None, None, None, None
+        return dx, dw
 
 
 def _check_trainable(qweight: QuantizedWeight) -> None:
@@ -594,17 +609,23 @@ def nvfp4_matmul(x: torch.Tensor, weight: torch.Tensor, qweight: QuantizedWeight
 
 def grouped_nvfp4_matmul(xs: torch.Tensor, weight: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe,
                          offsets: torch.Tensor, row_experts: torch.Tensor,
-                         quantized: QuantizedActivation | None = None) -> torch.Tensor:
+                         quantized: QuantizedActivation | None = None,
+                         rows: torch.Tensor | None = None) -> torch.Tensor:
     """xs [R, K] sorted by expert (expert e owns rows offsets[e] .. offsets[e + 1]; row_experts [R] the
     expert of each row), weight [E, N, K] -> [R, N] in xs.dtype (`quantized`: xs's quantization where
     the op before made it), on the kernels only (`use_kernels`)
-    and without any host synchronization in the forward. With `execution.grouped_mm` on, the
-    'dequantized' backward of bf16 rows runs on `torch._grouped_mm` (where `grouped_mm_applies`)
-    instead of the padded layout."""
+    and without any host synchronization in the forward. `rows` [R]: the sorted rows are xs[rows]
+    (xs the tokens [T, K], quantized once per token; the decode kernel reads each where an expert
+    takes it, the other paths gather; the same bits as xs[rows] passed in). With
+    `execution.grouped_mm` on, the 'dequantized' backward of bf16 rows runs on `torch._grouped_mm`
+    (where `grouped_mm_applies`) instead of the padded layout."""
     if xs.ndim != 2 or weight.ndim != 3 or xs.shape[-1] != weight.shape[-1]:
         raise ValueError(f"grouped_nvfp4_matmul expects xs [R, K] and weight [E, N, K]; got "
                          f"{tuple(xs.shape)} and {tuple(weight.shape)}")
+    if rows is not None and (rows.ndim != 1 or rows.numel() != row_experts.numel()):
+        raise ValueError(f"rows must be [R = {row_experts.numel()}], got {tuple(rows.shape)}")
     if not use_grouped_kernels(recipe, xs.device):
         raise ValueError(f"recipe {recipe.name!r} (backend {recipe.execution.backend!r}) on {xs.device} "
                          "does not run on the grouped Triton kernels; use nvfp4_matmul on the padded layout")
-    return GroupedNVFP4Matmul.apply(xs, weight, qweight, recipe, offsets, row_experts, quantized)
+    keep = torch.is_grad_enabled() and (xs.requires_grad or weight.requires_grad)
+    return GroupedNVFP4Matmul.apply(xs, weight, qweight, recipe, offsets, row_experts, quantized, rows, keep)

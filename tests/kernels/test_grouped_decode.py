@@ -48,6 +48,28 @@ def test_matches_per_expert_reference_and_aligned_with_empty_and_split_experts(b
     assert torch.equal(got, run(x, wqs, offsets, False, device(), "aligned"))
 
 
+def test_rows_read_through_an_index_equal_the_gathered_rows():
+    """`rows`: each sorted row read from the token rows where an expert takes it (tokens repeated, out
+    of order), row scales with them: bitwise the kernel on the gathered copy."""
+    dev = device()
+    torch.manual_seed(3)
+    tokens = torch.randn(9, 128) * 3
+    src = torch.tensor([4, 0, 8, 4, 2, 7, 7, 1, 3, 0, 5, 6, 8, 2, 4])  # 15 rows over 4 experts
+    offsets = torch.tensor([0, 6, 6, 11, 15])
+    _, wqs, _, _ = case([6, 0, 5, 4], 96, 128)
+    xq = nvfp4.quantize(tokens, "row").to(dev)
+    a, sa = xq.unscaled().to(kg.operand_dtype(dev)), xq.global_scale.reshape(-1)
+    w = kd.pack_weight(torch.stack([q.codes for q in wqs]).to(dev),
+                       torch.stack([q.block_scales for q in wqs]).to(dev), a.dtype)
+    sw = torch.stack([q.global_scale for q in wqs]).to(dev)
+    idx = src.to(dev)
+    got = gd.grouped_decode_gemm(a, sa, w, sw, offsets.to(dev), out_dtype=torch.float32, rows=idx)
+    want = gd.grouped_decode_gemm(a[idx], sa[idx], w, sw, offsets.to(dev), out_dtype=torch.float32)
+    assert got.shape == (15, 96) and torch.equal(got, want)
+    with pytest.raises(ValueError, match="rows must be"):
+        gd.grouped_decode_gemm(a, sa, w, sw, offsets.to(dev), rows=idx.float())
+
+
 def test_config_follows_the_average_rows_per_expert():
     cfgs = [gd.grouped_decode_config(t, 128) for t in (128, 512, 1024, 2048, 4096, 8192)]
     assert [(c["BM"], c.get("HALVES", False)) for c in cfgs] == [

@@ -136,12 +136,12 @@ def test_segmented_linear_quantizes_its_input_once(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(seg(x, xq), want)) and len(calls) == 2
 
 
-@pytest.mark.parametrize("config,per_layer", [(tiny_qwen3, 1), (tiny_qwen3_moe, 2)])
-def test_norms_and_swiglu_hand_their_quantization_to_the_projections(monkeypatch, config, per_layer):
-    """With the fused kernels on, a dense layer's two norms quantize their outputs for q/k/v and
-    gate/up (`kernels.norm.rms_norm_quantize`), its SwiGLU for down (`kernels.swiglu`): three
-    quantizer launches per layer fewer (o's stays), the same logits bit for bit as without. MoE layers:
-    the experts' SwiGLU quantizes for down; gate/up quantize their own gathered rows."""
+@pytest.mark.parametrize("config", [tiny_qwen3, tiny_qwen3_moe])
+def test_norms_and_swiglu_hand_their_quantization_to_the_projections(monkeypatch, config):
+    """With the fused kernels on, a layer's two norms quantize their outputs for q/k/v and gate/up
+    (`kernels.norm.rms_norm_quantize`; in MoE layers each token's row, which the experts' gate/up read
+    for every expert the token goes to), its SwiGLU for down (`kernels.swiglu`): three quantizer
+    launches per layer fewer (o's stays), the same logits bit for bit as without."""
     from minite.kernels import nvfp4 as kq
     from minite.nn import nvfp4_matmul
 
@@ -160,7 +160,7 @@ def test_norms_and_swiglu_hand_their_quantization_to_the_projections(monkeypatch
     want = model(ids)
     layers = model.config.num_hidden_layers
     # without the handover: qkv, o, gate/up, down
-    assert (fused_calls, len(calls) - fused_calls) == (per_layer * layers, 4 * layers)
+    assert (fused_calls, len(calls) - fused_calls) == (layers, 4 * layers)
     assert torch.equal(got, want)
 
 
@@ -335,6 +335,30 @@ def test_moe_triton_backward_matches_ref():
         grads.append((xi.grad, moe.gate_up_proj.grad, moe.down_proj.grad))
     for t, r in zip(grads[1], grads[0]):
         torch.testing.assert_close(t, r, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("decode_rows", [64, 0], ids=["decode_kernel", "bf16_copy"])
+def test_grouped_matmul_reads_token_rows_as_the_gathered_rows(decode_rows):
+    """`rows`: the tokens quantized once and read through the index give the outputs, input and weight
+    gradients of the gathered rows passed in, bit for bit (decode kernel and bf16-copy tile)."""
+    from minite.nn.nvfp4_matmul import grouped_nvfp4_matmul
+
+    _, tri = _pair(MoEExperts, 4, 64, 32, 2)
+    tri.set_recipe(tri.recipe.with_execution(decode_max_rows_per_expert=decode_rows))
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    s = sort_by_expert(torch.tensor([[0, 2], [3, 1], [2, 0], [1, 3], [0, 3], [2, 1], [3, 0]]).to(DEVICE), 4)
+    results = []
+    for through_rows in (True, False):
+        w = tri.gate_up_proj.detach().clone().requires_grad_()
+        xi = x.clone().requires_grad_()
+        qw = tri.quantized_weight("gate_up_proj")
+        if through_rows:
+            y = grouped_nvfp4_matmul(xi, w, qw, tri.recipe, s.offsets, s.experts, rows=s.tokens)
+        else:
+            y = grouped_nvfp4_matmul(xi[s.tokens], w, qw, tri.recipe, s.offsets, s.experts)
+        y.square().sum().backward()
+        results.append((y.detach(), xi.grad, w.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
