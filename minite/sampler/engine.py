@@ -45,12 +45,28 @@ from minite.sampling import SamplingParams
 
 
 class _Launched:
-    """A decode step whose tokens are still on the GPU: `seqs[i]` gets `new[i]` at `index[i]`."""
+    """A decode step whose tokens are still on the GPU: `seqs[i]` gets `new[i]` at `index[i]`. On CUDA
+    the tokens and log-probs are copied to pinned host memory as soon as they are drawn, behind an
+    event: reading them back waits for this step only, not for the step launched after it (a plain
+    device-to-host copy would wait for everything queued on the stream and leave the GPU idle)."""
 
     def __init__(self, seqs: list[Sequence], new: torch.Tensor, logprobs: torch.Tensor):
         self.seqs, self.new, self.logprobs = seqs, new, logprobs
         self.index = [len(s.tokens) for s in seqs]
         self.row = {id(s): i for i, s in enumerate(seqs)}
+        self.ready = None
+        if new.is_cuda:
+            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                         for t in (new, logprobs)]
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def read(self) -> tuple[list[int], list[float]]:
+        """The drawn tokens and their log-probs on the host."""
+        if self.ready is None:
+            return self.new.tolist(), self.logprobs.tolist()
+        self.ready.synchronize()
+        return self.host[0].tolist(), self.host[1].tolist()
 
 
 class Sampler:
@@ -209,8 +225,7 @@ class Sampler:
         if launched is None:
             launched, self._launched = self._launched, None
         finished = []
-        for seq, i, token, logprob in zip(launched.seqs, launched.index, launched.new.tolist(),
-                                          launched.logprobs.tolist()):
+        for seq, i, token, logprob in zip(launched.seqs, launched.index, *launched.read()):
             if i >= len(seq.tokens):  # cut off by a stop token found earlier
                 continue
             seq.tokens[i], seq.logprobs[i - seq.num_prompt] = token, logprob
