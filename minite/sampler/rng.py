@@ -1,11 +1,9 @@
 """Counter-based random numbers: one uniform per (sample key, token index), whatever the batch.
 
 Each sample (seed, request index, sample index) gets a 64-bit key (`sample_key`, from BLAKE2b). The
-uniform that decides its token t is `u = mix32(key_lo + mix32(t ^ key_hi)) >> 8` scaled by 2^-24,
-with `mix32` a 32-bit integer finalizer (xor-shift / multiply). It is a pure function of the key and
-t, evaluated with int64 tensor ops that never overflow (32-bit products are formed from 16-bit
-halves), so it gives the same bits on CPU and GPU, inside a CUDA graph, in any batch, and after a
-preemption recomputes the sequence. Resolution is 2^-24 (fp32 has 24 bits of mantissa).
+uniform that decides its token t is a pure function of the key and t (`minite.ref.rng`: a 32-bit
+integer hash, the same bits on CPU and GPU, one launch on the kernels), so it does not depend on the
+batch, holds inside a CUDA graph and after a preemption recomputes the sequence.
 """
 
 from __future__ import annotations
@@ -15,8 +13,10 @@ import hashlib
 import numpy as np
 import torch
 
-MASK32 = 0xFFFFFFFF
-MUL1, MUL2 = 0x7FEB352D, 0x846CA68B
+from minite.execution import DEFAULT, Execution
+from minite.kernels import lazy
+from minite.ref.rng import MASK32, MUL1, MUL2, mix32  # noqa: F401  (the hash, re-exported)
+from minite.ref.rng import uniforms as uniforms_reference
 
 
 def sample_key(seed: int, request: int, sample: int) -> int:
@@ -25,26 +25,13 @@ def sample_key(seed: int, request: int, sample: int) -> int:
     return int.from_bytes(digest, "little")
 
 
-def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
-    """(x * m) mod 2^32 for int64 x in [0, 2^32) without int64 overflow."""
-    lo, hi = x & 0xFFFF, x >> 16
-    return (lo * m + (((hi * m) & 0xFFFF) << 16)) & MASK32
-
-
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """A bijective 32-bit hash of int64 values in [0, 2^32)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, MUL1)
-    x = x ^ (x >> 15)
-    x = _mul32(x, MUL2)
-    return x ^ (x >> 16)
-
-
-def uniforms(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """keys [B] int64 (64-bit keys stored as signed), steps [B] int64 -> fp32 [B] in [0, 1)."""
-    lo, hi = keys & MASK32, (keys >> 32) & MASK32
-    h = mix32((lo + mix32((steps & MASK32) ^ hi)) & MASK32)
-    return (h >> 8).float() * 2.0 ** -24
+def uniforms(keys: torch.Tensor, steps: torch.Tensor, execution: Execution = DEFAULT) -> torch.Tensor:
+    """keys [B] int64 (64-bit keys stored as signed), steps [B] int64 -> fp32 [B] in [0, 1): one launch
+    (`minite.kernels.rng`) where the execution runs the element-wise kernels, else the reference; the
+    same bits."""
+    if execution.elementwise_kernels(keys):
+        return lazy.rng.uniforms(keys, steps)
+    return uniforms_reference(keys, steps)
 
 
 def key_tensor(keys: list[int], device=None) -> torch.Tensor:

@@ -42,7 +42,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], keys: torch.Tenso
         idx = None if len(rows) == B else torch.tensor(rows, device=logits.device)
         sub = logits if idx is None else logits[idx]
         u = None if temperature == 0 else uniforms(keys if idx is None else keys[idx],
-                                                    steps if idx is None else steps[idx])
+                                                    steps if idx is None else steps[idx], execution)
         if kernel_path.plain_applies(sub, temperature, top_k, top_p, execution):
             # the learner's formula on the kernels (minite.nn.token_logprobs); no [b, V] log-probs
             sub = sub.contiguous()
