@@ -12,15 +12,16 @@ from minite.kernels.launch import launch as launch_kernel
 from minite.ref.rng import MUL1, MUL2
 
 BLOCK = 1024
+_MUL1, _MUL2 = tl.constexpr(MUL1), tl.constexpr(MUL2)  # jit code reads constexpr globals only
 
 
 @triton.jit
 def _mix32(x):
     """`ref.rng.mix32` on uint32 x (the multipliers uint32 too: the products wrap mod 2^32)."""
     x = x ^ (x >> 16)
-    x = x * tl.full((), MUL1, tl.uint32)
+    x = x * tl.full((), _MUL1, tl.uint32)
     x = x ^ (x >> 15)
-    x = x * tl.full((), MUL2, tl.uint32)
+    x = x * tl.full((), _MUL2, tl.uint32)
     return x ^ (x >> 16)
 
 
