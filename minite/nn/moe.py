@@ -10,9 +10,11 @@ assignments are sorted by expert (stable; `sort_by_expert`, computed on the devi
 two launches where the element-wise kernels run, `minite.kernels.moe_sort`). Then:
 
 - Triton kernels (the recipe's backend runs them on CUDA, row-scaled recipes they cover, see
-  `minite.nn.nvfp4_matmul`): the sorted rows [T*k, H] and the per-expert row offsets [E + 1] go to one
-  grouped W4A4 launch per projection (`grouped_nvfp4_matmul`, 'aligned' config). Nothing in the
-  forward synchronizes with the host, so a decode step can be captured in a CUDA graph.
+  `minite.nn.nvfp4_matmul`): the tokens' rows in sorted order [T*k, H] (gate|up: each token quantized
+  once, by the norm before where it hands that over, and read through the sorted index for each of
+  its k experts) and the per-expert row offsets [E + 1] go to one grouped W4A4 launch per projection
+  (`grouped_nvfp4_matmul`, 'aligned' config). Nothing in the forward synchronizes with the host, so a
+  decode step can be captured in a CUDA graph.
 - bf16 experts with `execution.grouped_mm` on (the default on CUDA, `minite.execution`): the
   same sorted rows and offsets go to `torch._grouped_mm`, one call per projection, with autograd; no
   host sync, no copy of the expert weights (the padded path below gathers `w[experts]` per call).
