@@ -1,6 +1,8 @@
 """Where a rollout decode step spends its time: host phases (schedule, batch build + graph replay
 launch, sampling launch, the token read-back that waits for the GPU, bookkeeping) timed around the
-sampler's own methods, and the GPU time of one graph replay and of one sampling call (CUDA events).
+sampler's own methods; the GPU's time a step between CUDA events around them (the forward, the
+sampling, and the idle time between steps); and the GPU time of one graph replay and of one
+sampling call.
 With `--kernels N`, also the CUDA kernels of N eager (graph-free) decode steps under torch.profiler,
 grouped by name: which of attention, GEMMs, norms and sampling fill the step. (The profiler is kept
 away from graph replays: with them it ran past a 90 s cap on the H200.) Same model and workload as
