@@ -15,7 +15,6 @@ import torch
 
 from minite.execution import DEFAULT, Execution
 from minite.kernels import lazy
-from minite.ref.rng import MASK32, MUL1, MUL2, mix32  # noqa: F401  (the hash, re-exported)
 from minite.ref.rng import uniforms as uniforms_reference
 
 

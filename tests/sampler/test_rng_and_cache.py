@@ -3,8 +3,9 @@
 import pytest
 import torch
 
+from minite.ref.rng import MUL1, MUL2, mix32
 from minite.sampler.kv_cache import BlockManager, KVCache
-from minite.sampler.rng import MUL1, MUL2, key_tensor, mix32, sample_key, uniforms
+from minite.sampler.rng import key_tensor, sample_key, uniforms
 from minite.sampler.runner import build_batch
 from minite.sampler.sample import draw
 
