@@ -189,6 +189,7 @@ def run_ours(model, spec: str, prompts, args, device, async_decode: bool | None 
                        recipe.kv_cache)
     row = dict(engine="minite", recipe=spec, seconds=seconds, gen_tokens=tokens, sequences=seqs,
                tokens_per_s=tokens / seconds, decode_step_ms=step_ms, decode_steps=decode_steps,
+               outside_decode_s=seconds - decode_s[0],  # the prefill steps, the run's start and end
                roofline_ms=roof["roofline_ms"], roofline_frac=roof["roofline_ms"] / step_ms,
                step_weight_gb=roof["weight_gb"], step_kv_gb=roof["kv_gb"], step_tflop=roof["tflop"],
                cuda_graphs=sampler.use_graphs, async_decode=sampler.async_decode,

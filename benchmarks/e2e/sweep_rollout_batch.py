@@ -1,5 +1,6 @@
 """Rollout throughput against batch size: each recipe's tokens/s and its ratio to bf16 at the same
-number of sequences, the `bench_rollout` workload (random prompts of `--prompt-len` tokens,
+number of sequences (`vs_bf16`; `steps_vs_bf16` the decode steps' alone, without the prefill), the
+`bench_rollout` workload (random prompts of `--prompt-len` tokens,
 `--samples` per prompt, `--new-tokens` each, no stop token) at several batch sizes.
 
 Where NVFP4 pays on Hopper depends on the batch: a decode step of few sequences reads its weights
@@ -28,8 +29,8 @@ import torch
 from benchmarks.common import report
 from benchmarks.e2e import bench_rollout
 
-KEEP = ("tokens_per_s", "decode_step_ms", "roofline_ms", "roofline_frac", "step_weight_gb", "step_kv_gb",
-        "gen_tokens", "peak_gb", "sampler_only", "preemptions")
+KEEP = ("tokens_per_s", "decode_step_ms", "outside_decode_s", "roofline_ms", "roofline_frac",
+        "step_weight_gb", "step_kv_gb", "gen_tokens", "peak_gb", "sampler_only", "preemptions")
 
 
 def parse_args(argv=None):
@@ -78,10 +79,12 @@ def sweep(args) -> list[dict]:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    base = {r["sequences"]: r["tokens_per_s"] for r in rows if r["recipe"] == "bf16"}
+    base = {r["sequences"]: r for r in rows if r["recipe"] == "bf16"}
     for r in rows:
         if r["sequences"] in base:
-            r["vs_bf16"] = r["tokens_per_s"] / base[r["sequences"]]
+            b = base[r["sequences"]]
+            r["vs_bf16"] = r["tokens_per_s"] / b["tokens_per_s"]
+            r["steps_vs_bf16"] = b["decode_step_ms"] / r["decode_step_ms"]  # the decode steps alone
     return rows
 
 
