@@ -21,14 +21,12 @@ products have at most 6 significant bits, on the grid, subnormal ones included (
 activations (the CPU interpreter) take e2m1 * 2^-14 times s_b through plain integer ops. The epilogue
 multiplies the fp32 accumulator back (W_SHIFT).
 
-K order: within a chunk of KC columns, the columns in plain order, k16 MMA steps into one
-accumulator; chunks summed in order. `aligned_decode_config` takes the aligned path's chunks
-(`ref.gemm.k_chunk`), so rows get the aligned bits whatever BK is: a narrow weight runs its chunks
-in separate programs (SPLIT_K = chunks: the last program of an N tile to arrive sums the fp32
-partials in split order), a wide one runs them one after another. `decode_config` (the `fast` mode)
-splits K where N alone does not fill the GPU by (M padded, N, K), never by the data, so rows keep
-their bits for every M of one padded size and equal the aligned path's wherever the fp32
-accumulation is exact (nearly all outputs, docs/facts.md).
+K order: the columns in plain order, k16 MMA steps into one accumulator, which is the aligned path's
+order (`kernels.gemm`): with SPLIT_K = 1 (`aligned_decode_config`) rows get the aligned bits whatever
+BK is. Split-K where N alone does not fill the GPU: the last program of an N tile to arrive sums the
+fp32 partials in split order (deterministic); the split depends on (M padded, N, K), never on the
+data, so rows keep their bits for every M of one padded size, and equal the aligned path's wherever
+the fp32 accumulation is exact (nearly all outputs, docs/facts.md).
 
 Tiles in memory: the words and scales of each TILE_N-row block and TILE_K-column step lie together (8 KB of
 words and 2 KB of scales), the blocks' steps in K order, so a program's K step reads one contiguous piece
@@ -49,7 +47,6 @@ from minite.kernels import interpreted
 from minite.kernels.epilogue import EPILOGUES, epilogue, segment_bounds, segment_views, store_segments
 from minite.kernels.launch import cdiv
 from minite.kernels.launch import launch as launch_kernel
-from minite.ref.gemm import k_chunk
 
 # by M padded to 16 / 32 / 64; SPLIT_K doubles (`decode_config`) until the grid has MIN_PROGRAMS (at
 # most MAX_SPLIT_K); from SPLIT["FROM"] splits on, the tile takes SPLIT's K step and stages. H200,
@@ -274,49 +271,14 @@ def decode_acc(a_rows, mask_m, w_rows, s_rows, mask_n, k_begin, KS: tl.constexpr
 
 
 @triton.jit
-def chunked_decode_acc(a_rows, mask_m, w_rows, s_rows, mask_n, k_begin, KS: tl.constexpr, KC: tl.constexpr,
-                       TK: tl.constexpr, BF16: tl.constexpr, HW: tl.constexpr, BM: tl.constexpr,
-                       BN: tl.constexpr, BK: tl.constexpr, EVEN_N: tl.constexpr):
-    """`decode_acc` over KS columns in chunks of KC (the aligned K order, `ref.gemm.k_chunk`): each
-    chunk from zero, the chunk sums added in order (KC = KS: one chunk)."""
-    if KC == KS:
-        return decode_acc(a_rows, mask_m, w_rows, s_rows, mask_n, k_begin, KS, TK, BF16, HW, BM, BN, BK,
-                          EVEN_N)
-    total = tl.zeros([BN, BM], dtype=tl.float32)
-    for c0 in range(0, KS, KC):
-        total += decode_acc(a_rows, mask_m, w_rows, s_rows, mask_n, k_begin + c0, KC, TK, BF16, HW, BM, BN,
-                            BK, EVEN_N)
-    return total
-
-
-@triton.jit
-def split_total(acc, parts, split_stride, mask, counter_ptr, pid_k, SPLIT_K: tl.constexpr):
-    """Split-K across programs: this program's fp32 partial goes to `parts` + pid_k * split_stride;
-    the last of the SPLIT_K programs of the tile to arrive sums the partials in split order and
-    resets the tile's counter for the next launch. -> (whether this program is the last, the sum)."""
-    tl.store(parts + pid_k * split_stride, acc, mask=mask)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
-    last = arrived == SPLIT_K - 1
-    total = tl.zeros(acc.shape, dtype=tl.float32)
-    if last:
-        tl.debug_barrier()
-        for i in tl.static_range(SPLIT_K):
-            total += tl.load(parts + i * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
-        tl.store(counter_ptr, 0)
-    return last, total
-
-
-@triton.jit
 def _w4a4_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, part_ptr, count_ptr, M, N,
-                        stride_am, stride_om, stride_sa, N1, N2, K: tl.constexpr, KC: tl.constexpr,
-                        TK: tl.constexpr, EPILOGUE: tl.constexpr, BF16: tl.constexpr, HW: tl.constexpr,
-                        W_SHIFT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        stride_am, stride_om, stride_sa, N1, N2, K: tl.constexpr, TK: tl.constexpr,
+                        EPILOGUE: tl.constexpr, BF16: tl.constexpr, HW: tl.constexpr, W_SHIFT: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr, SEGMENTED: tl.constexpr):
-    """out[:M, tile] for a weight in the decode layout (`DecodeWeight`); `decode_acc` is the loop, in
-    chunks of KC columns within each of the SPLIT_K programs of a tile. SEGMENTED: the weight is 2-3
-    weights concatenated along N, sw_ptr their 3 scales, out their flat outputs
-    (`epilogue.store_segments`)."""
+    """out[:M, tile] for a weight in the decode layout (`DecodeWeight`); `decode_acc` is the loop.
+    SEGMENTED (no split-K): the weight is 2-3 weights concatenated along N, sw_ptr their 3 scales, out
+    their flat outputs (`epilogue.store_segments`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -325,23 +287,33 @@ def _w4a4_decode_kernel(a_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, part_
     mask_m = offs_m < M
     KS: tl.constexpr = K // SPLIT_K
     w_rows, s_rows = layout_rows(codes_ptr, ws_ptr, pid_n * BN, BN, K, TK)
-    acc_t = chunked_decode_acc(a_ptr + offs_m.to(tl.int64) * stride_am, mask_m, w_rows, s_rows, mask_n,
-                               pid_k * KS, KS, KC, TK, BF16, HW, BM, BN, BK, EVEN_N)
+    acc_t = decode_acc(a_ptr + offs_m.to(tl.int64) * stride_am, mask_m, w_rows, s_rows, mask_n, pid_k * KS,
+                       KS, TK, BF16, HW, BM, BN, BK, EVEN_N)
     acc = tl.trans(acc_t) * W_SHIFT  # [BM, BN]
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     out_mask = mask_m[:, None] & mask_n[None, :]
-    last = True
-    if SPLIT_K > 1:  # part [SPLIT_K, BM, N] fp32
-        last, acc = split_total(acc, part_ptr + offs_m[:, None] * N + offs_n[None, :], BM * N, out_mask,
-                                count_ptr + pid_n, pid_k, SPLIT_K)
-    if last:
-        sw = tl.load(sw_ptr)
-        if SEGMENTED:
-            store_segments(acc, sa_ptr, sw, tl.load(sw_ptr + 1), tl.load(sw_ptr + 2), out_ptr, offs_m, offs_n,
-                           M, N, N1, N2, stride_sa, EPILOGUE)
-        else:
-            sa = tl.load(sa_ptr + offs_m * stride_sa, mask=mask_m, other=1.0)
-            out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-            tl.store(out_ptrs, epilogue(acc, sa, sw, EPILOGUE).to(out_ptr.dtype.element_ty), mask=out_mask)
+    sa = tl.load(sa_ptr + offs_m * stride_sa, mask=mask_m, other=1.0)
+    sw = tl.load(sw_ptr)
+    if SEGMENTED:
+        store_segments(acc, sa_ptr, sw, tl.load(sw_ptr + 1), tl.load(sw_ptr + 2), out_ptr, offs_m, offs_n, M,
+                       N, N1, N2, stride_sa, EPILOGUE)
+    elif SPLIT_K == 1:
+        tl.store(out_ptrs, epilogue(acc, sa, sw, EPILOGUE).to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # part [SPLIT_K, BM, N] fp32; the last program of this N tile to arrive sums the partials in
+        # split order and resets the tile's counter for the next launch
+        parts = part_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(parts + pid_k * BM * N, acc, mask=out_mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            tl.debug_barrier()
+            total = tl.zeros([BM, BN], dtype=tl.float32)
+            for i in tl.static_range(SPLIT_K):
+                total += tl.load(parts + i * BM * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.store(count_ptr + pid_n, 0)
+            tl.store(out_ptrs, epilogue(total, sa, sw, EPILOGUE).to(out_ptr.dtype.element_ty),
+                     mask=out_mask)
 
 
 def _tile(m: int, k: int) -> dict:
@@ -385,30 +357,23 @@ def decode_config(m: int, n: int, k: int) -> dict:
         cfg = _fit_bk(dict(cfg, **{key: v for key, v in split_tile.items() if key != "FROM"}), k)
         split = _split(n, k, cfg, min_programs, most)
     cfg["SPLIT_K"] = split
-    cfg["KC"] = k // split
     return cfg
 
 
-def aligned_decode_config(m: int, k: int, n: int | None = None) -> dict:
-    """The decode tile in the aligned K order (`ref.gemm.k_chunk`), so rows get the aligned path's
-    bits (GPU test) while the weight is read packed: a K of several chunks runs them in separate
-    programs (SPLIT_K, summed in order) where N alone gives fewer than the tile's MIN_PROGRAMS
-    (a narrow weight; n given), else one after another in each program. M <= 64 (padded as in
-    `decode_config`)."""
+def aligned_decode_config(m: int, k: int) -> dict:
+    """The decode tile in the aligned K order (`kernels.gemm`'s): no split-K, so rows get the aligned
+    path's bits (GPU test) while the weight is read packed. M <= 64 (padded as in `decode_config`)."""
     cfg = _tile(m, k)
-    min_programs = cfg.pop("MIN_PROGRAMS")
-    for key in ("MAX_SPLIT_K", "SPLIT"):
+    for key in ("MIN_PROGRAMS", "MAX_SPLIT_K", "SPLIT"):
         cfg.pop(key, None)
-    cfg["KC"] = k_chunk(k)
-    narrow = n is not None and cdiv(n, cfg["BN"]) < min_programs
-    cfg["SPLIT_K"] = k // cfg["KC"] if narrow else 1
+    cfg["SPLIT_K"] = 1
     return cfg
 
 
 _COUNTERS: dict = {}
 
 
-def split_counters(n_tiles: int, device) -> torch.Tensor:
+def _split_counters(n_tiles: int, device) -> torch.Tensor:
     """One int32 arrival counter per N tile, zero between launches (the kernel resets what it uses).
     Cached per device; the first call allocates (do it before a CUDA graph capture)."""
     buf = _COUNTERS.get(device)
@@ -456,11 +421,13 @@ def decode_gemm_segments(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight
     `widths[j]` rows, a multiple of TILE_N, so every memory tile belongs to one weight), w_scales fp32
     [3] their epilogue factors (the last repeated for two): each weight's output [M, width], contiguous
     views of one buffer, bitwise what `decode_gemm` gives for that weight alone under the same config.
-    config defaults to `aligned_decode_config(M, K, N)` (the aligned bits)."""
+    config defaults to `aligned_decode_config(M, K)` (no split-K: the aligned bits)."""
     _check(a, a_scale, w, epilogue)
     m, k = a.shape
     bounds = segment_bounds(widths, w.shape[0], w_scales, m, TILE_N)
-    cfg = config or aligned_decode_config(m, k, w.shape[0])
+    cfg = config or aligned_decode_config(m, k)
+    if cfg["SPLIT_K"] != 1:
+        raise ValueError("decode_gemm_segments runs without split-K")
     buf = torch.empty(m * w.shape[0], dtype=out_dtype, device=a.device)
     launch(a, a_scale.reshape(-1), w, w_scales, buf, EPILOGUES[epilogue], cfg, bounds)
     return segment_views(buf, m, widths)
@@ -472,25 +439,21 @@ def launch(a, sa, w: DecodeWeight, w_scale, out, epilogue_id: int, cfg: dict, bo
     m, k = a.shape
     n = w.shape[0]
     bm, bn, bk, split = cfg["BM"], cfg["BN"], cfg["BK"], cfg["SPLIT_K"]
-    kc = cfg.get("KC", k // split)
     if m > bm:
         raise ValueError(f"decode tile BM={bm} cannot hold M={m}")
     if k % (split * bk) or bk % KGROUP or bk > w.tk:
         raise ValueError(f"K={k} must be a multiple of SPLIT_K * BK = {split * bk}, BK of {KGROUP} and at "
                          f"most the layout's tile width {w.tk}")
-    if (k // split) % kc or kc % bk:
-        raise ValueError(f"the K chunk KC={kc} must divide K / SPLIT_K = {k // split} and be a multiple of "
-                         f"BK={bk}")
     tiles = cdiv(n, bn)
     if split > 1:
         part = torch.empty(split, bm, n, dtype=torch.float32, device=a.device)
-        counters = split_counters(tiles, a.device)
+        counters = _split_counters(tiles, a.device)
     else:
         part = counters = out
     launch_kernel(_w4a4_decode_kernel, (tiles, split), (
         a, w.codes, w.scales, sa, w_scale, out, part, counters, m, n,
         a.stride(0), out.stride(0), 0 if sa.numel() == 1 else 1, *(bounds or (0, 0))),
-        K=k, KC=kc, TK=w.tk, EPILOGUE=epilogue_id, BF16=a.dtype == torch.bfloat16, HW=not interpreted(),
+        K=k, TK=w.tk, EPILOGUE=epilogue_id, BF16=a.dtype == torch.bfloat16, HW=not interpreted(),
         W_SHIFT=W_SHIFT[a.dtype], BM=bm, BN=bn, BK=bk, SPLIT_K=split, EVEN_N=w.n_pad % bn == 0,
         SEGMENTED=bounds is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

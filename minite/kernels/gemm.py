@@ -35,7 +35,6 @@ from minite.kernels import decode_gemm, interpreted
 from minite.kernels.epilogue import EPILOGUES, segment_bounds, segment_views, store_segments, store_tile
 from minite.kernels.launch import cdiv
 from minite.kernels.launch import launch as launch_kernel
-from minite.ref.gemm import k_chunk
 
 CONFIGS = {
     # M < ALIGNED_LARGE_M (the rollout's decode steps): operands by TMA, one program per tile; at
@@ -56,9 +55,6 @@ CONFIGS = {
     "interpret": dict(BM=16, BN=32, BK=32, GROUP_M=2, num_warps=4, num_stages=1),
 }
 ALIGNED_LARGE_M = 2048
-# a K order of several chunks (`ref.gemm.k_chunk`) holds two fp32 accumulators (the total and the
-# chunk's): the 128 x 256 tile's two would take every register, so such GEMMs run it at BN 128
-CHUNKED_MAX_TILE = 128 * 128
 
 
 @triton.jit
@@ -97,13 +93,14 @@ def packed_w_tile(codes_ptr, scales_ptr, offs_n, mask_n, k0, stride_cn, stride_s
 
 
 @triton.jit
-def _chunk_acc(a_rows, w_ptr, ws_ptr, offs_n, mask_m, mask_n, stride_wn, stride_wsn, k_begin,
-               KC: tl.constexpr, W_PACKED: tl.constexpr, DOT_F16: tl.constexpr, BM: tl.constexpr,
-               BN: tl.constexpr, BK: tl.constexpr):
-    """fp32 [BM, BN] over columns k_begin .. k_begin + KC in BK steps, from zero."""
+def tile_acc(a_rows, w_ptr, ws_ptr, offs_n, mask_m, mask_n, stride_wn, stride_wsn, K: tl.constexpr,
+             W_PACKED: tl.constexpr, DOT_F16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr):
+    """fp32 acc [BM, BN] = a rows (pointers `a_rows` [BM, 1]) x weight rows offs_n (unscaled copy, or
+    packed codes + scales), over K in BK steps: the K order of every non-decode tile, dense and grouped."""
     offs_k = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(k_begin, k_begin + KC, BK):
+    for k0 in range(0, K, BK):
         a = tl.load(a_rows + (k0 + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
         if W_PACKED:
             w = packed_w_tile(w_ptr, ws_ptr, offs_n, mask_n, k0, stride_wn, stride_wsn, BN, BK, DOT_F16)
@@ -112,23 +109,6 @@ def _chunk_acc(a_rows, w_ptr, ws_ptr, offs_n, mask_m, mask_n, stride_wn, stride_
                         mask=mask_n[:, None], other=0.0)
         acc = tl.dot(a, tl.trans(w), acc)
     return acc
-
-
-@triton.jit
-def tile_acc(a_rows, w_ptr, ws_ptr, offs_n, mask_m, mask_n, stride_wn, stride_wsn, K: tl.constexpr,
-             KC: tl.constexpr, W_PACKED: tl.constexpr, DOT_F16: tl.constexpr, BM: tl.constexpr,
-             BN: tl.constexpr, BK: tl.constexpr):
-    """fp32 acc [BM, BN] = a rows (pointers `a_rows` [BM, 1]) x weight rows offs_n (unscaled copy, or
-    packed codes + scales) in the aligned K order (`ref.gemm.k_chunk`): chunks of KC columns in BK
-    steps, the chunk sums added in order (KC = K: one chunk). Every non-decode tile, dense and grouped."""
-    if KC == K:
-        return _chunk_acc(a_rows, w_ptr, ws_ptr, offs_n, mask_m, mask_n, stride_wn, stride_wsn, 0, K,
-                          W_PACKED, DOT_F16, BM, BN, BK)
-    total = tl.zeros([BM, BN], dtype=tl.float32)
-    for c0 in range(0, K, KC):
-        total += _chunk_acc(a_rows, w_ptr, ws_ptr, offs_n, mask_m, mask_n, stride_wn, stride_wsn, c0, KC,
-                            W_PACKED, DOT_F16, BM, BN, BK)
-    return total
 
 
 @triton.jit
@@ -143,29 +123,16 @@ def _tile_mn(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constex
 
 
 @triton.jit
-def _tma_chunk(a_desc, w_desc, pid_m, pid_n, k_begin, KC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-               BK: tl.constexpr):
-    """fp32 [BM, BN] over columns k_begin .. k_begin + KC in BK steps, from zero (TMA operands)."""
+def _tma_tile(a_desc, w_desc, sa_ptr, sw, sw1, sw2, out_ptr, tile, M, N, stride_om, stride_sa, N1, N2,
+              K: tl.constexpr, EPILOGUE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              GROUP_M: tl.constexpr, SEGMENTED: tl.constexpr):
+    """One output tile of the TMA kernel, stored (SEGMENTED: sw, sw1, sw2 the three weights' scales)."""
+    pid_m, pid_n = _tile_mn(tile, M, N, BM, BN, GROUP_M)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(k_begin, k_begin + KC, BK):
+    for k0 in range(0, K, BK):
         a = a_desc.load([pid_m * BM, k0])
         w = w_desc.load([pid_n * BN, k0])
         acc = tl.dot(a, w.T, acc)
-    return acc
-
-
-@triton.jit
-def _tma_tile(a_desc, w_desc, sa_ptr, sw, sw1, sw2, out_ptr, tile, M, N, stride_om, stride_sa, N1, N2,
-              K: tl.constexpr, KC: tl.constexpr, EPILOGUE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-              BK: tl.constexpr, GROUP_M: tl.constexpr, SEGMENTED: tl.constexpr):
-    """One output tile of the TMA kernel, stored (SEGMENTED: sw, sw1, sw2 the three weights' scales)."""
-    pid_m, pid_n = _tile_mn(tile, M, N, BM, BN, GROUP_M)
-    if KC == K:
-        acc = _tma_chunk(a_desc, w_desc, pid_m, pid_n, 0, K, BM, BN, BK)
-    else:
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for c0 in range(0, K, KC):
-            acc += _tma_chunk(a_desc, w_desc, pid_m, pid_n, c0, KC, BM, BN, BK)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     _store(acc, sa_ptr, sw, sw1, sw2, out_ptr, offs_m, offs_n, M, N, N1, N2, stride_om, stride_sa, EPILOGUE,
@@ -184,8 +151,7 @@ def _store(acc, sa_ptr, sw, sw1, sw2, out_ptr, offs_m, offs_n, M, N, N1, N2, str
 
 @triton.jit
 def _w4a4_tma_kernel(a_ptr, w_ptr, sa_ptr, sw_ptr, out_ptr, M, N, stride_am, stride_wn, stride_om, stride_sa,
-                     programs, N1, N2, K: tl.constexpr, KC: tl.constexpr, EPILOGUE: tl.constexpr,
-                     BM: tl.constexpr,
+                     programs, N1, N2, K: tl.constexpr, EPILOGUE: tl.constexpr, BM: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr,
                      FLATTEN: tl.constexpr, SEGMENTED: tl.constexpr):
     """`_w4a4_kernel` on the bf16 weight copy with the operands brought in by TMA: one output tile per
@@ -204,17 +170,16 @@ def _w4a4_tma_kernel(a_ptr, w_ptr, sa_ptr, sw_ptr, out_ptr, M, N, stride_am, str
         tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
         for tile in tl.range(tl.program_id(0), tiles, programs, flatten=FLATTEN):
             _tma_tile(a_desc, w_desc, sa_ptr, sw, sw1, sw2, out_ptr, tile, M, N, stride_om, stride_sa, N1, N2,
-                      K, KC, EPILOGUE, BM, BN, BK, GROUP_M, SEGMENTED)
+                      K, EPILOGUE, BM, BN, BK, GROUP_M, SEGMENTED)
     else:
         _tma_tile(a_desc, w_desc, sa_ptr, sw, sw1, sw2, out_ptr, tl.program_id(0), M, N, stride_om, stride_sa,
-                  N1, N2, K, KC, EPILOGUE, BM, BN, BK, GROUP_M, SEGMENTED)
+                  N1, N2, K, EPILOGUE, BM, BN, BK, GROUP_M, SEGMENTED)
 
 
 @triton.jit
 def _w4a4_kernel(a_ptr, w_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, M, N,
                  stride_am, stride_wn, stride_wsn, stride_om, stride_sa, N1, N2,
-                 K: tl.constexpr, KC: tl.constexpr, EPILOGUE: tl.constexpr, W_PACKED: tl.constexpr,
-                 DOT_F16: tl.constexpr,
+                 K: tl.constexpr, EPILOGUE: tl.constexpr, W_PACKED: tl.constexpr, DOT_F16: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                  SEGMENTED: tl.constexpr):
     pid_m, pid_n = _tile_mn(tl.program_id(0), M, N, BM, BN, GROUP_M)
@@ -223,8 +188,8 @@ def _w4a4_kernel(a_ptr, w_ptr, ws_ptr, sa_ptr, sw_ptr, out_ptr, M, N,
     mask_m = offs_m < M
     mask_n = offs_n < N
     a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
-    acc = tile_acc(a_rows, w_ptr, ws_ptr, offs_n, mask_m, mask_n, stride_wn, stride_wsn, K, KC, W_PACKED,
-                   DOT_F16, BM, BN, BK)
+    acc = tile_acc(a_rows, w_ptr, ws_ptr, offs_n, mask_m, mask_n, stride_wn, stride_wsn, K, W_PACKED, DOT_F16,
+                   BM, BN, BK)
     sw = tl.load(sw_ptr)
     sw1, sw2 = sw, sw
     if SEGMENTED:
@@ -292,7 +257,7 @@ def gemm_on_copy(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, w_scale: to
     n = w.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if cfg.get("TMA") and _tma_ok(a, w):
-        _launch_tma(a, sa, w, w_scale, out, epilogue, cfg)
+        _launch_tma(a, sa, w, w_scale, out, epilogue, cfg, cdiv(m, cfg["BM"]) * cdiv(n, cfg["BN"]))
     else:
         _launch_pointer(a, w, w, sa, w_scale, out, epilogue, cfg)
     return out
@@ -310,7 +275,7 @@ def gemm_segments(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, w_scales: 
     bounds = segment_bounds(widths, n, w_scales, m)
     buf = torch.empty(m * n, dtype=out_dtype, device=a.device)
     if cfg.get("TMA") and _tma_ok(a, w):
-        _launch_tma(a, sa, w, w_scales, buf, epilogue, cfg, bounds)
+        _launch_tma(a, sa, w, w_scales, buf, epilogue, cfg, cdiv(m, cfg["BM"]) * cdiv(n, cfg["BN"]), bounds)
     else:
         _launch_pointer(a, w, w, sa, w_scales, buf, epilogue, cfg, bounds)
     return segment_views(buf, m, widths)
@@ -323,11 +288,10 @@ def _launch_pointer(a, w, ws, sa, w_scale, out, epilogue, cfg, bounds=None) -> N
     n = w.shape[0]
     packed = w.dtype == torch.uint8
     n1, n2 = bounds or (0, 0)
-    kc = cfg.get("KC", k_chunk(k))
     launch_kernel(_w4a4_kernel, (cdiv(m, cfg["BM"]) * cdiv(n, cfg["BN"]),),
                   (a, w, ws, sa, w_scale, out, m, n, a.stride(0), w.stride(0), ws.stride(0), out.stride(0),
                    0 if sa.numel() == 1 else 1, n1, n2),
-                  K=k, KC=kc, EPILOGUE=EPILOGUES[epilogue], W_PACKED=packed,
+                  K=k, EPILOGUE=EPILOGUES[epilogue], W_PACKED=packed,
                   DOT_F16=a.dtype == torch.float16, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
                   GROUP_M=cfg["GROUP_M"], SEGMENTED=bounds is not None, num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"])
@@ -338,16 +302,11 @@ def _tma_ok(a, w) -> bool:
     return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (a, w))
 
 
-def _launch_tma(a, sa, w, w_scale, out, epilogue, cfg, bounds=None):
+def _launch_tma(a, sa, w, w_scale, out, epilogue, cfg, tiles, bounds=None):
     """The TMA kernel: PERSIST programs per SM (0: one program per tile); `bounds` as for
     `_launch_pointer`."""
     _set_tma_allocator()
     m, k = a.shape
-    kc = cfg.get("KC", k_chunk(k))
-    flat = flatten(cfg, out)
-    if kc < k and cfg["BM"] * cfg["BN"] > CHUNKED_MAX_TILE:
-        cfg, flat = dict(cfg, BN=CHUNKED_MAX_TILE // cfg["BM"]), False
-    tiles = cdiv(m, cfg["BM"]) * cdiv(w.shape[0], cfg["BN"])
     programs = tiles
     if cfg.get("PERSIST"):
         programs = min(tiles, cfg["PERSIST"] * _sm_count(a.device.index if a.is_cuda else None))
@@ -355,8 +314,8 @@ def _launch_tma(a, sa, w, w_scale, out, epilogue, cfg, bounds=None):
     launch_kernel(_w4a4_tma_kernel, (programs,),
                   (a, w, sa, w_scale, out, m, w.shape[0], a.stride(0), w.stride(0), out.stride(0),
                    0 if sa.numel() == 1 else 1, programs, n1, n2),
-                  K=k, KC=kc, EPILOGUE=EPILOGUES[epilogue], BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
-                  GROUP_M=cfg["GROUP_M"], PERSISTENT=programs < tiles, FLATTEN=flat,
+                  K=k, EPILOGUE=EPILOGUES[epilogue], BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
+                  GROUP_M=cfg["GROUP_M"], PERSISTENT=programs < tiles, FLATTEN=flatten(cfg, out),
                   SEGMENTED=bounds is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 

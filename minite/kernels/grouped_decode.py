@@ -23,21 +23,11 @@ import triton
 import triton.language as tl
 
 from minite.kernels import interpreted
-from minite.kernels.decode_gemm import (
-    KGROUP,
-    TILE_N,
-    W_SHIFT,
-    DecodeWeight,
-    chunked_decode_acc,
-    layout_rows,
-    split_counters,
-    split_total,
-)
+from minite.kernels.decode_gemm import KGROUP, TILE_N, W_SHIFT, DecodeWeight, decode_acc, layout_rows
 from minite.kernels.epilogue import EPILOGUES, segment_bounds, segment_views, store_scaled, store_segments
 from minite.kernels.grouped_gemm import expert_tile
 from minite.kernels.launch import cdiv, next_power_of_2
 from minite.kernels.launch import launch as launch_kernel
-from minite.ref.gemm import k_chunk
 
 # (most average rows per expert, tile): benchmarks/ops/bench_grouped_decode.py's sweep on the H200 at
 # Qwen3-30B-A3B expert shapes, 4 / 16 / 32 / 64 rows per expert (this layout, at c3a8c24): from 16 rows on, BN
@@ -76,12 +66,6 @@ WIDE_ROWS_TILE = dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=3, HALVES=
 # 14.7, the Qwen3-1.7B down 24.0 / 27.9 against 37.5 / 38.0; every other shape within 1 %.
 NARROW_N, NARROW_M = 256, 128
 
-# A dense weight whose K holds several chunks of the aligned K order (`ref.gemm.k_chunk`) runs them in
-# separate programs (split-K, the partials summed in order) where its grid holds fewer than
-# SPLIT_PROGRAMS programs at most SPLIT_ROWS rows (a decode step's narrow projections), else one after
-# another in each program; experts take one chunk
-SPLIT_PROGRAMS, SPLIT_ROWS = 264, 256
-
 
 def grouped_decode_config(rows: int, experts: int, k: int | None = None, n: int | None = None) -> dict:
     """The tile for `rows` sorted rows over `experts` experts (depends on the counts, never the data);
@@ -103,59 +87,43 @@ def grouped_decode_config(rows: int, experts: int, k: int | None = None, n: int 
         cfg.update(BN=32, BK=64, num_stages=1)
     while k is not None and k % cfg["BK"]:
         cfg["BK"] //= 2
-    if experts == 1 and k is not None:
-        cfg["KC"] = k_chunk(k)
-        programs = cdiv(n, cfg["BN"]) * cdiv(rows, cfg["BM"]) if n is not None else SPLIT_PROGRAMS
-        small = rows <= SPLIT_ROWS and programs < SPLIT_PROGRAMS
-        cfg["SPLIT_K"] = k // cfg["KC"] if small else 1
     return cfg
 
 
 @triton.jit
 def _row_tile(a_ptr, src_ptr, row0, row_end, w_rows, s_rows, offs_n, mask_n, sa_ptr, sw_ptr, e, out_ptr,
-              part_ptr, counter_ptr, T, stride_am, stride_om, stride_sa, N, N1, N2, K: tl.constexpr,
-              KC: tl.constexpr, SPLIT_K: tl.constexpr, TK: tl.constexpr, EPILOGUE: tl.constexpr,
-              BF16: tl.constexpr, HW: tl.constexpr, W_SHIFT: tl.constexpr, ROWS: tl.constexpr,
-              BN: tl.constexpr, BK: tl.constexpr, EVEN_N: tl.constexpr, SEGMENTED: tl.constexpr,
-              GATHER: tl.constexpr):
+              stride_am, stride_om, stride_sa, N, N1, N2, K: tl.constexpr, TK: tl.constexpr,
+              EPILOGUE: tl.constexpr, BF16: tl.constexpr, HW: tl.constexpr, W_SHIFT: tl.constexpr,
+              ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_N: tl.constexpr,
+              SEGMENTED: tl.constexpr, GATHER: tl.constexpr):
     """Rows row0 .. row0 + ROWS (those before row_end) of expert e times its N tile, stored
     (SEGMENTED: one expert whose rows are 2-3 weights, `epilogue.store_segments`; GATHER: output row
-    r reads activation row src[r] and its scale). The aligned K order: chunks of KC columns, each in
-    plain order; SPLIT_K > 1: this program's chunk is program_id(2), the chunk sums added in order by
-    the tile's last program (`decode_gemm.split_total`, partials [SPLIT_K, T, N])."""
+    r reads activation row src[r] and its scale)."""
     offs_m = row0 + tl.arange(0, ROWS)
     mask_m = offs_m < row_end
     if GATHER:
         src = tl.load(src_ptr + offs_m, mask=mask_m, other=0)
     else:
         src = offs_m
+    # the columns in plain order (the aligned K order), no split-K
     a_rows = a_ptr + src.to(tl.int64) * stride_am
-    KS: tl.constexpr = K // SPLIT_K
-    acc_t = chunked_decode_acc(a_rows, mask_m, w_rows, s_rows, mask_n, tl.program_id(2) * KS, KS, KC, TK,
-                               BF16, HW, ROWS, BN, BK, EVEN_N)
+    acc_t = decode_acc(a_rows, mask_m, w_rows, s_rows, mask_n, 0, K, TK, BF16, HW, ROWS, BN, BK, EVEN_N)
     acc = tl.trans(acc_t) * W_SHIFT  # [ROWS, BN]
-    last = True
-    if SPLIT_K > 1:
-        parts = part_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-        last, acc = split_total(acc, parts, T * N, mask_m[:, None] & mask_n[None, :], counter_ptr,
-                                tl.program_id(2), SPLIT_K)
-    if last:
-        if SEGMENTED:
-            store_segments(acc, sa_ptr, tl.load(sw_ptr), tl.load(sw_ptr + 1), tl.load(sw_ptr + 2), out_ptr,
-                           offs_m, offs_n, row_end, N, N1, N2, stride_sa, EPILOGUE)
-        else:
-            sa = tl.load(sa_ptr + src * stride_sa, mask=mask_m, other=1.0)
-            store_scaled(acc, sa, tl.load(sw_ptr + e), out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om,
-                         EPILOGUE)
+    if SEGMENTED:
+        store_segments(acc, sa_ptr, tl.load(sw_ptr), tl.load(sw_ptr + 1), tl.load(sw_ptr + 2), out_ptr,
+                       offs_m, offs_n, row_end, N, N1, N2, stride_sa, EPILOGUE)
+    else:
+        sa = tl.load(sa_ptr + src * stride_sa, mask=mask_m, other=1.0)
+        store_scaled(acc, sa, tl.load(sw_ptr + e), out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om,
+                     EPILOGUE)
 
 
 @triton.jit
-def _grouped_decode_kernel(a_ptr, src_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, offsets_ptr, out_ptr, part_ptr,
-                           count_ptr, T, N, E, stride_am, stride_ce, stride_se, stride_om, stride_sa, N1, N2,
-                           K: tl.constexpr, KC: tl.constexpr, SPLIT_K: tl.constexpr, TK: tl.constexpr,
-                           EPILOGUE: tl.constexpr, BF16: tl.constexpr, HW: tl.constexpr,
-                           W_SHIFT: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                           BK: tl.constexpr, EVEN_N: tl.constexpr, HALVES: tl.constexpr,
+def _grouped_decode_kernel(a_ptr, src_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, offsets_ptr, out_ptr, N, E,
+                           stride_am, stride_ce, stride_se, stride_om, stride_sa, N1, N2,
+                           K: tl.constexpr, TK: tl.constexpr, EPILOGUE: tl.constexpr, BF16: tl.constexpr,
+                           HW: tl.constexpr, W_SHIFT: tl.constexpr, E_P2: tl.constexpr, BM: tl.constexpr,
+                           BN: tl.constexpr, BK: tl.constexpr, EVEN_N: tl.constexpr, HALVES: tl.constexpr,
                            SEGMENTED: tl.constexpr, GATHER: tl.constexpr):
     pid_n = tl.program_id(0)
     e, row0, row_end = expert_tile(offsets_ptr, E, tl.program_id(1), BM, E_P2)
@@ -168,15 +136,14 @@ def _grouped_decode_kernel(a_ptr, src_ptr, codes_ptr, ws_ptr, sa_ptr, sw_ptr, of
     # HALVES: a tile whose rows fit in its first half runs the half-height MMAs (each expert's weight
     # is still dequantized once per BM rows)
     HM: tl.constexpr = BM // 2
-    counter = count_ptr + pid_n * tl.num_programs(1) + tl.program_id(1)  # split-K: the tile's counter
     if HALVES and row_end - row0 <= HM:
         _row_tile(a_ptr, src_ptr, row0, row_end, w_rows, s_rows, offs_n, mask_n, sa_ptr, sw_ptr, e, out_ptr,
-                  part_ptr, counter, T, stride_am, stride_om, stride_sa, N, N1, N2, K, KC, SPLIT_K, TK,
-                  EPILOGUE, BF16, HW, W_SHIFT, HM, BN, BK, EVEN_N, SEGMENTED, GATHER)
+                  stride_am, stride_om, stride_sa, N, N1, N2, K, TK, EPILOGUE, BF16, HW, W_SHIFT, HM, BN, BK,
+                  EVEN_N, SEGMENTED, GATHER)
     else:
         _row_tile(a_ptr, src_ptr, row0, row_end, w_rows, s_rows, offs_n, mask_n, sa_ptr, sw_ptr, e, out_ptr,
-                  part_ptr, counter, T, stride_am, stride_om, stride_sa, N, N1, N2, K, KC, SPLIT_K, TK,
-                  EPILOGUE, BF16, HW, W_SHIFT, BM, BN, BK, EVEN_N, SEGMENTED, GATHER)
+                  stride_am, stride_om, stride_sa, N, N1, N2, K, TK, EPILOGUE, BF16, HW, W_SHIFT, BM, BN, BK,
+                  EVEN_N, SEGMENTED, GATHER)
 
 
 def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, w_scale: torch.Tensor,
@@ -214,27 +181,18 @@ def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight,
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue={epilogue!r} is not supported; choose one of {list(EPILOGUES)}")
     cfg = config or grouped_decode_config(t, e, k, n)
-    kc, split = cfg.get("KC", k), cfg.get("SPLIT_K", 1)
     if k % cfg["BK"] or cfg["BK"] % KGROUP or cfg["BK"] > w.tk:
         raise ValueError(f"BK={cfg['BK']} must divide K={k}, be a multiple of {KGROUP} and at most the "
                          f"layout's tile width {w.tk}")
-    if k % kc or kc % cfg["BK"] or split not in (1, k // kc) or (split > 1 and rows is not None):
-        raise ValueError(f"the K chunk KC={kc} must divide K={k} into BK={cfg['BK']} steps, and SPLIT_K="
-                         f"{split} be 1 or the chunk count (with no rows index)")
     out = torch.empty(t * n if segments else (t, n), dtype=out_dtype, device=a.device)
     sa = a_scale.reshape(-1)
     bm, bn = cfg["BM"], cfg["BN"]
-    grid = (cdiv(n, bn), cdiv(t, bm) + e, split)
-    part, counters = out, out
-    if split > 1:
-        part = torch.empty(split, t, n, dtype=torch.float32, device=a.device)
-        counters = split_counters(grid[0] * grid[1], a.device)
+    grid = (cdiv(n, bn), cdiv(t, bm) + e)
     launch_kernel(_grouped_decode_kernel, grid, (
-        a, offsets if rows is None else rows, w.codes, w.scales, sa, w_scale.reshape(-1), offsets, out, part,
-        counters, t, n, e, a.stride(0), w.codes.stride(0), w.scales.stride(0), out.stride(0),
-        0 if sa.numel() == 1 else 1, *(segments or (0, 0))),
-        K=k, KC=kc, SPLIT_K=split, TK=w.tk, EPILOGUE=EPILOGUES[epilogue], BF16=a.dtype == torch.bfloat16,
-        HW=not interpreted(),
+        a, offsets if rows is None else rows, w.codes, w.scales, sa, w_scale.reshape(-1), offsets, out, n, e,
+        a.stride(0), w.codes.stride(0), w.scales.stride(0), out.stride(0), 0 if sa.numel() == 1 else 1,
+        *(segments or (0, 0))),
+        K=k, TK=w.tk, EPILOGUE=EPILOGUES[epilogue], BF16=a.dtype == torch.bfloat16, HW=not interpreted(),
         W_SHIFT=W_SHIFT[a.dtype], E_P2=max(16, next_power_of_2(e)), BM=bm, BN=bn, BK=cfg["BK"],
         EVEN_N=w.n_pad % bn == 0, HALVES=cfg.get("HALVES", False), SEGMENTED=segments is not None,
         GATHER=rows is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -265,15 +223,6 @@ def _row_offsets(m: int, device) -> torch.Tensor:
     return offsets
 
 
-def _dense_config(config: dict | None, m: int, w: DecodeWeight) -> dict:
-    """A dense weight's tile: `grouped_decode_config(M, 1, K, N)`, or the given one in the aligned
-    K order's chunks (where it names none)."""
-    n, k = w.shape
-    if config is None:
-        return grouped_decode_config(m, 1, k, n)
-    return dict(config, KC=config.get("KC", k_chunk(k)))
-
-
 def decode_gemm_rows(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, w_scale: torch.Tensor,
                      epilogue: str = "sdec", out_dtype=torch.bfloat16,
                      config: dict | None = None) -> torch.Tensor:
@@ -284,7 +233,7 @@ def decode_gemm_rows(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, w_
         raise ValueError(f"w must be one weight [N, K] in the decode layout, got {tuple(w.shape)}")
     experts = DecodeWeight(w.codes.unsqueeze(0), w.scales.unsqueeze(0), w.n)
     return grouped_decode_gemm(a, a_scale, experts, w_scale.reshape(1), _row_offsets(a.shape[0], a.device),
-                               epilogue, out_dtype, _dense_config(config, a.shape[0], w))
+                               epilogue, out_dtype, config)
 
 
 def decode_rows_segments(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, w_scales: torch.Tensor,
@@ -300,5 +249,5 @@ def decode_rows_segments(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight
     bounds = segment_bounds(widths, w.shape[0], w_scales, m, TILE_N)
     experts = DecodeWeight(w.codes.unsqueeze(0), w.scales.unsqueeze(0), w.n)
     buf = grouped_decode_gemm(a, a_scale, experts, w_scales.reshape(-1), _row_offsets(m, a.device), epilogue,
-                              out_dtype, _dense_config(config, m, w), bounds)
+                              out_dtype, config, bounds)
     return segment_views(buf, m, widths)

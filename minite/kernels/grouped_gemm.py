@@ -89,8 +89,8 @@ def _grouped_kernel(a_ptr, w_ptr, ws_ptr, sa_ptr, sw_ptr, offsets_ptr, out_ptr, 
     a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
     w_e = w_ptr + e.to(tl.int64) * stride_we
     ws_e = ws_ptr + e.to(tl.int64) * stride_wse
-    acc = tile_acc(a_rows, w_e, ws_e, offs_n, mask_m, mask_n, stride_wn, stride_wsn, K, K, W_PACKED,
-                   DOT_F16, BM, BN, BK)  # experts: one chunk
+    acc = tile_acc(a_rows, w_e, ws_e, offs_n, mask_m, mask_n, stride_wn, stride_wsn, K, W_PACKED, DOT_F16,
+                   BM, BN, BK)
     store_tile(acc, sa_ptr, tl.load(sw_ptr + e), out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om,
                stride_sa, EPILOGUE)
 

@@ -273,7 +273,7 @@ def _dense_kernel(x2: torch.Tensor, qweight: QuantizedWeight, recipe: Recipe,
     if m <= (FAST_DECODE_MAX_M if fast else recipe.execution.decode_max_m) and k % kd.KGROUP == 0:
         # few rows: the weight read packed (decode layout), in the aligned K order unless `fast`
         out = kd.decode_gemm(a, row_factor, qweight.decode_weight(a.dtype), sw, recipe.epilogue,
-                             x2.dtype, None if fast else kd.aligned_decode_config(m, k, n))
+                             x2.dtype, None if fast else kd.aligned_decode_config(m, k))
     elif reads_codes(qweight) and k % kd.KGROUP == 0 and not fast:
         # a sampler-form weight: the decode layout at any row count, in BM-row tiles (the same bits)
         out = lazy.grouped_decode.decode_gemm_rows(a, row_factor, qweight.decode_weight(a.dtype), sw,

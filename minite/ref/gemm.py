@@ -10,12 +10,6 @@ The unscaled operands e2m1 * s_b are exact in bf16 and fp16, and every product i
 kernel must match this reference bit for bit wherever that accumulation is exact (nearly all outputs
 on Gaussian data) and within one fp32 rounding per block otherwise; with the same accumulation order
 (the aligned kernels) it is bitwise equal to itself at every M.
-
-The aligned K order of a dense weight (`k_chunk`): K cut into chunks of K_CHUNK columns where K holds
-at least two, each chunk accumulated from zero over its columns in plain order (k16 tensor-core
-steps), the chunk sums added in order to an fp32 zero. So a kernel may run a weight's chunks in
-separate programs (more programs for a narrow weight at few rows) or one after another in one
-program, and get the same bits. Expert weights (grouped GEMMs) take one chunk.
 """
 
 import torch
@@ -23,22 +17,6 @@ import torch
 from minite.nvfp4_format import NVFP4Tensor
 
 TE_ALPHA_DIVISOR = 7225344.0  # 2688 ** 2
-K_CHUNK = 1024  # columns of one chunk of a dense weight's aligned K order
-
-
-def k_chunk(k: int) -> int:
-    """The chunk width of the aligned K order over K columns: K_CHUNK where K is a multiple of it
-    holding at least two chunks, else K (one chunk)."""
-    return K_CHUNK if k % K_CHUNK == 0 and k >= 2 * K_CHUNK else k
-
-
-def chunked_matmul(a: torch.Tensor, b: torch.Tensor, kc: int) -> torch.Tensor:
-    """fp32 a [..., M, K] @ b [K, N] in chunks of kc columns of K, the chunk products added in order
-    (the chunked K order; within a chunk the order is torch's)."""
-    total = torch.zeros(*a.shape[:-1], b.shape[-1], dtype=torch.float32, device=a.device)
-    for c in range(0, a.shape[-1], kc):
-        total += a[..., c:c + kc].float() @ b[c:c + kc].float()
-    return total
 
 
 def epilogue_scale(xq: NVFP4Tensor, wq: NVFP4Tensor, epilogue: str) -> torch.Tensor:
@@ -64,7 +42,7 @@ def nvfp4_gemm(xq: NVFP4Tensor, wq: NVFP4Tensor, epilogue: str = "sdec",
         raise ValueError("the weight operand needs one global scale (scaling='tensor' or 'static')")
     if xq.padded_shape[-1] != wq.padded_shape[-1]:
         raise ValueError(f"K mismatch: x has {xq.shape[-1]}, w has {wq.shape[-1]}")
-    acc = chunked_matmul(xq.unscaled(), wq.unscaled().T, k_chunk(xq.padded_shape[-1]))  # [..., Mp, Np]
+    acc = xq.unscaled() @ wq.unscaled().T  # [..., Mp, Np] fp32
     acc = acc[..., : wq.shape[0]]  # drop rows of W padded to a 16x16 tile
     if xq.block == (16, 16):
         acc = acc[..., : xq.shape[-2], :]

@@ -93,9 +93,9 @@ def test_bad_arguments_raise():
         gd.decode_rows_segments(a, sa, w, scales(wqs), (96, 32))
     with pytest.raises(ValueError, match="3 scales"):
         kd.decode_gemm_segments(a, sa, w, scales(wqs)[:2], (64, 64))
-    with pytest.raises(ValueError, match="K chunk"):
-        kd.decode_gemm_segments(a, sa, w, scales(wqs), (64, 64), config=dict(kd.aligned_decode_config(4, k),
-                                                                            KC=96))
+    with pytest.raises(ValueError, match="split-K"):
+        kd.decode_gemm_segments(a, sa, w, scales(wqs), (64, 64), config=dict(kd.decode_config(4, 128, k),
+                                                                            SPLIT_K=2))
 
 
 @pytest.mark.gpu
