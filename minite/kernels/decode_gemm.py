@@ -239,16 +239,19 @@ def _scale_operand(b, BF16: tl.constexpr, HW: tl.constexpr):
     if HW:
         s = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         if BF16:
-            return (s * 4611686018427387904.0).to(tl.bfloat16)  # * 2^62
-        return s.to(tl.float16)
-    b = b.to(tl.int32)
-    if BF16:
-        normal = ((b << 4) + 0x5B00).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        sub = ((b & 7).to(tl.float32) * 9007199254740992.0).to(tl.bfloat16)  # * 2^-9 * 2^62
+            out = (s * 4611686018427387904.0).to(tl.bfloat16)  # * 2^62
+        else:
+            out = s.to(tl.float16)
     else:
-        normal = ((b << 7) + 0x2000).to(tl.int16).to(tl.float16, bitcast=True)
-        sub = ((b & 7).to(tl.float32) * 0.001953125).to(tl.float16)  # * 2^-9
-    return tl.where(b < 8, sub, normal)
+        i = b.to(tl.int32)
+        if BF16:
+            normal = ((i << 4) + 0x5B00).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            sub = ((i & 7).to(tl.float32) * 9007199254740992.0).to(tl.bfloat16)  # * 2^-9 * 2^62
+        else:
+            normal = ((i << 7) + 0x2000).to(tl.int16).to(tl.float16, bitcast=True)
+            sub = ((i & 7).to(tl.float32) * 0.001953125).to(tl.float16)  # * 2^-9
+        out = tl.where(i < 8, sub, normal)
+    return out
 
 
 @triton.jit
