@@ -10,9 +10,8 @@ the MMA's register operand for two k16 blocks ({2t, 2t+1, 2t+8, 2t+9} of each); 
 tensors join into one [BN, BK] operand in plain column order with no data movement (SASS: no
 shared-memory round trip), and the loop has one dot per K step, which Triton pipelines (the wgmma of
 step i runs while step i+1 is dequantized). The activation tile is a plain [BK, BM] slice, async-copied
-to shared memory untouched. The block scales keep their order as E4M3 bytes (0.0625 bytes per
-weight), turned into the operand dtype in the loop (`_scale_operand`: the hardware's E4M3 conversion,
-exact, then times SCALE_SHIFT).
+to shared memory untouched. The block scales keep their order, stored in the operand dtype (0.125
+instead of 0.0625 bytes per weight; no conversion in the loop).
 
 Dequantization (bf16 activations, the GPU's case): inline PTX turns a pair of words into one bf16x2
 register per code slot, e2m1 * 2^-126 (the code's magnitude bits on the exponent's low bits and the
@@ -70,7 +69,7 @@ TILE_K = 256  # columns of a memory tile (the widest K step), halved until it di
 _TILE_N = tl.constexpr(TILE_N)
 # the weight operand holds e2m1 * s_b / W_SHIFT; the epilogue multiplies it back
 W_SHIFT = {torch.float16: 2.0**14, torch.bfloat16: 2.0**64}
-SCALE_SHIFT = {torch.float16: 1.0, torch.bfloat16: 2.0**62}  # the loop's scale operand is s_b * SCALE_SHIFT
+SCALE_SHIFT = {torch.float16: 1.0, torch.bfloat16: 2.0**62}  # stored scales are s_b * SCALE_SHIFT
 # where slot o's magnitude bits (low to high) and sign bit sit in a decode-layout word: slots 0-2 have
 # their sign 9 above the magnitude, as bf16 has (magnitude on bits 6..8, sign on 15)
 WORD_BITS = (((0, 1, 2), 9), ((3, 4, 5), 12), ((6, 7, 8), 15), ((10, 11, 13), 14))
@@ -88,9 +87,8 @@ def tile_k(k: int) -> int:
 class DecodeWeight:
     """A packed weight of N rows in the decode layout, in memory tiles: codes as int16 words
     [..., N_pad / TILE_N, K / TK, TILE_N, TK / 4] (4 codes each, in MMA register order, WORD_BITS) and
-    block scales as E4M3 bytes (uint8) [..., N_pad / TILE_N, K / TK, TILE_N, TK / 16], TK = `tile_k(K)`,
-    rows zero-padded to N_pad; the leading dimension, if any, runs over MoE experts. The same layout
-    serves bf16 and fp16 activations."""
+    block scales [..., N_pad / TILE_N, K / TK, TILE_N, TK / 16] in the operand dtype (s_b * SCALE_SHIFT),
+    TK = `tile_k(K)`, rows zero-padded to N_pad; the leading dimension, if any, runs over MoE experts."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -131,8 +129,7 @@ def _from_tiles(t: torch.Tensor, n: int) -> torch.Tensor:
 
 def pack_weight(codes: torch.Tensor, block_scales: torch.Tensor, dtype=torch.bfloat16) -> DecodeWeight:
     """Codes uint8 [..., N, K // 2] (the even column in the low nibble) and E4M3 block scales
-    [..., N, K // 16] -> the decode layout (for `dtype` activations, bf16 or fp16: checked, the layout
-    is the same for both); K % KGROUP == 0."""
+    [..., N, K // 16] -> the decode layout for `dtype` activations (bf16 or fp16); K % KGROUP == 0."""
     kh = codes.shape[-1]
     if (2 * kh) % KGROUP:
         raise ValueError(f"K={2 * kh} must be a multiple of the decode layout's column group {KGROUP}")
@@ -147,12 +144,10 @@ def pack_weight(codes: torch.Tensor, block_scales: torch.Tensor, dtype=torch.bfl
     step = max(1, PACK_CODES // kh)  # rows at a time: the int32 temporaries stay ~12 bytes per code
     for r in range(0, flat.shape[0], step):
         words[r:r + step] = _pack_rows(flat[r:r + step])
-    scales = _to_tiles(block_scales.contiguous().view(torch.uint8), tile_k(2 * kh) // 16)
-    if scales.untyped_storage().data_ptr() == block_scales.untyped_storage().data_ptr():
-        scales = scales.clone()  # one memory tile and no padding: the layout still owns its bytes
+    scales = (block_scales.float() * SCALE_SHIFT[dtype]).to(dtype)  # exact
     tk = tile_k(2 * kh)
     words = _to_tiles(words.reshape(*codes.shape[:-1], kh // 2), tk // 4)
-    return DecodeWeight(words, scales, codes.shape[-2])
+    return DecodeWeight(words, _to_tiles(scales, tk // 16), codes.shape[-2])
 
 
 PACK_CODES = 1 << 24  # code bytes `pack_weight` converts at a time (an MoE weight holds ~10^8-10^9)
@@ -232,35 +227,12 @@ def layout_rows(codes_ptr, ws_ptr, n0, BN: tl.constexpr, K: tl.constexpr, TK: tl
 
 
 @triton.jit
-def _scale_operand(b, BF16: tl.constexpr, HW: tl.constexpr):
-    """E4M3 bytes (uint8) -> s_b * SCALE_SHIFT in the operand dtype, exact: the hardware conversion on
-    the GPU; on the bits elsewhere (normal bytes: the exponent rebiased, 8 + e for fp16, 182 + e for
-    bf16 with the shift 2^62; subnormal ones, below 8: (b & 7) * 2^-9 * SCALE_SHIFT)."""
-    if HW:
-        s = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        if BF16:
-            out = (s * 4611686018427387904.0).to(tl.bfloat16)  # * 2^62
-        else:
-            out = s.to(tl.float16)
-    else:
-        i = b.to(tl.int32)
-        if BF16:
-            normal = ((i << 4) + 0x5B00).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            sub = ((i & 7).to(tl.float32) * 9007199254740992.0).to(tl.bfloat16)  # * 2^-9 * 2^62
-        else:
-            normal = ((i << 7) + 0x2000).to(tl.int16).to(tl.float16, bitcast=True)
-            sub = ((i & 7).to(tl.float32) * 0.001953125).to(tl.float16)  # * 2^-9
-        out = tl.where(i < 8, sub, normal)
-    return out
-
-
-@triton.jit
 def dequant_step(words, scales, BF16: tl.constexpr, HW: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """One K step of the decode layout: words [BN, BK / 4], block scales (E4M3 bytes) [BN, BK / 16] ->
-    the weight operand [BN, BK] (e2m1 * s_b / W_SHIFT) in plain column order."""
+    """One K step of the decode layout: words [BN, BK / 4], block scales [BN, BK / 16] -> the weight
+    operand [BN, BK] (e2m1 * s_b / W_SHIFT) in plain column order."""
     G: tl.constexpr = BK // 32  # column groups per K step
     q = tl.reshape(words, [BN, G, 4, 2])  # [n, g, t, e]
-    s0, s1 = tl.split(tl.reshape(_scale_operand(scales, BF16, HW), [BN, G, 2]))
+    s0, s1 = tl.split(tl.reshape(scales, [BN, G, 2]))
     s0 = s0[:, :, None, None]  # block b = 0 of each group
     s1 = s1[:, :, None, None]
     w = tl.join(tl.join(_code(q, 0, BF16, HW) * s0, _code(q, 1, BF16, HW) * s0),
@@ -416,8 +388,8 @@ def _check(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight, epilogue: st
     operand dtype, a_scale fp32 [M] or [], a known epilogue."""
     if w.codes.ndim != 4:
         raise ValueError(f"decode_gemm takes a 2D weight, got {tuple(w.shape)} (experts: grouped_decode)")
-    if a.ndim != 2 or a.shape[1] != w.shape[1] or a.dtype not in W_SHIFT or a.stride(1) != 1:
-        raise ValueError(f"a must be [M, K={w.shape[1]}] in bf16 or fp16 with unit stride along K, "
+    if a.ndim != 2 or a.shape[1] != w.shape[1] or a.dtype != w.scales.dtype or a.stride(1) != 1:
+        raise ValueError(f"a must be [M, K={w.shape[1]}] in {w.scales.dtype} with unit stride along K, "
                          f"got {tuple(a.shape)} {a.dtype}")
     if a_scale.dtype != torch.float32 or a_scale.numel() not in (1, a.shape[0]):
         raise ValueError(f"a_scale must be fp32 with 1 or M={a.shape[0]} elements, got {a_scale.dtype} "

@@ -160,8 +160,8 @@ def grouped_decode_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: DecodeWeight,
     if w.codes.ndim != 5:
         raise ValueError(f"w must hold experts [E, N, K] in the decode layout, got {tuple(w.shape)}")
     e, n, k = w.shape
-    if a.ndim != 2 or a.shape[1] != k or a.dtype not in W_SHIFT or a.stride(1) != 1:
-        raise ValueError(f"a must be [T, K={k}] in bf16 or fp16 with unit stride along K, "
+    if a.ndim != 2 or a.shape[1] != k or a.dtype != w.scales.dtype or a.stride(1) != 1:
+        raise ValueError(f"a must be [T, K={k}] in {w.scales.dtype} with unit stride along K, "
                          f"got {tuple(a.shape)} {a.dtype}")
     if a.device.type != "cuda" and not interpreted():
         raise ValueError(f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1); got {a.device}")

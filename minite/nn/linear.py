@@ -300,7 +300,7 @@ class SegmentedLinear(Linear):
         """The segments' concatenated decode layout for `dtype` activations, made once per quantized
         weights (`minite.nn.segmented_decode`)."""
         qws, group = self.quantized_weights(), self._decode
-        if group is not None and group.dtype == dtype and all(
+        if group is not None and group.weight.scales.dtype == dtype and all(
                 a is b for a, b in zip(group.qweights, qws)):
             return group
         group = self._decode = segmented_decode.segmented_decode(qws, self.recipe, dtype)

@@ -8,8 +8,8 @@ Kinds (bytes):
   fp32 master of each 16-bit parameter, AdamW's two fp32 moments, the parameters' and masters' grads);
 - `nvfp4_codes`, `block_scales`, `global_scales`: the NVFP4 containers (codes 0.5 B and E4M3 block
   scales 1/16 B per weight; S_dec, amax and the epilogue factors per tensor or expert);
-- `decode_layouts`: the decode GEMMs' copy of the codes (int16 words of 4 codes, E4M3 block scales,
-  rows padded to the memory tile: 0.5625 B per weight), made on first decode use;
+- `decode_layouts`: the decode GEMMs' copy of the codes (int16 words of 4 codes, 16-bit block scales,
+  rows padded to the memory tile: 0.625 B per weight), made on first decode use;
 - `unscaled_copies`: the bf16 copies `e2m1 * s_b` the compute-bound GEMMs read (2 B per weight),
   with their K-padded / fp16 operand forms and the segmented projections' concatenated copies.
 
@@ -137,5 +137,5 @@ def memory_from_shapes(model: nn.Module, *, sampler_only: bool = False, unscaled
         if decode and k % kgroup == 0:
             segments = module.widths if isinstance(module, SegmentedLinear) else (shape[-2],)
             padded = sum(-(-n // tile_n) * tile_n for n in segments)
-            out["decode_layouts"] += lead * padded * (k // 2 + k // 16)
+            out["decode_layouts"] += lead * padded * (k // 2 + k // 8)
     return {**out, "total": sum(out.values())}

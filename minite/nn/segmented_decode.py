@@ -34,7 +34,6 @@ class SegmentedDecode:
     weight: object  # kernels.decode_gemm.DecodeWeight [sum N_j, K]
     widths: tuple[int, ...]
     scales: torch.Tensor  # fp32 [3]: each segment's epilogue factor, the last repeated for two segments
-    dtype: torch.dtype  # the activations' dtype it was made for
 
 
 def applies(qweights: tuple, widths: tuple[int, ...], recipe: Recipe, x: torch.Tensor, rows: int,
@@ -63,7 +62,7 @@ def segmented_decode(qweights: tuple, recipe: Recipe, dtype: torch.dtype) -> Seg
     sw = [nm._weight_scale(qw, recipe).reshape(()) for qw in qweights]
     widths = tuple(w.n for w in layouts)
     return SegmentedDecode(tuple(qweights), kd.DecodeWeight(codes, scales, sum(widths)), widths,
-                           torch.stack([*sw, sw[-1]][:3]), dtype)
+                           torch.stack([*sw, sw[-1]][:3]))
 
 
 def forward(x: torch.Tensor, seg: SegmentedDecode, recipe: Recipe, quantized: nm.QuantizedActivation,

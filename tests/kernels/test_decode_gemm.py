@@ -23,7 +23,7 @@ def _dequant_kernel(q_ptr, scales_ptr, out_ptr, NQ: tl.constexpr, NS: tl.constex
     rows = tl.arange(0, NQ)[:, None]
     cols = tl.arange(0, NS)[None, :]
     q = tl.load(q_ptr + rows + 0 * cols)  # every word against every scale
-    s = kd._scale_operand(tl.load(scales_ptr + 0 * rows + cols), BF16, HW)  # the layout's E4M3 bytes
+    s = tl.load(scales_ptr + 0 * rows + cols)
     offs = rows * NS + cols
     for o in tl.static_range(4):
         tl.store(out_ptr + o * NQ * NS + offs, (kd._code(q, o, BF16, HW) * s).to(tl.float32))
@@ -49,8 +49,7 @@ def _codes(n, k, seed):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_dequant_is_exact_for_every_code_and_scale(dtype):
     """code * scale == e2m1 * s_b / W_SHIFT exactly, for every code at each of a word's four
-    positions and all 127 finite unsigned E4M3 bytes (0x7f, NaN, never comes out of a quantizer), the
-    bytes turned into the scale operand as the loop does.
+    positions and all 127 finite unsigned E4M3 bytes (0x7f, NaN, never comes out of a quantizer).
     In bf16 the codes +-0.5 are subnormal: this also checks that the multiply keeps them."""
     if dtype == torch.bfloat16 and interpreted():
         pytest.skip("bf16 is the GPU's operand dtype; the interpreter's bf16 is not faithful (docs/facts.md)")
@@ -106,9 +105,9 @@ def test_pack_weight_puts_each_column_in_its_mma_register_slot():
     scales = torch.rand(3, 32, generator=torch.Generator().manual_seed(2)).to(torch.float8_e4m3fn)
     nib = torch.stack([codes & 15, codes >> 4], -1).reshape(3, 512).to(torch.int32)
     dw = kd.pack_weight(codes, scales)
-    assert dw.shape == (3, 512) and dw.codes.dtype == torch.int16 and dw.scales.dtype == torch.uint8
+    assert dw.shape == (3, 512) and dw.codes.dtype == torch.int16 and dw.scales.dtype == torch.bfloat16
     row_words, row_scales = dw.rows()
-    assert torch.equal(row_scales, scales.view(torch.uint8))  # the E4M3 bytes
+    assert torch.equal(row_scales.double(), scales.double() * 2.0**62)
     words = row_words.to(torch.int32) & 0xFFFF  # [3, 128]
     for o, (mag_at, sign_at) in enumerate(kd.WORD_BITS):
         mag = sum(((words >> at) & 1) << bit for bit, at in enumerate(mag_at))

@@ -55,7 +55,7 @@ def test_bench_memory_computed_rows_at_full_depth(tmp_path):
     rows = bench_memory.main(["--computed", "--out", str(tmp_path / "m.json")])
     by = {(r["model"], r["deployment"]): r for r in rows}
     lean = by[("moe", "aligned sampler-only")]
-    assert lean["layers"] == 48 and 30 < lean["sampler_own_weights_gb"] < 40  # 0.5625 + 0.5625 B per weight
+    assert lean["layers"] == 48 and 30 < lean["sampler_own_weights_gb"] < 40  # 0.5625 + 0.625 B per weight
     assert by[("moe", "bf16")]["learner_weights_gb"] == pytest.approx(61.06, abs=0.01)
     assert by[("dense", "aligned")]["sampler_own_weights_gb"] == 0.0  # colocated: one model
     assert (tmp_path / "m.json").exists()
