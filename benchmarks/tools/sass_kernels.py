@@ -40,10 +40,10 @@ DECODE_SIGNATURE = {"a_ptr": "*bf16", "codes_ptr": "*i16", "ws_ptr": "*bf16", "s
                     "sw_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
                     "M": "i32", "N": "i32", "stride_am": "i32", "stride_om": "i32", "stride_sa": "i32",
                     "N1": "i32", "N2": "i32"}
-GROUPED_SIGNATURE = {"a_ptr": "*bf16", "codes_ptr": "*i16", "ws_ptr": "*bf16", "sa_ptr": "*fp32",
-                     "sw_ptr": "*fp32", "offsets_ptr": "*i32", "out_ptr": "*bf16", "N": "i32", "E": "i32",
-                     "stride_am": "i32", "stride_ce": "i32", "stride_se": "i32", "stride_om": "i32",
-                     "stride_sa": "i32", "N1": "i32", "N2": "i32"}
+GROUPED_SIGNATURE = {"a_ptr": "*bf16", "src_ptr": "*i32", "codes_ptr": "*i16", "ws_ptr": "*bf16",
+                     "sa_ptr": "*fp32", "sw_ptr": "*fp32", "offsets_ptr": "*i32", "out_ptr": "*bf16",
+                     "N": "i32", "E": "i32", "stride_am": "i32", "stride_ce": "i32", "stride_se": "i32",
+                     "stride_om": "i32", "stride_sa": "i32", "N1": "i32", "N2": "i32"}
 SIGNATURE = {"w_ptr": "*i32", "codes_ptr": "*u8", "scales_ptr": "*u8", "vals_ptr": "*i32",
              "sdec_out_ptr": "*fp32", "amax_out_ptr": "*fp32", "gs_ptr": "*fp32", "R": "i32",
              "stride_wr": "i32", "rows_per_gs": "i32"}
@@ -157,7 +157,8 @@ def grouped(k: int) -> None:
     for _, tile in gd.GROUPED_DECODE_TILES:
         t = dict(BM=tile["BM"], BN=tile["BN"], BK=tile["BK"])
         const = dict(K=k, TK=kd.tile_k(k), EPILOGUE=0, BF16=True, HW=True, W_SHIFT=kd.W_SHIFT[torch.bfloat16],
-                     E_P2=128, EVEN_N=True, HALVES=tile.get("HALVES", False), SEGMENTED=False, **t)
+                     E_P2=128, EVEN_N=True, HALVES=tile.get("HALVES", False), SEGMENTED=False, GATHER=True,
+                     **t)
         strides = ("stride_am", "stride_ce", "stride_se", "stride_om")
         name = "grouped decode" + (" halves" if tile.get("HALVES") else "")
         _loop_report(name, gd._grouped_decode_kernel, GROUPED_SIGNATURE, const, dict(tile, **t), strides)

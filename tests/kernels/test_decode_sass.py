@@ -38,3 +38,18 @@ def test_decode_loop_keeps_its_weight_operand_in_registers():
         assert int(sts) == 0 and int(hgmma) > 0, (m, out)
         assert int(lds) <= int(bk) // 16 + 4, (m, out)  # about a load per 16 columns, plus the scales
         assert "0 bytes spill stores" in ptxas or not ptxas, (m, out)  # ptxas -v, where it runs
+
+
+@pytest.mark.skipif(not _sass_tools(), reason="Triton's ptxas / nvdisasm not installed")
+def test_grouped_decode_loop_keeps_its_weight_operand_in_registers():
+    """The MoE grouped decode kernel (rows read through the sorted index, as the experts run) at
+    each of its tiles: the same loop, no shared-memory stores, wgmma."""
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root
+    script = os.path.join(root, "benchmarks", "tools", "sass_kernels.py")
+    out = subprocess.run([sys.executable, script, "grouped"],
+                         capture_output=True, text=True, env=env, cwd=root, timeout=600, check=True).stdout
+    loops = re.findall(r"grouped decode.*?STS (\d+), LDS (\d+), HGMMA (\d+)", out)
+    assert len(loops) == 3, out
+    assert all(int(sts) == 0 and int(hgmma) > 0 for sts, _, hgmma in loops), out
