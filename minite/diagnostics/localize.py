@@ -10,8 +10,10 @@ engine's own decode log-probs (`minite.sampler`).
 `localize` feeds the same sequences through both sides, each running the model's own forward, and
 records with forward hooks on its modules, for every op in execution order (per layer, `LAYER_POINTS`:
 input_layernorm, q_proj, k_proj, v_proj, attn (the attention output, o_proj's input), o_proj,
-post_attention_layernorm, router (MoE), mlp (the MLP or MoE block), output (the residual stream after
-the layer); then final norm and lm_head (logits)), the relative difference
+post_attention_layernorm, router (MoE), mlp (the MLP or MoE block; a MoE block, which adds the
+residual in its combine, is recorded as what it adds to the residual stream: its output less the
+residual, in fp64), output (the residual stream after the layer); then final norm and lm_head
+(logits)), the relative difference
 
     rel_diff = ||a - b|| / ||b||      (Frobenius norm over all tokens, a = side A, b = side B, fp64)
 
@@ -164,6 +166,16 @@ def _submodule(module: nn.Module, path: str) -> nn.Module | None:
         return None
 
 
+def _op_output(out, residual: torch.Tensor | None, part: int) -> torch.Tensor:
+    """The op's tensor in a module's output. A module handed the residual returns either (x +
+    residual, its own output) (a norm) or residual + its output (a MoE block: then what it adds)."""
+    if residual is not None:
+        if not isinstance(out, tuple):
+            return out.double() - residual.double()
+        out = out[1]
+    return out[part] if isinstance(out, tuple) else out
+
+
 @contextmanager
 def _on_every_op(model, fn):
     """Inside the block, fn(op name, its tensor as detached `[tokens, features]` rows) on each call
@@ -173,11 +185,11 @@ def _on_every_op(model, fn):
     for name, module, use_input, part in _hook_points(model):
         by_module.setdefault(module, []).append((name, use_input, part))
     for module, ops in by_module.items():  # one hook per module, its ops in LAYER_POINTS order
-        def hook(mod, args, out, ops=ops):
+        def hook(mod, args, kwargs, out, ops=ops):
             for name, use_input, part in ops:
-                t = args[0] if use_input else (out[part] if isinstance(out, tuple) else out)
+                t = args[0] if use_input else _op_output(out, kwargs.get("residual"), part)
                 fn(name, t.detach().reshape(-1, t.shape[-1]))
-        handles.append(module.register_forward_hook(hook))
+        handles.append(module.register_forward_hook(hook, with_kwargs=True))
     try:
         yield
     finally:

@@ -11,6 +11,8 @@ not bitwise).
 Rows of bf16 / fp16 x and weight (even D, word-aligned) take `norm_pairs` instead: the same formula,
 the sum of squares in its own order. `rms_norm_quantize` adds the fused activation quantizer of the
 output (in the same launch on that path, after it otherwise), for the NVFP4 GEMMs that read it.
+`add_rms_norm` adds a residual first (h = x + r, torch's add's bits), stores h and normalizes it, in
+the same launch on that path (a forward without autograd: the sampler's decoder layers).
 
 `rms_norm` is differentiable, with a one-launch backward (`_rms_norm_bwd_kernel`, plus a sum of
 per-program dW partials) instead of the reference's ~20 torch kernels under autograd. With
@@ -109,10 +111,12 @@ def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, e
     return dx.reshape(x.shape), part[:, :d].sum(0).to(weight.dtype)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, quant_dtype=None, chain: str = "te"):
+def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, quant_dtype=None, chain: str = "te",
+            h: tuple[torch.Tensor, torch.Tensor] | None = None):
     """out (and with quant_dtype: (values [..., D] quant_dtype, S_dec fp32 [..., 1], amax fp32 [..., 1])).
     16-bit rows take `norm_pairs` (quantizing in the same launch); others this file's kernel (and the
-    quantizer after it)."""
+    quantizer after it). `h` = (r [R, D], h [R, D]): norm_pairs normalizes x + r and stores it in h
+    (the caller checked that r takes norm_pairs)."""
     from minite.kernels import nvfp4
 
     d = x.shape[-1]
@@ -130,7 +134,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, quant_dtype=None,
                      torch.empty(r, d // 16, dtype=torch.uint8, device=x.device),
                      torch.empty(r, 1, dtype=torch.float32, device=x.device),
                      torch.empty(r, 1, dtype=torch.float32, device=x.device))
-        norm_pairs.launch(x2, weight, eps, out, quant, chain)
+        norm_pairs.launch(x2, weight, eps, out, quant, chain, h)
         if quant is None:
             return out.reshape(x.shape)
         return out.reshape(x.shape), quant[0].reshape(x.shape), quant[2].reshape(*lead, 1), \
@@ -181,6 +185,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS-normalize x [..., D] (D <= MAX_D) over its last dimension and scale by weight [D]."""
     _check(x, weight)
     return _RMSNorm.apply(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, quant_dtype=None,
+                 chain: str = "te"):
+    """h = x + residual (x's shape and dtype), then `rms_norm(h)` (`rms_norm_quantize(h, ...)` with
+    quant_dtype) -> (h, *what that returns): bitwise torch's add and then those functions, in one
+    launch where the rows take `norm_pairs`. No autograd (the learner adds and norms apart)."""
+    _check(x, weight)
+    if quant_dtype is not None:
+        check_fused_output("add_rms_norm", x.shape[-1], quant_dtype, chain)
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"add_rms_norm: residual {residual.dtype} {tuple(residual.shape)} must match x "
+                         f"{x.dtype} {tuple(x.shape)}")
+    d = x.shape[-1]
+    x2, r2 = x.reshape(-1, d), residual.reshape(-1, d)
+    if norm_pairs.applies(x2, weight) and norm_pairs.applies(r2, weight):
+        h = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+        outs = _launch(x2, weight, eps, quant_dtype, chain, (r2, h))
+        outs = (outs,) if quant_dtype is None else outs
+        lead = x.shape[:-1]
+        return (h.reshape(x.shape), outs[0].reshape(x.shape), *(
+            o.reshape(*lead, o.shape[-1]) for o in outs[1:]))
+    h = x + residual
+    outs = _launch(h, weight, eps, quant_dtype, chain)
+    return (h, outs) if quant_dtype is None else (h, *outs)
 
 
 def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype=torch.bfloat16,

@@ -10,6 +10,10 @@ bits are this kernel's own: every 16-bit row that fits takes this kernel, quanti
 row's output is the same whether its norm quantizes (and whatever the batch). With QUANT the values,
 block scales, S_dec and amax are bitwise `nvfp4.quantize_unscaled` of the stored output.
 
+With `RESIDUAL` the kernel first adds the residual r to x (h = x + r rounded to the dtype: torch's
+16-bit add), stores h and normalizes it: the decoder layer's residual add and its next norm in one
+launch, the bits of the add and then the norm.
+
 Why: the norm then the quantizer read the norm's output back (8 bytes an element in all); fused, 6
 (x in; out and values out) and one launch fewer. The first fused version, on the general quantizer's
 element layout, ran slower than the two kernels apart on the H200.
@@ -32,11 +36,12 @@ MAX_WORDS = 8192  # rows of up to 2 * MAX_WORDS elements
 
 
 @triton.jit
-def _norm_pairs_kernel(x_ptr, w_ptr, out_ptr, vals_ptr, scales_ptr, sdec_ptr, amax_ptr, n_rows, stride_xw,
-                       eps, D, KW: tl.constexpr, QUANT: tl.constexpr, CHAIN: tl.constexpr,
-                       BF16: tl.constexpr, VALS_BF16: tl.constexpr, HW: tl.constexpr, EVEN: tl.constexpr,
-                       BLOCK_R: tl.constexpr, NB: tl.constexpr):
-    """x, out: int32 words [n_rows, KW] (out, vals contiguous); w: int32 words [KW]."""
+def _norm_pairs_kernel(x_ptr, w_ptr, out_ptr, vals_ptr, scales_ptr, sdec_ptr, amax_ptr, res_ptr, h_ptr,
+                       n_rows, stride_xw, stride_rw, eps, D, KW: tl.constexpr, QUANT: tl.constexpr,
+                       CHAIN: tl.constexpr, RESIDUAL: tl.constexpr, BF16: tl.constexpr,
+                       VALS_BF16: tl.constexpr, HW: tl.constexpr, EVEN: tl.constexpr, BLOCK_R: tl.constexpr,
+                       NB: tl.constexpr):
+    """x, out (, r, h): int32 words [n_rows, KW] (out, vals, h contiguous); w: int32 words [KW]."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
     cols = tl.arange(0, NB)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]  # [1, NB, 8] words
@@ -50,10 +55,19 @@ def _norm_pairs_kernel(x_ptr, w_ptr, out_ptr, vals_ptr, scales_ptr, sdec_ptr, am
         ww = tl.load(w_ptr + cols, mask=cols < KW, other=0)
     x_lo, x_hi = _halves(xw, BF16)
     w_lo, w_hi = _halves(ww, BF16)
+    dt: tl.constexpr = tl.bfloat16 if BF16 else tl.float16
+    if RESIDUAL:
+        if EVEN:
+            rw = tl.load(res_ptr + r64 * stride_rw + cols)
+        else:
+            rw = tl.load(res_ptr + r64 * stride_rw + cols, mask=m, other=0)
+        r_lo, r_hi = _halves(rw, BF16)
+        x_lo = round_to(x_lo + r_lo, dt)
+        x_hi = round_to(x_hi + r_hi, dt)
+        tl.store(h_ptr + r64 * KW + cols, _bits16(x_lo, BF16) | (_bits16(x_hi, BF16) << 16), mask=m)
     ss = tl.sum(tl.sum(x_lo * x_lo + x_hi * x_hi, axis=2), axis=1)
     ms = tl.div_rn(ss, tl.zeros([BLOCK_R], tl.float32) + D)
     inv = tl.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), tl.sqrt_rn(ms + eps))[:, None, None]
-    dt: tl.constexpr = tl.bfloat16 if BF16 else tl.float16
     # y rounded to x's dtype, then weight * y (both exact in fp32) rounded once (on the bits for bf16)
     o_lo = round_to(w_lo * round_to(x_lo * inv, dt), dt)
     o_hi = round_to(w_hi * round_to(x_hi * inv, dt), dt)
@@ -76,20 +90,24 @@ def applies(x2: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def launch(x2: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor, quant=None,
-           chain: str = "te") -> None:
+           chain: str = "te", residual: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """out [R, D] (contiguous, x2's dtype) = rms_norm(x2); with quant = (values [R, D] bf16 / fp16,
     block scale bytes uint8 [R, D // 16], S_dec fp32 [R], amax fp32 [R]) (D % 16 == 0) also the
-    row-scaled quantization of out."""
+    row-scaled quantization of out; with residual = (r [R, D] as `applies` takes x2, h [R, D]
+    contiguous) h = x2 + r is stored and normalized instead of x2."""
     r, d = x2.shape
     kw = d // 2
     block_w = max(8, next_power_of_2(kw))
     block_r = max(1, WORDS // block_w)
     warps = min(16, max(1, block_r * block_w // (32 * WORDS_PER_THREAD)))
     vals, scales, sdec, amx = quant if quant is not None else (out, out, out, out)
+    res, h = residual if residual is not None else (x2, out)
     if r:
         launch_kernel(_norm_pairs_kernel, (cdiv(r, block_r),), (
             x2.view(torch.int32), weight.view(torch.int32), out.view(torch.int32), vals.view(torch.int32),
-            scales, sdec, amx, r, x2.stride(0) // 2, eps, d), KW=kw, QUANT=quant is not None,
-            CHAIN=CHAIN_IDS[chain], BF16=x2.dtype == torch.bfloat16, VALS_BF16=vals.dtype == torch.bfloat16,
+            scales, sdec, amx, res.view(torch.int32), h.view(torch.int32), r, x2.stride(0) // 2,
+            res.stride(0) // 2, eps, d), KW=kw, QUANT=quant is not None, CHAIN=CHAIN_IDS[chain],
+            RESIDUAL=residual is not None, BF16=x2.dtype == torch.bfloat16,
+            VALS_BF16=vals.dtype == torch.bfloat16,
             HW=not interpreted(), EVEN=r % block_r == 0 and kw == block_w, BLOCK_R=block_r,
             NB=block_w // 8, num_warps=warps)

@@ -85,14 +85,16 @@ class DecoderLayer(nn.Module):
         """x `[B, T, H]` (or `[N, H]`, a cached step's new tokens) -> the same shape. The norms also
         quantize their output for the NVFP4 projection that reads it and hand it over (`xq`, `yq`; None
         where they do not); in MoE layers the router reads the bf16 output and the experts each token's
-        quantized row."""
+        quantized row. The residual adds run inside the post-attention norm and the MoE combine
+        (torch's add's bits)."""
         qkv = self.self_attn.qkv_proj.recipe
         xn, xq = self.input_layernorm(x, qkv.execution, quantize_for=qkv)
-        h = x + self.self_attn(xn, context, xq)
         mlp = self.mlp.recipe if self.is_moe else self.mlp.gate_up_proj.recipe
-        y, yq = self.post_attention_layernorm(h, mlp.execution, quantize_for=mlp)
-        if self.is_moe:
-            return h + self.mlp(y.reshape(-1, y.shape[-1]), quantized=yq).view_as(y)
+        # h = x + attention, added by the norm that reads h (one launch in the sampler)
+        h, (y, yq) = self.post_attention_layernorm(self.self_attn(xn, context, xq), mlp.execution,
+                                                   quantize_for=mlp, residual=x)
+        if self.is_moe:  # h added by the experts' combine
+            return self.mlp(y.reshape(-1, y.shape[-1]), quantized=yq, residual=h).view_as(y)
         return h + self.mlp(y, yq)
 
 

@@ -172,25 +172,32 @@ class MoEExperts(nn.Module):
         weights, ids = route(logits, self.top_k, self.norm_topk_prob, self.recipe.execution)  # [T, k]
         return Routing(logits, weights, ids)
 
-    def forward(self, x: torch.Tensor, return_router: bool = False, quantized=None):
+    def forward(self, x: torch.Tensor, return_router: bool = False, quantized=None,
+                residual: torch.Tensor | None = None):
         """`quantized`: x's quantization per token, handed over by the norm before (the grouped kernels
-        read each token's quantized row where an expert takes it)."""
+        read each token's quantized row where an expert takes it). `residual` (x's shape): added to the
+        output (`residual + out`, in the combine's launch where it runs one)."""
         x2 = x.reshape(-1, self.hidden_size)  # [T, H]
         r = self.route(x2)
-        if x2.shape[0] == 0:
-            return (torch.zeros_like(x), r) if return_router else torch.zeros_like(x)
-        self.last_topk_ids = r.experts.detach()
-        if self._calib_amax is None and self.graph_safe():
+        res2 = None if residual is None else residual.reshape(x2.shape)
+        if x2.shape[0] and self._calib_amax is None and self.graph_safe():
+            self.last_topk_ids = r.experts.detach()
             s = sort_by_expert(r.experts, self.num_experts, self.recipe.execution)
             ys = self.sorted_experts_forward(x2, s, quantized)  # [R, H]
-            out = combine(ys, s.inverse, r.weights, self.recipe.execution)  # [T, H]
+            out = combine(ys, s.inverse, r.weights, self.recipe.execution, res2)  # [T, H]
         else:
-            g = group_by_expert(r.experts, self.num_experts)
-            xg = x2.new_zeros(len(g.experts), g.capacity, self.hidden_size).index_put(
-                (g.slot, g.rank), x2[g.tokens])  # [A, C, H]
-            yg = self.experts_forward(xg, g.experts)  # [A, C, H]
-            rows = yg[g.slot, g.rank][g.inverse].reshape(*r.weights.shape, self.hidden_size)  # [T, k, H]
-            out = (rows * r.weights.unsqueeze(-1)).sum(dim=1)
+            if x2.shape[0] == 0:
+                out = torch.zeros_like(x2)
+            else:
+                self.last_topk_ids = r.experts.detach()
+                g = group_by_expert(r.experts, self.num_experts)
+                xg = x2.new_zeros(len(g.experts), g.capacity, self.hidden_size).index_put(
+                    (g.slot, g.rank), x2[g.tokens])  # [A, C, H]
+                yg = self.experts_forward(xg, g.experts)  # [A, C, H]
+                rows = yg[g.slot, g.rank][g.inverse].reshape(*r.weights.shape, self.hidden_size)  # [T, k, H]
+                out = (rows * r.weights.unsqueeze(-1)).sum(dim=1)
+            if res2 is not None:
+                out = res2 + out
         out = out.reshape(x.shape)
         return (out, r) if return_router else out
 

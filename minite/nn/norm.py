@@ -10,7 +10,9 @@ Where the execution runs the element-wise kernels (`Execution.elementwise`: on C
 `rms_norm` runs the one-launch Triton kernel `minite.kernels.norm.rms_norm` instead;
 `rms_norm_quantized` also quantizes the output for the NVFP4 linear that reads it, in the same
 launch, and hands that quantization over explicitly (the decoder layer passes it to q|k|v and
-gate|up).
+gate|up). With a `residual` the norm first adds it (the decoder layer's `h = x + attention`), in
+the same launch where the kernel runs and nothing needs a gradient (the sampler): torch's add's bits
+either way, so the learner's forward, which adds apart, gives the same h and the same norm.
 """
 
 from __future__ import annotations
@@ -49,6 +51,35 @@ def rms_norm_quantized(x: torch.Tensor, weight: torch.Tensor, eps: float, recipe
     return rms_norm(x, weight, eps, execution), None
 
 
+def _fuses_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                    execution: Execution) -> bool:
+    grad = torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad)
+    return not grad and execution.elementwise_kernels(x) and x.shape[-1] <= lazy.norm.MAX_D
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 execution: Execution = DEFAULT, quantize_for: Recipe | None = None):
+    """h = x + residual -> (h, the norm of h as `rms_norm` / `rms_norm_quantized` give it)."""
+    if quantize_for is not None:
+        execution = quantize_for.execution
+    if not _fuses_residual(x, residual, weight, execution):
+        h = x + residual
+        if quantize_for is not None:
+            return h, rms_norm_quantized(h, weight, eps, quantize_for)
+        return h, rms_norm(h, weight, eps, execution)
+    if quantize_for is not None and nvfp4_matmul.hands_over(x, quantize_for):
+        held = []
+
+        def produce(dtype, chain):
+            h, *outs = lazy.norm.add_rms_norm(x, residual, weight, eps, dtype, chain)
+            held.append(h)
+            return outs
+        normed = nvfp4_matmul.handed_over(quantize_for, x.device, produce)
+        return held[0], normed
+    h, out = lazy.norm.add_rms_norm(x, residual, weight, eps)
+    return h, ((out, None) if quantize_for is not None else out)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dimension with a learned scale initialized to ones."""
 
@@ -57,9 +88,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, execution: Execution = DEFAULT, quantize_for: Recipe | None = None):
+    def forward(self, x: torch.Tensor, execution: Execution = DEFAULT, quantize_for: Recipe | None = None,
+                residual: torch.Tensor | None = None):
         """The normed x; with `quantize_for` (the next linear's recipe, whose execution it runs under)
-        the pair `rms_norm_quantized` gives."""
+        the pair `rms_norm_quantized` gives; with `residual`, (x + residual, the norm of that)."""
+        if residual is not None:
+            return add_rms_norm(x, residual, self.weight, self.eps, execution, quantize_for)
         if quantize_for is not None:
             return rms_norm_quantized(x, self.weight, self.eps, quantize_for)
         return rms_norm(x, self.weight, self.eps, execution)

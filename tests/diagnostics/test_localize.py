@@ -84,3 +84,20 @@ def test_each_layer_reports_the_ops_its_modules_have():
     for layer in range(model.config.num_hidden_layers):
         kinds = [o["kind"] for o in loc.ops if o["layer"] == layer]
         assert kinds == [kind for kind, _, _ in LAYER_POINTS if kind != "router"]  # dense: no router
+
+
+def test_moe_block_is_recorded_as_what_it_adds_to_the_residual_stream():
+    """A MoE block adds the residual in its combine; its op is its output less that residual (what the
+    block computes), not the residual stream after it."""
+    from minite.diagnostics.localize import _on_every_op
+
+    model, seqs = _model(tiny_qwen3_moe()), _seqs(1)
+    seen = {}
+    ids = torch.tensor(seqs.tokens[0]).unsqueeze(0)
+    with torch.no_grad(), _on_every_op(model, lambda name, t: seen.setdefault(name, t.clone())):
+        model(ids)
+        alone = model.layers[0].mlp(seen["layers.0.post_attention_layernorm"]).double()
+    block, stream = seen["layers.0.mlp"], seen["layers.0.output"].double()
+    assert block.dtype == torch.float64 and block.shape == alone.shape
+    torch.testing.assert_close(block, alone, rtol=0, atol=2 * 2.0**-8 * stream.abs().max().item())
+    assert (block - stream).abs().max() > 10 * (block - alone).abs().max()

@@ -122,6 +122,50 @@ def test_fused_quantizer_backward_makes_no_zero_gradients():
     assert counts[1] == counts[0]
 
 
+@pytest.mark.parametrize("dtype,d,rows", [(torch.float16, 64, 32), (torch.bfloat16, 80, 21),
+                                          (torch.float32, 48, 5)])
+@pytest.mark.parametrize("quantize", [False, True])
+def test_add_rms_norm_is_torchs_add_then_the_norm(dtype, d, rows, quantize):
+    """h = x + r and its norm (and quantization): bitwise torch's add, then `rms_norm` /
+    `rms_norm_quantize` (one launch for 16-bit rows; full and partial row blocks)."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(rows, d, generator=g) * 3).to(dtype)
+    r = (torch.randn(rows, d, generator=g) * 30).to(dtype)
+    w = (torch.rand(d, generator=g) + 0.5).to(dtype)
+    h = x + r
+    if quantize and dtype != torch.float32:
+        got = kn.add_rms_norm(x, r, w, 1e-6, torch.float16)
+        want = (h, *kn.rms_norm_quantize(h, w, 1e-6, torch.float16))
+    else:
+        got, want = kn.add_rms_norm(x, r, w, 1e-6), (h, kn.rms_norm(h, w, 1e-6))
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        _same(a, b)
+    with pytest.raises(ValueError, match="residual"):
+        kn.add_rms_norm(x, r[:-1], w, 1e-6)
+
+
+def test_nn_add_rms_norm_fuses_only_without_gradients(monkeypatch):
+    """The nn form runs the fused launch when nothing needs a gradient (the sampler), torch's add
+    and the norm otherwise (the learner), with the same bits."""
+    from minite.execution import Execution
+
+    g = torch.Generator().manual_seed(6)
+    x, r = (torch.randn(2, 5, 64, generator=g).to(torch.float16) for _ in range(2))
+    w = (torch.rand(64, generator=g) + 0.5).to(torch.float16).requires_grad_()
+    calls = []
+    real = kn.add_rms_norm
+    monkeypatch.setattr(kn, "add_rms_norm", lambda *a: calls.append(1) or real(*a))
+    ex = Execution(elementwise="triton")
+    h, out = norm.add_rms_norm(x, r, w, 1e-6, ex)
+    assert calls == [] and out.requires_grad
+    with torch.no_grad():
+        fused = norm.add_rms_norm(x, r, w, 1e-6, ex)
+    assert calls == [1]
+    _same(fused[0], h)
+    _same(fused[1], out.detach())
+
+
 def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="multiple of 16"):
         kn.rms_norm_quantize(torch.zeros(2, 40), torch.ones(40), 1e-6)
@@ -150,6 +194,10 @@ def test_gpu_bf16_close_to_reference_and_batch_invariant():
         for rows in (1, 7, 64, 300):
             assert torch.equal(kn.rms_norm(x[:rows], w, 1e-6), got[:rows])
         _fused_against_two_kernels(x, w, torch.bfloat16, "te")
+        r = torch.randn(x.shape, device="cuda", generator=g).to(torch.bfloat16)
+        for a, b in zip(kn.add_rms_norm(x, r, w, 1e-6, torch.bfloat16),
+                        (x + r, *kn.rms_norm_quantize(x + r, w, 1e-6, torch.bfloat16))):
+            _same(a, b)
         xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
         dy = torch.randn(x.shape, device="cuda", generator=g).to(torch.bfloat16)
         rx, rw = torch.autograd.grad(norm.rms_norm_reference(xr, wr, 1e-6), (xr, wr), dy)

@@ -164,6 +164,43 @@ def test_norms_and_swiglu_hand_their_quantization_to_the_projections(monkeypatch
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("config", [tiny_qwen3, tiny_qwen3_moe])
+def test_sampler_forward_adds_the_residual_in_its_kernels_with_the_learners_bits(monkeypatch, config):
+    """Without gradients (the sampler) the post-attention norm adds the residual in its launch, with them
+    (the learner) torch adds; a MoE block's combine adds its residual in both: the same logits bit for
+    bit."""
+    from minite.kernels import moe_combine as kc
+    from minite.kernels import norm as kn
+
+    torch.manual_seed(0)
+    model = Qwen3(config(), recipe=ALIGNED_TRITON.with_execution(elementwise="triton"))
+    model.init_weights(std=0.2, generator=torch.Generator().manual_seed(0))
+    model.to(DEVICE, torch.bfloat16)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(DEVICE)
+    fused = {"norm": 0, "combine": 0}
+    real_norm, real_combine = kn.add_rms_norm, kc.combine
+
+    def norm(*a):
+        fused["norm"] += 1
+        return real_norm(*a)
+
+    def combine(ys, inverse, w, residual=None):
+        fused["combine"] += residual is not None
+        return real_combine(ys, inverse, w, residual)
+    monkeypatch.setattr(kn, "add_rms_norm", norm)
+    monkeypatch.setattr(kc, "combine", combine)
+    layers = model.config.num_hidden_layers
+    moe_layers = sum(layer.is_moe for layer in model.layers)
+    assert moe_layers == (layers if config is tiny_qwen3_moe else 0)
+    learner = model(ids)
+    assert fused == {"norm": 0, "combine": moe_layers}
+    with torch.no_grad():
+        sampler = model(ids)
+    assert fused == {"norm": layers, "combine": 2 * moe_layers}
+    assert torch.equal(sampler, learner.detach())
+
+
 def test_linear_triton_heavy_tailed_within_bound_and_batch_invariant():
     ref, tri = _pair(Linear, 128, 40, bias=True)
     x = (torch.randn(9, 128, generator=torch.Generator().manual_seed(3)) ** 3).to(DEVICE)
