@@ -16,6 +16,9 @@ of CHUNK:
    one-hot, the same integers; `benchmarks/results/h200/probe_moe_sort.json`, e43d6cf). It writes
    tokens, experts and inverse at those positions, and program 0 the offsets.
 
+Where the router runs as one kernel it can count its picks per chunk in its launch (`router_chunk`,
+`minite.kernels.router.route(chunk=)`); the sort then starts at step 2, one launch.
+
 Serves up to MAX_CHUNKS * CHUNK assignments and MAX_EXPERTS experts (a decode step); `minite.nn.moe`
 runs the reference beyond (the same integers).
 """
@@ -78,13 +81,25 @@ def serves(assignments: int, num_experts: int) -> bool:
     return 0 < assignments <= MAX_CHUNKS * CHUNK and num_experts <= MAX_EXPERTS
 
 
-def sort_by_expert(topk_ids: torch.Tensor, num_experts: int):
+def router_chunk(top_k: int, assignments: int, num_experts: int) -> int | None:
+    """The chunk the router's kernel counts in for this sort (step 1 in its launch), or None where
+    the sort counts itself: top-k divides CHUNK into a power of two of at most 32 tokens a program,
+    and the router's expert columns are the sort's (at least 16 experts)."""
+    tokens = CHUNK // top_k
+    if not serves(assignments, num_experts) or CHUNK % top_k or tokens > 32 or \
+            tokens != next_power_of_2(tokens) or next_power_of_2(num_experts) < 16:
+        return None
+    return CHUNK
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, counts: torch.Tensor | None = None):
     """topk_ids [T, k] int (ids below num_experts) -> (tokens, experts, offsets, inverse): the
-    reference's tensors (module docstring), in two launches, no host sync."""
-    return _sort(topk_ids, num_experts, CHUNK)
+    reference's tensors (module docstring), in two launches, no host sync. `counts`: the router's
+    per-chunk counts (`router_chunk`), then one launch."""
+    return _sort(topk_ids, num_experts, CHUNK, counts)
 
 
-def _sort(topk_ids: torch.Tensor, num_experts: int, chunk: int):
+def _sort(topk_ids: torch.Tensor, num_experts: int, chunk: int, counts: torch.Tensor | None = None):
     if topk_ids.ndim != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids must be int [T, k], got {topk_ids.dtype} {tuple(topk_ids.shape)}")
     if topk_ids.device.type != "cuda" and not interpreted():
@@ -95,11 +110,15 @@ def _sort(topk_ids: torch.Tensor, num_experts: int, chunk: int):
         raise ValueError(f"sort_by_expert serves 1 to {MAX_CHUNKS * CHUNK} assignments and at most "
                          f"{MAX_EXPERTS} experts; got {r} and {num_experts}")
     chunks, e_p2 = cdiv(r, chunk), max(16, next_power_of_2(num_experts))
-    counts = torch.empty(chunks, e_p2, dtype=torch.int32, device=flat.device)
+    if counts is not None and (counts.shape != (chunks, e_p2) or counts.dtype != torch.int32):
+        raise ValueError(f"counts must be int32 [{chunks}, {e_p2}] (chunks of {chunk}), got {counts.dtype} "
+                         f"{tuple(counts.shape)}")
     tokens, experts, inverse = (torch.empty(r, dtype=torch.int64, device=flat.device) for _ in range(3))
     offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=flat.device)
     warps = 4 if e_p2 <= 128 else 8
-    launch_kernel(_count_kernel, (chunks,), (flat, counts, r), CHUNK=chunk, E_P2=e_p2, num_warps=warps)
+    if counts is None:
+        counts = torch.empty(chunks, e_p2, dtype=torch.int32, device=flat.device)
+        launch_kernel(_count_kernel, (chunks,), (flat, counts, r), CHUNK=chunk, E_P2=e_p2, num_warps=warps)
     launch_kernel(_place_kernel, (chunks,), (flat, counts, tokens, experts, offsets, inverse, r, chunks,
                                              num_experts),
                   K=topk_ids.shape[1], CHUNK=chunk, E_P2=e_p2, C_P2=max(2, next_power_of_2(chunks)),

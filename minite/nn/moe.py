@@ -63,6 +63,7 @@ class Routing(NamedTuple):
     logits: torch.Tensor  # [T, E] in x.dtype (for an aux loss)
     weights: torch.Tensor  # [T, k] in x.dtype
     experts: torch.Tensor  # [T, k] int64, top-k order
+    counts: torch.Tensor | None = None  # per-chunk expert counts for the counting sort (router kernel)
 
 
 class SortedGrouping(NamedTuple):
@@ -85,13 +86,13 @@ class Grouping(NamedTuple):
     capacity: int  # C
 
 
-def sort_by_expert(topk_ids: torch.Tensor, num_experts: int,
-                   execution: Execution = DEFAULT) -> SortedGrouping:
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, execution: Execution = DEFAULT,
+                   counts: torch.Tensor | None = None) -> SortedGrouping:
     """topk_ids [T, k] -> SortedGrouping (`minite.ref.moe_sort`); no host synchronization. Where the
     execution runs the element-wise kernels, a decode step's assignments take the counting sort
-    (`minite.kernels.moe_sort`: the same integers in two launches)."""
+    (`minite.kernels.moe_sort`: the same integers in two launches, one given the router's `counts`)."""
     if execution.elementwise_kernels(topk_ids) and lazy.moe_sort.serves(topk_ids.numel(), num_experts):
-        return SortedGrouping(*lazy.moe_sort.sort_by_expert(topk_ids, num_experts))
+        return SortedGrouping(*lazy.moe_sort.sort_by_expert(topk_ids, num_experts, counts))
     return SortedGrouping(*ref_moe_sort.sort_by_expert(topk_ids, num_experts))
 
 
@@ -169,8 +170,9 @@ class MoEExperts(nn.Module):
     def route(self, x2: torch.Tensor) -> Routing:
         """x2 [T, H] -> Routing (HF Qwen3-MoE's softmax / top-k / renormalize)."""
         logits = self.gate(x2)  # [T, E]
-        weights, ids = route(logits, self.top_k, self.norm_topk_prob, self.recipe.execution)  # [T, k]
-        return Routing(logits, weights, ids)
+        weights, ids, counts = route(logits, self.top_k, self.norm_topk_prob, self.recipe.execution,
+                                     chunk_counts=True)  # [T, k]
+        return Routing(logits, weights, ids, counts)
 
     def forward(self, x: torch.Tensor, return_router: bool = False, quantized=None,
                 residual: torch.Tensor | None = None):
@@ -182,7 +184,7 @@ class MoEExperts(nn.Module):
         res2 = None if residual is None else residual.reshape(x2.shape)
         if x2.shape[0] and self._calib_amax is None and self.graph_safe():
             self.last_topk_ids = r.experts.detach()
-            s = sort_by_expert(r.experts, self.num_experts, self.recipe.execution)
+            s = sort_by_expert(r.experts, self.num_experts, self.recipe.execution, r.counts)
             ys = self.sorted_experts_forward(x2, s, quantized)  # [R, H]
             out = combine(ys, s.inverse, r.weights, self.recipe.execution, res2)  # [T, H]
         else:

@@ -26,29 +26,33 @@ def _torch_weights(logits: torch.Tensor, ids: torch.Tensor, normalize: bool) -> 
 
 class _Route(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, k, normalize):
-        weights, ids = lazy.router.route(logits, k, normalize)
+    def forward(ctx, logits, k, normalize, chunk):
+        weights, ids, *counts = lazy.router.route(logits, k, normalize, chunk)
         ctx.save_for_backward(logits, ids)
         ctx.normalize = normalize
-        ctx.mark_non_differentiable(ids)
-        return weights, ids
+        ctx.mark_non_differentiable(ids, *counts)
+        return weights, ids, *counts
 
     @staticmethod
-    def backward(ctx, g, _):
+    def backward(ctx, g, *_):
         logits, ids = ctx.saved_tensors
         with torch.enable_grad():
             x = logits.detach().requires_grad_()
             (d,) = torch.autograd.grad(_torch_weights(x, ids, ctx.normalize), x, g)
-        return d, None, None
+        return d, None, None, None
 
 
-def route(logits: torch.Tensor, k: int, normalize: bool,
-          execution: Execution = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] -> (weights [T, k] in logits.dtype, ids [T, k] int64, largest first)."""
+def route(logits: torch.Tensor, k: int, normalize: bool, execution: Execution = DEFAULT,
+          chunk_counts: bool = False):
+    """logits [T, E] -> (weights [T, k] in logits.dtype, ids [T, k] int64, largest first). With
+    `chunk_counts`, a third output: the per-chunk expert counts the counting sort starts from where
+    the kernel can count them in its launch (`minite.kernels.moe_sort.router_chunk`), else None."""
     if execution.elementwise_kernels(logits):
-        return _Route.apply(logits.contiguous(), k, normalize)
+        chunk = lazy.moe_sort.router_chunk(k, logits.shape[0] * k, logits.shape[1]) if chunk_counts else None
+        out = _Route.apply(logits.contiguous(), k, normalize, chunk)
+        return (*out, None) if chunk_counts and chunk is None else out
     probs = F.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, k, dim=-1)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(logits.dtype), ids
+    return (weights.to(logits.dtype), ids, None) if chunk_counts else (weights.to(logits.dtype), ids)

@@ -84,7 +84,8 @@ def test_autograd_op_with_residual_passes_the_gradient_to_it():
 def test_moe_layer_through_the_kernel_equals_the_torch_combine(monkeypatch):
     """Bitwise on the CPU interpreter (fp32): output, input and parameter gradients."""
     # the router's torch form in both runs (its kernel rounds the weights its own way)
-    monkeypatch.setattr(moe_module, "route", lambda logits, k, norm, _: router.route(logits, k, norm))
+    monkeypatch.setattr(moe_module, "route",
+                        lambda logits, k, norm, _, **kw: router.route(logits, k, norm, **kw))
     plain, fused, calls = moe_through_fused_kernels(monkeypatch, kc, "combine")
     assert calls == 1
     for a, b in zip(plain[:3] + tuple(plain[3]), fused[:3] + tuple(fused[3])):

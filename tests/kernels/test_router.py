@@ -5,6 +5,7 @@ the torch form; a MoE layer routes through it."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from minite.execution import Execution
 from minite.kernels import router as kr
@@ -102,3 +103,6 @@ def test_gpu_decode_step_shape():
     want_w, want_ids = reference(x, 8, True)
     assert torch.equal(ids.cpu(), want_ids)
     torch.testing.assert_close(w.cpu(), want_w, rtol=RTOL[torch.bfloat16], atol=0)
+    w2, ids2, counts = kr.route(x.cuda(), 8, True, 128)  # counting for the sort in the same launch
+    assert torch.equal(w2, w) and torch.equal(ids2, ids)
+    assert torch.equal(counts.long().cpu(), F.one_hot(ids.cpu().reshape(-1, 128), 128).sum(1))
