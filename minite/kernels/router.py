@@ -38,16 +38,17 @@ def _router_kernel(logits_ptr, w_ptr, ids_ptr, counts_ptr, T, E, stride_l, K: tl
     top = tl.zeros([BLOCK_T, K_P2], dtype=tl.float32)
     ids = tl.zeros([BLOCK_T, K_P2], dtype=tl.int64)
     rest = v
-    counts = tl.zeros([E_P2], dtype=tl.int32)
+    hits = tl.zeros([BLOCK_T, E_P2], dtype=tl.int32)  # picks per row and expert (COUNT)
     for j in tl.static_range(K):
         mx = tl.max(rest, 1)
         pick = tl.min(tl.where(rest == mx[:, None], cols[None, :], E_P2), 1)
         pick = tl.minimum(pick, E - 1)  # NaN rows: no id out of range
         top = tl.where(slots[None, :] == j, mx[:, None], top)
         ids = tl.where(slots[None, :] == j, pick.to(tl.int64)[:, None], ids)
-        rest = tl.where(cols[None, :] == pick[:, None], float("-inf"), rest)
+        picked = cols[None, :] == pick[:, None]
+        rest = tl.where(picked, float("-inf"), rest)
         if COUNT:
-            counts += tl.sum(((cols[None, :] == pick[:, None]) & row_ok[:, None]).to(tl.int32), 0)
+            hits += picked.to(tl.int32)
     m = tl.sum(tl.where(slots[None, :] == 0, top, 0.0), 1)  # the first pick: the row's largest logit
     e = tl.math.exp2((top - m[:, None]) * _LOG2E)
     if NORMALIZE:
@@ -61,7 +62,8 @@ def _router_kernel(logits_ptr, w_ptr, ids_ptr, counts_ptr, T, E, stride_l, K: tl
     mask = row_ok[:, None] & (slots < K)[None, :]
     tl.store(w_ptr + out, w.to(w_ptr.dtype.element_ty), mask=mask)
     tl.store(ids_ptr + out, ids, mask=mask)
-    if COUNT:
+    if COUNT:  # one reduction across the rows, after the k passes
+        counts = tl.sum(tl.where(row_ok[:, None], hits, 0), 0)
         tl.store(counts_ptr + tl.program_id(0) * E_P2 + cols, counts)
 
 
