@@ -2,12 +2,12 @@
 launch, sampling launch, the token read-back that waits for the GPU, bookkeeping) timed around the
 sampler's own methods; the GPU's time a step between CUDA events around them (the forward, the
 sampling, and the idle time between steps); and the GPU time of one graph replay and of one
-sampling call.
-With `--kernels N`, also the CUDA kernels of N eager (graph-free) decode steps under torch.profiler,
-grouped by name: which of attention, GEMMs, norms and sampling fill the step. (The profiler is kept
-away from graph replays: with them it ran past a 90 s cap on the H200.) Same model and workload as
-`benchmarks/e2e/bench_rollout.py` (dense, bf16 by default). Prints the breakdown and writes JSON to
-`--out`.
+sampling call; the prefill steps' wall times (each waits for its tokens) and the run's time
+outside any step. With `--kernels N`, also the CUDA kernels of the prefill and of N eager
+(graph-free) decode steps under torch.profiler, grouped by name: which of attention, GEMMs, norms
+and sampling fill the step. (The profiler is kept away from graph replays: with them it ran past a
+90 s cap on the H200.) Same model and workload as `benchmarks/e2e/bench_rollout.py` (dense, bf16 by
+default). Prints the breakdown and writes JSON to `--out`.
 
     python -m benchmarks.tools.profile_rollout --recipe aligned --kernels 6 --out OUT.json
     python -m benchmarks.tools.profile_rollout --model moe --moe-layers 24 --recipe aligned --kernels 4
@@ -74,14 +74,21 @@ def gpu_phases(marks: list) -> dict[str, float]:
     return ms
 
 
-def kernel_table(model, prompts, params, n_steps: int, kv_tokens: int) -> list[dict]:
-    """CUDA time per kernel over eager decode steps taken mid-generation (per step)."""
+def kernel_tables(model, prompts, params, n_steps: int, kv_tokens: int) -> tuple[list[dict], list[dict]]:
+    """CUDA time per kernel of the prefill step(s), and per step over eager decode steps taken
+    mid-generation."""
     sampler = Sampler(model, max_num_seqs=512, kv_cache_tokens=kv_tokens, cuda_graphs=False)
     for i, pr in enumerate(prompts):
         sampler.add_request(pr, params, i)
-    for _ in range(40):  # past the prefill, into steady decode
+
+    def prefill():
+        while sampler.scheduler.waiting:
+            sampler.step()
+
+    prefill_rows = profile_table(prefill)
+    for _ in range(40):  # into steady decode
         sampler.step()
-    return profile_table(sampler.step, reps=n_steps)
+    return prefill_rows, profile_table(sampler.step, reps=n_steps)
 
 
 def main():
@@ -132,15 +139,17 @@ def main():
     print(f"warm-up done; timing {seqs} sequences x {args.new_tokens} tokens", flush=True)
     while sampler.has_unfinished():
         t = time.perf_counter()
-        before = sampler.stats["decode_steps"]
+        before = dict(sampler.stats)
         sampler.step()
         step_times.append(time.perf_counter() - t)
-        kinds.append("decode" if sampler.stats["decode_steps"] > before else "prefill")
+        ran = [k for k in ("decode", "prefill") if sampler.stats[f"{k}_steps"] > before[f"{k}_steps"]]
+        kinds.append(ran[0] if ran else "read-back")  # the last: the final tokens read back
     torch.cuda.synchronize()
     wall = time.perf_counter() - t_all
     gpu = gpu_phases(marks)
     tokens = sum(s.num_generated for gr in groups for s in gr.seqs)
     decode = [s for s, k in zip(step_times, kinds) if k == "decode"]
+    prefill = [s for s, k in zip(step_times, kinds) if k == "prefill"]
     n = len(step_times)
     other = sum(step_times) - sum(phases.values())
 
@@ -158,6 +167,8 @@ def main():
                   decode_steps=len(decode), wall_s=wall,
                   tokens=tokens, tokens_per_s=tokens / wall,
                   decode_step_ms_mean=1e3 * sum(decode) / max(len(decode), 1),
+                  prefill_steps_ms=[1e3 * t for t in prefill],  # each waits for its tokens
+                  outside_steps_ms=1e3 * (wall - sum(step_times)),
                   phase_ms_per_step={k: 1e3 * v / n for k, v in phases.items()},
                   other_ms_per_step=1e3 * other / n, graph_key=list(key),
                   gpu_busy_ms_per_step=(gpu["forward"] + gpu["sample"]) / n,
@@ -166,11 +177,13 @@ def main():
                   graph_replay_gpu_ms=replay_ms, sample_gpu_ms=sample_ms)
     if args.kernels:
         del sampler, graphs, graph
-        result["kernels"] = kernel_table(model, prompts, params, args.kernels, kv_tokens)
+        result["prefill_kernels"], result["kernels"] = kernel_tables(model, prompts, params, args.kernels,
+                                                                     kv_tokens)
     for k, v in result.items():
-        if k != "kernels":
+        if not k.endswith("kernels"):
             print(f"{k}: {v}")
     if args.kernels:
+        print_profile("CUDA kernels of the prefill", result["prefill_kernels"])
         print_profile(f"CUDA kernels per eager decode step ({args.kernels} steps)", result["kernels"])
     if args.out:
         write_json(args.out, result)
