@@ -1,5 +1,6 @@
 """The counting sort of MoE assignments by expert (`kernels.moe_sort`): exactly the reference's stable
-sort (`ref.moe_sort`), for skewed and uniform routings, partial chunks, many chunks and wide expert counts;
+sort (`ref.moe_sort`), for skewed and uniform routings, partial chunks, many chunks (a prefill's, the counts
+read in several blocks) and wide expert counts;
 started from the router kernel's per-chunk counts, the same, and a MoE layer then runs no counting launch."""
 
 import pytest
@@ -26,7 +27,7 @@ def _ids(t, k, e, seed=0, skew=False):
 
 @pytest.mark.parametrize("t, k, e, skew", [(1, 8, 128, False), (5, 2, 6, True), (32, 8, 128, False),
                                            (100, 8, 128, True), (1024, 8, 128, False), (40, 4, 200, True),
-                                           (17, 3, 3, True)])
+                                           (17, 3, 3, True), (2051, 8, 128, True), (4096, 8, 128, False)])
 def test_counting_sort_is_the_stable_sort(t, k, e, skew):
     ids = _ids(t, k, e, seed=t + e, skew=skew)
     got = km.sort_by_expert(ids, e)
@@ -51,7 +52,8 @@ def test_what_it_does_not_serve_raises():
         km.sort_by_expert(torch.zeros(4, 2, device=device()), 4)
 
 
-@pytest.mark.parametrize("t, k, e", [(37, 8, 128), (1, 8, 128), (300, 8, 128), (45, 4, 200), (9, 8, 16)])
+@pytest.mark.parametrize("t, k, e", [(37, 8, 128), (1, 8, 128), (300, 8, 128), (45, 4, 200), (9, 8, 16),
+                                     (2048, 8, 128)])
 def test_router_counts_start_the_same_sort(t, k, e):
     """The router's per-chunk counts are the one-hot counts of its ids; its ids and weights are those
     of the launch without them; the sort from them is the reference's. A NaN row picks one expert k
