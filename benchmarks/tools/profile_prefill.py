@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import time
 from functools import partial
@@ -126,6 +127,7 @@ def main():
             print(f"  host {r['self_host_us'] / 1e3:8.2f} ms  {r['calls']:6d}x  {r['name']}")
         rows.append(row)
         del sampler, model
+        gc.collect()  # the sampler and model hold reference cycles: free them before the next model
         if cuda:
             torch.cuda.empty_cache()
     if args.out:

@@ -101,9 +101,12 @@ def test_moe_layer_sorts_from_the_router_counts(monkeypatch):
     real_launch = km.launch_kernel
     monkeypatch.setattr(km, "launch_kernel",
                         lambda fn, *a, **kw: launched.append(fn) or real_launch(fn, *a, **kw))
+    dev = device()  # on CUDA the bf16 experts of torch._grouped_mm; on the CPU the interpreter
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     moe = MoEExperts(16, 32, 16, 4, recipe=get_recipe("bf16").with_execution(elementwise="triton",
-                                                                               grouped_mm=True))
-    x, g = torch.randn(3, 11, 32), torch.randn(3, 11, 32)
+                                                                               grouped_mm=True),
+                     dtype=dtype, device=dev)
+    x, g = (torch.randn(3, 11, 32, dtype=dtype, device=dev) for _ in range(2))
     runs = []
     for count_in_router in (True, False):
         if not count_in_router:
