@@ -9,9 +9,9 @@ of CHUNK:
 
 1. `_count_kernel`, one program per chunk: its count per expert (a one-hot sum) into counts [C, E].
 2. `_place_kernel`, one program per chunk: reads all chunks' counts (COUNT_BLOCK chunks at a time),
-   so each expert's start (the offsets) and the assignments of that expert in earlier chunks are known; an
-   assignment's sorted position is its expert's start, plus that expert's count in earlier chunks,
-   plus its rank among the chunk's earlier assignments of that expert (counted pairwise, a
+   so each expert's start (the offsets) and the assignments of that expert in earlier chunks are
+   known; an assignment's sorted position is its expert's start, plus that expert's count in earlier
+   chunks, plus its rank among the chunk's earlier assignments of that expert (counted pairwise, a
    [CHUNK, CHUNK] comparison: 6.4 us at 256 assignments against 9.7 us for a running sum of the
    one-hot, the same integers; `benchmarks/results/h200/probe_moe_sort.json`, e43d6cf). It writes
    tokens, experts and inverse at those positions, and program 0 the offsets.
@@ -125,8 +125,8 @@ def _sort(topk_ids: torch.Tensor, num_experts: int, chunk: int, counts: torch.Te
     if counts is None:
         counts = torch.empty(chunks, e_p2, dtype=torch.int32, device=flat.device)
         launch_kernel(_count_kernel, (chunks,), (flat, counts, r), CHUNK=chunk, E_P2=e_p2, num_warps=warps)
+    block = min(COUNT_BLOCK, max(2, next_power_of_2(chunks)))
     launch_kernel(_place_kernel, (chunks,), (flat, counts, tokens, experts, offsets, inverse, r, chunks,
                                              num_experts),
-                  K=topk_ids.shape[1], CHUNK=chunk, E_P2=e_p2, CB=min(COUNT_BLOCK, max(2, next_power_of_2(chunks))),
-                  num_warps=warps)
+                  K=topk_ids.shape[1], CHUNK=chunk, E_P2=e_p2, CB=block, num_warps=warps)
     return tokens, experts, offsets, inverse
