@@ -119,4 +119,9 @@ def test_moe_layer_sorts_from_the_router_counts(monkeypatch):
         assert (km._count_kernel in launched) != count_in_router and km._place_kernel in launched
         launched.clear()
     (y1, dx1, dp1), (y2, dx2, dp2) = runs
-    assert torch.equal(y1, y2) and torch.equal(dx1, dx2) and all(map(torch.equal, dp1, dp2))
+    assert torch.equal(y1, y2)
+    # the same sort, so the same gradients: bitwise on the CPU; on CUDA torch's backward of the row
+    # gathers may sum in any order
+    tol = dict(rtol=0, atol=0) if dev == "cpu" else {}
+    for a, b in zip([dx1, *dp1], [dx2, *dp2]):
+        torch.testing.assert_close(a, b, **tol)
