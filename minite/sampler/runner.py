@@ -45,37 +45,41 @@ def build_batch(token_lists: list[list[int]], starts: list[int], block_tables: l
                 block_size: int, scratch_block: int, device, width: int | None = None,
                 rows: int | None = None) -> CachedBatch:
     """Batch for computing `tokens[start:]` of each sequence; `width` / `rows` pad the block tables
-    and the batch (for CUDA graphs; padding rows compute nothing that is read)."""
+    and the batch (for CUDA graphs; padding rows compute nothing that is read). Built with numpy
+    (a prefill's tokens as arrays, not per-token Python lists), copied without waiting for the GPU."""
     B = len(token_lists)
     rows = B if rows is None else rows
-    lens = [len(t) - s for t, s in zip(token_lists, starts)]
-    Tq = max(lens)
+    lens = np.fromiter((len(t) - s for t, s in zip(token_lists, starts)), dtype=np.int64, count=B)
+    Tq = int(lens.max()) if B else 1
     width = max(len(b) for b in block_tables) if width is None else width
-    ids, pos, slots, qrows, qpos, unpad, last = [], [], [], [], [], [], []
-    for b, (tokens, start, table) in enumerate(zip(token_lists, starts, block_tables)):
-        n0 = len(ids)
-        ids += tokens[start:]
-        pos += range(start, len(tokens))
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, len(tokens))]
-        qrows.append(list(range(n0, len(ids))) + [0] * (Tq - lens[b]))
-        qpos.append(list(range(start, len(tokens))) + [-1] * (Tq - lens[b]))
-        unpad += range(b * Tq, b * Tq + lens[b])
-        last.append(len(ids) - 1)
-    # Padding rows: one token each, at position 0, written to the scratch block, seeing no key.
-    for b in range(B, rows):
-        ids.append(0)
-        pos.append(0)
-        slots.append(scratch_block * block_size)
-        qrows.append([len(ids) - 1] + [0] * (Tq - 1))
-        qpos.append([-1] * Tq)
-        unpad.append(b * Tq)
-        last.append(len(ids) - 1)
-    pad = rows - B
-    tables = [t + [scratch_block] * (width - len(t)) for t in block_tables] + [[scratch_block] * width] * pad
-    ctx = [len(t) for t in token_lists] + [0] * pad
-    as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)
-    return CachedBatch(as_t(ids), as_t(pos), as_t(slots), as_t(tables), as_t(ctx), as_t(qrows), as_t(qpos),
-                       as_t(unpad), as_t(last))
+    n = int(lens.sum())
+    seq = np.repeat(np.arange(B), lens)  # [n] the sequence of each new token
+    first = np.cumsum(lens) - lens  # [B] each sequence's first new token
+    step = np.arange(n) - first[seq]  # [n] its place among the sequence's new tokens
+    tables = np.full((rows, width), scratch_block, dtype=np.int64)
+    for i, table in enumerate(block_tables):
+        tables[i, : len(table)] = table
+    pos = np.asarray(starts, dtype=np.int64)[seq] + step
+    ids = np.zeros(n + rows - B, dtype=np.int64)  # padding rows: one token each, at position 0
+    if n:
+        ids[:n] = np.concatenate([np.asarray(t[s:], dtype=np.int64) for t, s in zip(token_lists, starts)])
+    positions = np.zeros_like(ids)
+    positions[:n] = pos
+    slots = np.full_like(ids, scratch_block * block_size)  # padding rows write the scratch block
+    slots[:n] = tables[seq, pos // block_size] * block_size + pos % block_size
+    qrows = np.zeros((rows, Tq), dtype=np.int64)
+    qrows[seq, step] = np.arange(n)
+    qpos = np.full((rows, Tq), -1, dtype=np.int64)  # padding rows see no key
+    qpos[seq, step] = pos
+    pad_rows = np.arange(B, rows)
+    qrows[pad_rows, 0] = n + pad_rows - B
+    unpad = np.concatenate([seq * Tq + step, pad_rows * Tq])
+    last = np.concatenate([first + lens - 1, n + pad_rows - B])
+    ctx = np.zeros(rows, dtype=np.int64)
+    ctx[:B] = np.fromiter(map(len, token_lists), dtype=np.int64, count=B)
+    as_t = lambda x: to_device(x, device)
+    return CachedBatch(as_t(ids), as_t(positions), as_t(slots), as_t(tables), as_t(ctx), as_t(qrows),
+                       as_t(qpos), as_t(unpad), as_t(last))
 
 
 def to_device(x: np.ndarray, device) -> torch.Tensor:
