@@ -38,3 +38,16 @@ def test_every_benchmark_imports(script):
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_prefill_profile_smoke(tmp_path):
+    """`profile_prefill --tiny`: a prefill step per recipe on the CPU, timed and profiled."""
+    out = tmp_path / "prefill.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    subprocess.run([sys.executable, "-m", "benchmarks.tools.profile_prefill", "--tiny", "--reps", "1",
+                    "--out", str(out)], check=True, env=env, cwd=ROOT, capture_output=True, timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["recipe"] for r in rows] == ["bf16", "aligned"]
+    for r in rows:
+        assert r["tokens"] == 16 * 128 and len(r["steps"]) == 1 and r["steps"][0]["step_ms"] > 0
+        assert r["tottime"] and r["cumtime"] and r["host_ops"]
