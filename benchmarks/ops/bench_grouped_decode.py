@@ -54,6 +54,18 @@ def experts(n, k):
     return w, sw, copy, kd.pack_weight(codes, sb)
 
 
+def random_routing(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tokens` tokens routed top-k over random logits (seeded by the count): the per-expert counts
+    [EXPERTS] and the sorted rows' offsets int32 [EXPERTS + 1]."""
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    logits = torch.randn(tokens, EXPERTS, device="cuda", generator=g)
+    ids = logits.topk(TOP_K, dim=-1).indices.reshape(-1)
+    counts = torch.bincount(ids, minlength=EXPERTS)
+    offsets = torch.zeros(EXPERTS + 1, dtype=torch.int32, device="cuda")
+    offsets[1:] = counts.cumsum(0)
+    return counts, offsets
+
+
 def _warm(job):
     """Compile one (op, tile) (fills Triton's on-disk cache for the timing process): random words,
     the real shapes and argument values."""
@@ -81,12 +93,7 @@ def main():
         w, sw, copy, dw = experts(n, k)
         w_t = w.transpose(-2, -1)
         for tokens in TOKENS:
-            g = torch.Generator(device="cuda").manual_seed(tokens)
-            logits = torch.randn(tokens, EXPERTS, device="cuda", generator=g)
-            ids = logits.topk(TOP_K, dim=-1).indices.reshape(-1)
-            counts = torch.bincount(ids, minlength=EXPERTS)
-            offsets = torch.zeros(EXPERTS + 1, dtype=torch.int32, device="cuda")
-            offsets[1:] = counts.cumsum(0)
+            counts, offsets = random_routing(tokens)
             t = tokens * TOP_K
             x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
             a, sa = kq.quantize_unscaled(x)

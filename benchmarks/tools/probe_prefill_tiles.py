@@ -16,7 +16,7 @@ import argparse
 import torch
 
 from benchmarks.common import EXPERTS, MOE_OPS, TOP_K, graph_us, warm_up, write_json
-from benchmarks.ops.bench_grouped_decode import experts
+from benchmarks.ops.bench_grouped_decode import experts, random_routing
 from minite.kernels import grouped_decode as gd
 from minite.kernels import grouped_gemm as gg
 from minite.kernels import nvfp4 as kq
@@ -37,11 +37,7 @@ def main():
         w, sw, copy, dw = experts(n, k)
         w_t = w.transpose(-2, -1)
         for tokens in TOKENS:
-            g = torch.Generator(device="cuda").manual_seed(tokens)
-            logits = torch.randn(tokens, EXPERTS, device="cuda", generator=g)
-            ids = logits.topk(TOP_K, dim=-1).indices.reshape(-1)
-            offsets = torch.zeros(EXPERTS + 1, dtype=torch.int32, device="cuda")
-            offsets[1:] = torch.bincount(ids, minlength=EXPERTS).cumsum(0)
+            _, offsets = random_routing(tokens)
             x = torch.randn(tokens * TOP_K, k, device="cuda", dtype=torch.bfloat16)
             a, sa = kq.quantize_unscaled(x)
             want = gg.grouped_w4a4_gemm(a, sa, copy, sw, offsets, config="aligned")
