@@ -6,8 +6,9 @@ Per element, torch's formula for bf16 / fp16 tensors: s = gate / (1 + exp(-gate)
 division; exp: libdevice's expf on the GPU, numpy's in the interpreter) rounded to the dtype, then
 h = s * up in fp32 rounded to the dtype (`rounding.round_to`: on the bits for bf16). Rows are read as
 int32 words [rows, blocks, 8], the layout of the quantizer's pair kernel (`nvfp4.pairs`), whose
-helpers quantize h while it is in registers: the values, S_dec and amax are bitwise
-`nvfp4.quantize_unscaled` of the stored h. Element-wise, so batch
+helpers quantize h: the values, S_dec and amax are bitwise `nvfp4.quantize_unscaled` of the stored
+h. A row of up to CHUNK_WORDS words is quantized from the registers that computed it (one pass, as
+the norm kernel does); a wider one is walked twice, h and its amax, then h read back. Element-wise, so batch
 invariant. The backward recomputes silu(gate) and runs autograd's own ops (mul, mul, silu_backward):
 the gradients are bitwise those of `F.silu(gate) * up` given the same s.
 """
@@ -29,7 +30,7 @@ from minite.kernels.rounding import round_to
 # a program covers WORDS int32 words of h: BLOCK_R rows x one chunk of up to CHUNK_WORDS (8 words a thread).
 # H200 at eb67cb1 (benchmarks/ops/bench_norm.py): whole rows in registers (16 words a thread, 12288-wide rows
 # padded to 16384) ran at 0.58 of the copy bandwidth, slower than torch's two kernels, and 0.45 with the
-# quantizer
+# quantizer; rows of up to CHUNK_WORDS words are one chunk, quantized in one pass (the MoE experts' 768)
 WORDS = 1024
 CHUNK_WORDS = 1024
 WORDS_PER_THREAD = 8
@@ -49,7 +50,8 @@ def _silu_mul(g, u, BF16: tl.constexpr, HW: tl.constexpr):
 @triton.jit
 def _swiglu_chunk(g_ptr, u_ptr, h_ptr, r64, row_ok, w0, stride_gw, stride_uw, KW: tl.constexpr,
                   BF16: tl.constexpr, HW: tl.constexpr, EVEN: tl.constexpr, NB: tl.constexpr):
-    """h of words [w0, w0 + 8 NB) of the rows r64 [BLOCK_R, 1, 1], stored; returned as (even, odd) fp32."""
+    """h of words [w0, w0 + 8 NB) of the rows r64 [BLOCK_R, 1, 1], stored; returned as (even, odd) fp32
+    and the stored words."""
     cols = w0 + tl.arange(0, NB)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]  # [1, NB, 8] words
     m = None if EVEN else row_ok[:, None, None] & (cols < KW)
     if EVEN:
@@ -62,8 +64,9 @@ def _swiglu_chunk(g_ptr, u_ptr, h_ptr, r64, row_ok, w0, stride_gw, stride_uw, KW
     u_lo, u_hi = _halves(uw, BF16)
     h_lo = _silu_mul(g_lo, u_lo, BF16, HW)
     h_hi = _silu_mul(g_hi, u_hi, BF16, HW)
-    tl.store(h_ptr + r64 * KW + cols, _bits16(h_lo, BF16) | (_bits16(h_hi, BF16) << 16), mask=m)
-    return h_lo, h_hi
+    word = _bits16(h_lo, BF16) | (_bits16(h_hi, BF16) << 16)
+    tl.store(h_ptr + r64 * KW + cols, word, mask=m)
+    return h_lo, h_hi, word
 
 
 @triton.jit
@@ -72,17 +75,26 @@ def _swiglu_kernel(g_ptr, u_ptr, h_ptr, vals_ptr, scales_ptr, sdec_ptr, amax_ptr
                    VALS_BF16: tl.constexpr, HW: tl.constexpr, EVEN: tl.constexpr, BLOCK_R: tl.constexpr,
                    NB: tl.constexpr):
     """gate, up: int32 words, row strides stride_gw / stride_uw; h, vals: contiguous words [n_rows, KW].
-    Without QUANT, program (i, j) does row block i's j-th chunk of 8 NB words. With QUANT, program i walks
-    its rows twice: h chunk by chunk (stored) and the row amax, then h read back (the program's own
-    stores, in L2) and quantized chunk by chunk."""
+    Without QUANT, program (i, j) does row block i's j-th chunk of 8 NB words. With QUANT, program i
+    quantizes its rows from registers where one chunk holds them (8 NB >= KW); otherwise it walks them
+    twice: h chunk by chunk (stored) and the row amax, then h read back (the program's own stores, in
+    L2) and quantized chunk by chunk."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < n_rows
     r64 = rows.to(tl.int64)[:, None, None]
-    if QUANT:
+    if QUANT and 8 * NB >= KW:
+        h_lo, h_hi, word = _swiglu_chunk(g_ptr, u_ptr, h_ptr, r64, row_ok, 0, stride_gw, stride_uw, KW, BF16,
+                                         HW, EVEN, NB)
+        bamax = tl.reduce(_max_nan(tl.abs(h_lo), tl.abs(h_hi)), 2, _max_nan)  # [BLOCK_R, NB]
+        s_enc, s_dec = _row_scales(tl.reduce(bamax, 1, _max_nan), rows, row_ok, sdec_ptr, amax_ptr, CHAIN)
+        cols = tl.arange(0, NB)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+        _emit_blocks(h_lo, h_hi, word & -2147450880, cols, bamax, s_enc, s_dec, rows, row_ok, 0, vals_ptr,
+                     scales_ptr, vals_ptr, KW, CHAIN, False, True, VALS_BF16, HW, EVEN, BLOCK_R, NB)
+    elif QUANT:
         amax = tl.zeros([BLOCK_R], dtype=tl.float32)
         for w0 in range(0, KW, 8 * NB):
-            h_lo, h_hi = _swiglu_chunk(g_ptr, u_ptr, h_ptr, r64, row_ok, w0, stride_gw, stride_uw, KW, BF16,
-                                       HW, EVEN, NB)
+            h_lo, h_hi, _ = _swiglu_chunk(g_ptr, u_ptr, h_ptr, r64, row_ok, w0, stride_gw, stride_uw, KW,
+                                          BF16, HW, EVEN, NB)
             habs = tl.reduce(_max_nan(tl.abs(h_lo), tl.abs(h_hi)), 2, _max_nan)
             amax = _max_nan(amax, tl.reduce(habs, 1, _max_nan))
         s_enc, s_dec = _row_scales(amax, rows, row_ok, sdec_ptr, amax_ptr, CHAIN)
@@ -137,7 +149,9 @@ def _launch(gate: torch.Tensor, up: torch.Tensor, quant_dtype=None, chain: str =
     scales = torch.empty(r, i // 16, dtype=torch.uint8, device=dev) if quant else h
     sdec = torch.empty(r, 1, dtype=torch.float32, device=dev) if quant else h
     amx = torch.empty(r, 1, dtype=torch.float32, device=dev) if quant else h
-    chunk = _chunk_words(kw)
+    # quantizing, a row that fits one chunk is one (padded to a power of two): quantized in one pass
+    one_pass = quant and next_power_of_2(kw) <= CHUNK_WORDS
+    chunk = next_power_of_2(kw) if one_pass else _chunk_words(kw)
     block_r = max(1, WORDS // chunk)
     grid = (cdiv(r, block_r),) if quant else (cdiv(r, block_r), cdiv(kw, chunk))
     if r:

@@ -43,12 +43,14 @@ def test_matches_torch_and_is_batch_invariant(dtype, rows, width):
         _same(ks.swiglu(gate[-r:], up[-r:]), h[-r:])
 
 
-@pytest.mark.parametrize("dtype,chain,chunk", [(torch.bfloat16, "te", 1024), (torch.float16, "vllm", 1024),
-                                               (torch.bfloat16, "te", 8)])
-def test_fused_quantizer_is_bitwise_the_quantize_kernel(dtype, chain, chunk, monkeypatch):
-    """Chunk 8: the row's four chunks walked twice (h and its amax, then h read back and quantized)."""
+@pytest.mark.parametrize("dtype,chain,chunk,width", [
+    (torch.bfloat16, "te", 1024, 64), (torch.float16, "vllm", 1024, 64), (torch.bfloat16, "te", 1024, 96),
+    (torch.bfloat16, "te", 8, 64)])
+def test_fused_quantizer_is_bitwise_the_quantize_kernel(dtype, chain, chunk, width, monkeypatch):
+    """Chunk 1024: each row quantized in one pass from registers (width 96: one masked chunk of 64
+    words); chunk 8: the row's four chunks walked twice (h and its amax, then h read back)."""
     monkeypatch.setattr(ks, "CHUNK_WORDS", chunk)
-    gate, up = _gate_up(7, 64, dtype, 1)
+    gate, up = _gate_up(7, width, dtype, 1)
     gate[2] = 0.0
     up[4, 5] = float("nan")
     h, vals, sdec, amax = ks.swiglu_quantize(gate, up, torch.float16, chain)
