@@ -1,9 +1,9 @@
 """RMSNorm and SwiGLU kernels, and both quantizing their output for the next GEMM, against a device copy.
 
 Rows: Qwen3-8B hidden rows (4096 wide) at the compute-bound GEMM benchmark's M, the learner's 1.7B
-rows (2048 wide), and q_norm's head rows (128 wide). Variants: the norm kernel (16-bit rows take the
-word-layout kernel, `norm_pairs`), the norm then the quantizer (`quantize_unscaled`, two launches)
-and both in one launch (`rms_norm_quantize`). SwiGLU on the MLP
+rows (2048 wide), q_norm's head rows (128 wide) and a decode step's rows. Variants: the norm kernel
+(16-bit rows take the word-layout kernel, `norm_pairs`), the norm then the quantizer
+(`quantize_unscaled`, two launches) and both in one launch (`rms_norm_quantize`). SwiGLU on the MLP
 widths of Qwen3-8B / 1.7B and the 30B-A3B experts: torch's two kernels, ours, ours then the quantizer,
 both in one launch (`swiglu_quantize`). CUDA graphs over 4
 input copies (more than L2 holds), interleaved rounds (`benchmarks.common.paired_graph_us`). Bytes
@@ -23,8 +23,9 @@ from minite.kernels import norm as kn
 from minite.kernels import nvfp4 as kq
 from minite.kernels import swiglu as ks
 
-SHAPES = [(4096, 4096), (16384, 4096), (8192, 2048), (131072, 128)]
-SWIGLU_SHAPES = [(4096, 12288), (8192, 6144), (32768, 768)]  # Qwen3-8B MLP, 1.7B MLP, 30B-A3B experts
+# the last of each: a 30B-A3B decode step at 128 sequences (its hidden rows; its experts' 1024 rows at top-8)
+SHAPES = [(4096, 4096), (16384, 4096), (8192, 2048), (131072, 128), (128, 2048)]
+SWIGLU_SHAPES = [(4096, 12288), (8192, 6144), (32768, 768), (1024, 768)]  # 8B MLP, 1.7B MLP, 30B-A3B experts
 COPIES = 4
 EPS = 1e-6
 
