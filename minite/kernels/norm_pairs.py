@@ -104,7 +104,7 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor
     block_w = max(8, next_power_of_2(kw))
     block_r = max(1, WORDS // block_w)
     warps = min(16, max(1, block_r * block_w // (32 * WORDS_PER_THREAD)))
-    while block_r * block_w > warps * 32 * 8 and cdiv(r, block_r) < MIN_PROGRAMS:
+    while block_r > 1 and block_r * block_w > warps * 32 * 8 and cdiv(r, block_r) < MIN_PROGRAMS:
         block_r //= 2
     vals, scales, sdec, amx = quant if quant is not None else (out, out, out, out)
     res, h = residual if residual is not None else (x2, out)

@@ -7,10 +7,11 @@ division; exp: libdevice's expf on the GPU, numpy's in the interpreter) rounded 
 h = s * up in fp32 rounded to the dtype (`rounding.round_to`: on the bits for bf16). Rows are read as
 int32 words [rows, blocks, 8], the layout of the quantizer's pair kernel (`nvfp4.pairs`), whose
 helpers quantize h: the values, S_dec and amax are bitwise `nvfp4.quantize_unscaled` of the stored
-h. A row of up to CHUNK_WORDS words is quantized from the registers that computed it (one pass, as
-the norm kernel does); a wider one is walked twice, h and its amax, then h read back. Element-wise, so batch
-invariant. The backward recomputes silu(gate) and runs autograd's own ops (mul, mul, silu_backward):
-the gradients are bitwise those of `F.silu(gate) * up` given the same s.
+h. In a batch of few rows (a decode step's), rows of up to CHUNK_WORDS words are quantized from the
+registers that computed them (one pass, as the norm kernel does); otherwise a program walks its rows
+twice, h and its amax, then h read back (faster with many rows: 16384 x 768 on the H100).
+Element-wise, so batch invariant. The backward recomputes silu(gate) and runs autograd's own ops
+(mul, mul, silu_backward): the gradients are bitwise those of `F.silu(gate) * up` given the same s.
 """
 
 import torch
@@ -30,10 +31,12 @@ from minite.kernels.rounding import round_to
 # a program covers WORDS int32 words of h: BLOCK_R rows x one chunk of up to CHUNK_WORDS (8 words a thread).
 # H200 at eb67cb1 (benchmarks/ops/bench_norm.py): whole rows in registers (16 words a thread, 12288-wide rows
 # padded to 16384) ran at 0.58 of the copy bandwidth, slower than torch's two kernels, and 0.45 with the
-# quantizer; rows of up to CHUNK_WORDS words are one chunk, quantized in one pass (the MoE experts' 768)
+# quantizer. H100 (benchmarks/results/h100/swiglu_norm_one_pass_7a14430.json), MoE expert rows (768):
+# one pass 5.7 against 7.0 us at 1024 rows, 8.5 / 8.7 at 2048, 51.8 against 43.5 at 16384
 WORDS = 1024
 CHUNK_WORDS = 1024
 WORDS_PER_THREAD = 8
+MIN_PROGRAMS = 264  # two an SM on the H200
 MAX_WORDS = 1 << 20  # rows of up to 2 * MAX_WORDS elements; wider ones take torch's ops
 
 
@@ -149,9 +152,11 @@ def _launch(gate: torch.Tensor, up: torch.Tensor, quant_dtype=None, chain: str =
     scales = torch.empty(r, i // 16, dtype=torch.uint8, device=dev) if quant else h
     sdec = torch.empty(r, 1, dtype=torch.float32, device=dev) if quant else h
     amx = torch.empty(r, 1, dtype=torch.float32, device=dev) if quant else h
-    # quantizing, a row that fits one chunk is one (padded to a power of two): quantized in one pass
-    one_pass = quant and next_power_of_2(kw) <= CHUNK_WORDS
-    chunk = next_power_of_2(kw) if one_pass else _chunk_words(kw)
+    chunk = _chunk_words(kw)
+    # quantizing few rows (a grid under MIN_PROGRAMS), a row that fits one chunk is one (padded to a
+    # power of two), quantized in one pass; the same bits either way
+    if quant and next_power_of_2(kw) <= CHUNK_WORDS and cdiv(r, max(1, WORDS // chunk)) < MIN_PROGRAMS:
+        chunk = next_power_of_2(kw)
     block_r = max(1, WORDS // chunk)
     grid = (cdiv(r, block_r),) if quant else (cdiv(r, block_r), cdiv(kw, chunk))
     if r:

@@ -47,7 +47,7 @@ def test_matches_torch_and_is_batch_invariant(dtype, rows, width):
     (torch.bfloat16, "te", 1024, 64), (torch.float16, "vllm", 1024, 64), (torch.bfloat16, "te", 1024, 96),
     (torch.bfloat16, "te", 8, 64)])
 def test_fused_quantizer_is_bitwise_the_quantize_kernel(dtype, chain, chunk, width, monkeypatch):
-    """Chunk 1024: each row quantized in one pass from registers (width 96: one masked chunk of 64
+    """Chunk 1024 (7 rows): each row quantized in one pass from registers (width 96: one masked chunk of 64
     words); chunk 8: the row's four chunks walked twice (h and its amax, then h read back)."""
     monkeypatch.setattr(ks, "CHUNK_WORDS", chunk)
     gate, up = _gate_up(7, width, dtype, 1)
@@ -102,7 +102,7 @@ def test_bad_input_raises():
 
 @pytest.mark.gpu
 def test_gpu_bf16_matches_torch_and_quantizes_bitwise():
-    for rows, width in ((3000, 768), (600, 12288)):
+    for rows, width in ((3000, 768), (1024, 768), (600, 12288)):  # two passes, one pass, chunked
         gate, up = _gate_up(rows, width, torch.bfloat16, 6, "cuda")
         h, vals, sdec, amax = ks.swiglu_quantize(gate, up)
         assert _close_to_torch(h, gate, up) >= 0.999
