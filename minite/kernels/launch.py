@@ -108,6 +108,11 @@ def launch(kernel, grid: tuple, args: tuple, **meta) -> None:
     run((*grid, 1, 1), torch._C._cuda_getCurrentRawStream(device), args, tail)
 
 
+# a row-wise kernel whose grid holds fewer programs than this takes fewer rows a program, or a shorter
+# chain a program, where its contract allows (two programs an SM on the H200's 132)
+MIN_ROW_PROGRAMS = 264
+
+
 def cdiv(x: int, y: int) -> int:
     """`triton.cdiv` for host code: Triton 3.6 makes that a constexpr function, a few us a host call."""
     return (x + y - 1) // y

@@ -21,7 +21,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from minite.kernels import interpreted
-from minite.kernels.launch import cdiv, next_power_of_2
+from minite.kernels.launch import MIN_ROW_PROGRAMS, cdiv, next_power_of_2
 from minite.kernels.launch import launch as launch_kernel
 from minite.kernels.nvfp4 import check_fused_output
 from minite.kernels.nvfp4.blocks import CHAIN_IDS, _max_nan, _row_scales
@@ -36,7 +36,6 @@ from minite.kernels.rounding import round_to
 WORDS = 1024
 CHUNK_WORDS = 1024
 WORDS_PER_THREAD = 8
-MIN_PROGRAMS = 264  # two an SM on the H200
 MAX_WORDS = 1 << 20  # rows of up to 2 * MAX_WORDS elements; wider ones take torch's ops
 
 
@@ -153,9 +152,9 @@ def _launch(gate: torch.Tensor, up: torch.Tensor, quant_dtype=None, chain: str =
     sdec = torch.empty(r, 1, dtype=torch.float32, device=dev) if quant else h
     amx = torch.empty(r, 1, dtype=torch.float32, device=dev) if quant else h
     chunk = _chunk_words(kw)
-    # quantizing few rows (a grid under MIN_PROGRAMS), a row that fits one chunk is one (padded to a
+    # quantizing few rows (a grid under MIN_ROW_PROGRAMS), a row that fits one chunk is one (padded to a
     # power of two), quantized in one pass; the same bits either way
-    if quant and next_power_of_2(kw) <= CHUNK_WORDS and cdiv(r, max(1, WORDS // chunk)) < MIN_PROGRAMS:
+    if quant and next_power_of_2(kw) <= CHUNK_WORDS and cdiv(r, max(1, WORDS // chunk)) < MIN_ROW_PROGRAMS:
         chunk = next_power_of_2(kw)
     block_r = max(1, WORDS // chunk)
     grid = (cdiv(r, block_r),) if quant else (cdiv(r, block_r), cdiv(kw, chunk))
