@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from minite.kernels import interpreted
-from minite.kernels.launch import cdiv, next_power_of_2
+from minite.kernels.launch import MIN_ROW_PROGRAMS, cdiv, next_power_of_2
 from minite.kernels.launch import launch as launch_kernel
 from minite.kernels.nvfp4.blocks import (
     _block_scales,
@@ -29,8 +29,11 @@ from minite.kernels.nvfp4.blocks import (
 # warps so that each thread holds WORDS_PER_THREAD words (packed codes) or VALUES_WORDS_PER_THREAD
 # (fused values). H200 sweep, CUDA-graph timed (benchmarks/results/h200/sweep_quantize.json):
 # 16384 x 4096, codes 0.856 of the copy at 32 words a thread (16: 0.835, 8: 0.735), fused values 0.908
-# at 16 (32: 0.862, 8: 0.830).
-CONFIG = dict(WORDS=2048, MAX_WORDS=8192, CHUNK_WORDS=1024, WORDS_PER_THREAD=32, VALUES_WORDS_PER_THREAD=16)
+# at 16 (32: 0.862, 8: 0.830). A grid under MIN_ROW_PROGRAMS (a decode step's rows) spreads its words
+# over more threads, down to SMALL_WORDS_PER_THREAD: first fewer rows a program, then more warps a row.
+# A row's amax is a max and its blocks are its own, so the bits do not depend on the split.
+CONFIG = dict(WORDS=2048, MAX_WORDS=8192, CHUNK_WORDS=1024, WORDS_PER_THREAD=32, VALUES_WORDS_PER_THREAD=16,
+              SMALL_WORDS_PER_THREAD=8)
 
 
 @triton.jit
@@ -162,6 +165,14 @@ def launch(x2, codes, scales, vals, sdec, amx, gs, gs_mode, chain_id, write_code
     block_r = max(1, CONFIG["WORDS"] // block_w)
     per_thread = CONFIG["VALUES_WORDS_PER_THREAD" if vals is not None else "WORDS_PER_THREAD"]
     warps = min(16, max(1, block_r * block_w // (32 * per_thread)))
+    least = 32 * CONFIG["SMALL_WORDS_PER_THREAD"]  # words of a warp at the fewest a thread
+    while cdiv(r, block_r) < MIN_ROW_PROGRAMS and block_r * block_w > warps * least:
+        if block_r > 1:
+            block_r //= 2
+        elif warps < 16:
+            warps *= 2
+        else:
+            break
     words = x2.view(torch.int32)
     launch_kernel(_pairs_kernel, (cdiv(r, block_r),), (
         words, codes, scales, vals.view(torch.int32) if vals is not None else codes, sdec, amx, gs,
