@@ -201,8 +201,9 @@ def attention(_k: int) -> None:
                 "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
     for kv, name in ((0, "bf16"), (1, "fp8"), (2, "nvfp4")):
         kv_ptr = "*bf16" if kv == 0 else "*u8"
-        const = dict(G=2, D=128, BLOCK_SIZE=16, PAGED=True, STORE_LSE=False, KV=kv, HW=True, DOT_F32=False,
-                     PRECISION="tf32", WHILE_LOOP=False, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
+        const = dict(G=2, HKV=8, D=128, BLOCK_SIZE=16, PAGED=True, STORE_LSE=False, KV=kv, HW=True,
+                     DOT_F32=False, PRECISION="tf32", WHILE_LOOP=False, BLOCK_M=cfg["BLOCK_M"],
+                     BLOCK_N=cfg["BLOCK_N"])
         sig = {}
         for n in names:
             if n in const:

@@ -188,12 +188,15 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kb_ptr, vb_ptr, out_p
                       pos_ptr, table_ptr, start_ptr, ctx_ptr, qk_scale, stride_qn, stride_qh, stride_ks,
                       stride_kh, stride_vs, stride_vh, stride_ss, stride_sh, stride_bs, stride_bh,
                       stride_on, stride_oh, stride_bt, stride_ln,
-                      G: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
+                      G: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      PAGED: tl.constexpr,
                       STORE_LSE: tl.constexpr, KV: tl.constexpr, HW: tl.constexpr,
                       DOT_F32: tl.constexpr, PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    tile = tl.program_id(0)
-    kvh = tl.program_id(1)
+    # a tile's kv heads are neighbouring programs, so they run at once: a slot's row scales of all its
+    # heads share 32-byte sectors, which one head alone would read 4-8 times over from HBM
+    tile = tl.program_id(0) // HKV
+    kvh = tl.program_id(0) % HKV
     seq = tl.load(tiles_ptr + tile * 3)
     row0 = tl.load(tiles_ptr + tile * 3 + 1)
     nrows = tl.load(tiles_ptr + tile * 3 + 2)
@@ -341,7 +344,7 @@ def _launch(q, k, v, query_seq, query_pos, table, start, context_lens, block_siz
         tiles = plan_tiles(query_seq, context_lens.shape[0], G, cfg["BLOCK_M"])
     scale = D ** -0.5 if scale is None else scale
     dot_f32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreted())
-    grid = (tiles.shape[0], Hkv)
+    grid = (tiles.shape[0] * Hkv,)
     kv = KV_IDS[k.format] if isinstance(k, QuantizedKV) else 0
     if kv:  # payload and block scales as bytes; k's and v's scale tensors are laid out alike
         ks, vs = k.scale, v.scale
@@ -357,7 +360,7 @@ def _launch(q, k, v, query_seq, query_pos, table, start, context_lens, block_siz
         context_lens, scale * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), *scale_strides, out.stride(0), out.stride(1), table.stride(0) if paged else 0,
         0 if lse is None else lse.stride(0)),
-        G=G, D=D, BLOCK_SIZE=block_size, PAGED=paged, STORE_LSE=lse is not None, KV=kv,
+        G=G, HKV=Hkv, D=D, BLOCK_SIZE=block_size, PAGED=paged, STORE_LSE=lse is not None, KV=kv,
         HW=not interpreted(), DOT_F32=dot_f32,
         PRECISION="ieee" if dot_f32 else "tf32", WHILE_LOOP=interpreted(),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
