@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from minite.kernels import interpreted
-from minite.kernels.launch import MIN_ROW_PROGRAMS, cdiv, next_power_of_2
+from minite.kernels.launch import cdiv, next_power_of_2
 from minite.kernels.launch import launch as launch_kernel
 from minite.kernels.nvfp4.blocks import CHAIN_IDS, _max_nan, _row_scales
 from minite.kernels.nvfp4.pairs import _bits16, _emit_blocks, _halves
@@ -32,9 +32,6 @@ from minite.kernels.rounding import round_to
 
 WORDS = 2048  # int32 words per program (at least one row)
 WORDS_PER_THREAD = 16
-# a batch of few rows (a decode step's) halves the rows a program takes while its grid is under
-# MIN_ROW_PROGRAMS, down to 8 words a thread, on the same warps: a row's threads, and so the order of
-# its sum of squares, stay those of the full program (GPU test: batch invariant)
 MAX_WORDS = 8192  # rows of up to 2 * MAX_WORDS elements
 
 
@@ -103,8 +100,6 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor
     block_w = max(8, next_power_of_2(kw))
     block_r = max(1, WORDS // block_w)
     warps = min(16, max(1, block_r * block_w // (32 * WORDS_PER_THREAD)))
-    while block_r > 1 and block_r * block_w > warps * 32 * 8 and cdiv(r, block_r) < MIN_ROW_PROGRAMS:
-        block_r //= 2
     vals, scales, sdec, amx = quant if quant is not None else (out, out, out, out)
     res, h = residual if residual is not None else (x2, out)
     if r:

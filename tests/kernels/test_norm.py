@@ -198,6 +198,13 @@ def test_gpu_bf16_close_to_reference_and_batch_invariant():
         for a, b in zip(kn.add_rms_norm(x, r, w, 1e-6, torch.bfloat16),
                         (x + r, *kn.rms_norm_quantize(x + r, w, 1e-6, torch.bfloat16))):
             _same(a, b)
+        # the fused paths too: a decode step's few rows against a learner batch's many
+        quant, added = kn.rms_norm_quantize(x, w, 1e-6), kn.add_rms_norm(x, r, w, 1e-6, torch.bfloat16)
+        for rows in (1, 7, 64, 300):
+            for small, big in ((kn.rms_norm_quantize(x[:rows], w, 1e-6), quant),
+                               (kn.add_rms_norm(x[:rows], r[:rows], w, 1e-6, torch.bfloat16), added)):
+                for a, b in zip(small, big, strict=True):
+                    _same(a, b[:rows])
         xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
         dy = torch.randn(x.shape, device="cuda", generator=g).to(torch.bfloat16)
         rx, rw = torch.autograd.grad(norm.rms_norm_reference(xr, wr, 1e-6), (xr, wr), dy)
