@@ -109,7 +109,8 @@ def launch(kernel, grid: tuple, args: tuple, **meta) -> None:
 
 
 # a row-wise kernel whose grid holds fewer programs than this takes fewer rows a program, or a shorter
-# chain a program, where its contract allows (two programs an SM on the H200's 132)
+# chain a program (two programs an SM on the H200's 132), only where a row's arithmetic stays as it
+# was: a row max (the quantizers' amax) may be split otherwise, a row sum (the norm's) may not
 MIN_ROW_PROGRAMS = 264
 
 
