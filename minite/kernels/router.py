@@ -19,26 +19,23 @@ import triton.language as tl
 from minite.kernels import interpreted
 from minite.kernels.launch import cdiv, next_power_of_2
 from minite.kernels.launch import launch as launch_kernel
-from minite.ref.router import LOG2E
+from minite.ref.router import GATE_CHUNK, LOG2E
 
 CONFIG = dict(BLOCK_T=16, num_warps=4)
 _LOG2E = tl.constexpr(LOG2E)
 
 
 @triton.jit
-def _router_kernel(logits_ptr, w_ptr, ids_ptr, counts_ptr, T, E, stride_l, K: tl.constexpr,
-                   K_P2: tl.constexpr, E_P2: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
-                   COUNT: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < T
+def _route_rows(v, rows, row_ok, w_ptr, ids_ptr, counts_ptr, block, E, K: tl.constexpr, K_P2: tl.constexpr,
+                E_P2: tl.constexpr, NORMALIZE: tl.constexpr, COUNT: tl.constexpr):
+    """Top-k of the fp32 logits v [BLOCK_T, E_P2] (columns from E on -inf) and their weights, stored for
+    `rows`; with COUNT the block's picks per expert into counts row `block`."""
     cols = tl.arange(0, E_P2)
-    v = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_l + cols[None, :],
-                mask=row_ok[:, None] & (cols < E)[None, :], other=float("-inf")).to(tl.float32)
     slots = tl.arange(0, K_P2)
-    top = tl.zeros([BLOCK_T, K_P2], dtype=tl.float32)
-    ids = tl.zeros([BLOCK_T, K_P2], dtype=tl.int64)
+    top = tl.zeros([v.shape[0], K_P2], dtype=tl.float32)
+    ids = tl.zeros([v.shape[0], K_P2], dtype=tl.int64)
     rest = v
-    hits = tl.zeros([BLOCK_T, E_P2], dtype=tl.int32)  # picks per row and expert (COUNT)
+    hits = tl.zeros([v.shape[0], E_P2], dtype=tl.int32)  # picks per row and expert (COUNT)
     for j in tl.static_range(K):
         mx = tl.max(rest, 1)
         pick = tl.min(tl.where(rest == mx[:, None], cols[None, :], E_P2), 1)
@@ -64,7 +61,72 @@ def _router_kernel(logits_ptr, w_ptr, ids_ptr, counts_ptr, T, E, stride_l, K: tl
     tl.store(ids_ptr + out, ids, mask=mask)
     if COUNT:  # one reduction across the rows, after the k passes
         counts = tl.sum(tl.where(row_ok[:, None], hits, 0), 0)
-        tl.store(counts_ptr + tl.program_id(0) * E_P2 + cols, counts)
+        tl.store(counts_ptr + block * E_P2 + cols, counts)
+
+
+@triton.jit
+def _router_kernel(logits_ptr, w_ptr, ids_ptr, counts_ptr, T, E, stride_l, K: tl.constexpr,
+                   K_P2: tl.constexpr, E_P2: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+                   COUNT: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    cols = tl.arange(0, E_P2)
+    v = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_l + cols[None, :],
+                mask=row_ok[:, None] & (cols < E)[None, :], other=float("-inf")).to(tl.float32)
+    _route_rows(v, rows, row_ok, w_ptr, ids_ptr, counts_ptr, tl.program_id(0), E, K, K_P2, E_P2, NORMALIZE,
+                COUNT)
+
+
+@triton.jit
+def _chunk_product(x_ptr, g_ptr, rows, row_ok, c, T, H, E, stride_x, stride_g, E_P2: tl.constexpr,
+                   BLOCK_H: tl.constexpr, IEEE: tl.constexpr):
+    """x[rows, chunk c] w[:, chunk c]^T in fp32 [BLOCK_T, E_P2]: one chunk's product, a fresh sum."""
+    h = c * BLOCK_H + tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, E_P2)
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + h[None, :],
+                mask=row_ok[:, None] & (h < H)[None, :], other=0.0)
+    g = tl.load(g_ptr + cols.to(tl.int64)[:, None] * stride_g + h[None, :],
+                mask=(cols < E)[:, None] & (h < H)[None, :], other=0.0)
+    if IEEE:
+        return tl.dot(x, tl.trans(g), input_precision="ieee")
+    return tl.dot(x, tl.trans(g))
+
+
+@triton.jit
+def _gate_route_kernel(x_ptr, g_ptr, part_ptr, sem_ptr, logits_ptr, w_ptr, ids_ptr, counts_ptr, T, H, E,
+                       stride_x, stride_g, K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr,
+                       NORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                       SPLIT: tl.constexpr, COUNT: tl.constexpr, IEEE: tl.constexpr):
+    chunks = tl.cdiv(H, BLOCK_H)
+    block = tl.program_id(0) // chunks if SPLIT else tl.program_id(0)
+    rows = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    cols = tl.arange(0, E_P2)
+    tile = rows.to(tl.int64)[:, None] * E_P2 + cols[None, :]  # [BLOCK_T, E_P2] in a [T_pad, E_P2] plane
+    plane = tl.cdiv(T, BLOCK_T).to(tl.int64) * BLOCK_T * E_P2
+    total = tl.zeros([BLOCK_T, E_P2], dtype=tl.float32)
+    last = True
+    if SPLIT:  # this program's chunk into the workspace; the block's last program to finish sums them
+        c = tl.program_id(0) % chunks
+        p = _chunk_product(x_ptr, g_ptr, rows, row_ok, c, T, H, E, stride_x, stride_g, E_P2, BLOCK_H, IEEE)
+        tl.store(part_ptr + c * plane + tile, p)
+        tl.debug_barrier()  # every thread's stores issued before the release below
+        last = tl.atomic_add(sem_ptr + block, 1, sem="acq_rel", scope="gpu") == chunks - 1
+        if last:
+            for c2 in range(chunks):  # chunk order, as the reference and the unsplit loop sum
+                total += tl.load(part_ptr + c2 * plane + tile, cache_modifier=".cg")
+            tl.store(sem_ptr + block, 0)  # ready for the next launch
+    else:
+        for c in range(chunks):
+            total += _chunk_product(x_ptr, g_ptr, rows, row_ok, c, T, H, E, stride_x, stride_g, E_P2,
+                                    BLOCK_H, IEEE)
+    if last:
+        logits = total.to(logits_ptr.dtype.element_ty)
+        col_ok = cols < E
+        tl.store(logits_ptr + rows.to(tl.int64)[:, None] * E + cols[None, :], logits,
+                 mask=row_ok[:, None] & col_ok[None, :])
+        v = tl.where(col_ok[None, :], logits.to(tl.float32), float("-inf"))
+        _route_rows(v, rows, row_ok, w_ptr, ids_ptr, counts_ptr, block, E, K, K_P2, E_P2, NORMALIZE, COUNT)
 
 
 def route(logits: torch.Tensor, k: int, normalize: bool, chunk: int | None = None):
@@ -96,3 +158,59 @@ def route(logits: torch.Tensor, k: int, normalize: bool, chunk: int | None = Non
                       K=k, K_P2=next_power_of_2(k), E_P2=e_p2, NORMALIZE=normalize, BLOCK_T=block,
                       COUNT=counts is not None, num_warps=CONFIG["num_warps"], enable_fp_fusion=False)
     return (weights, ids) if chunk is None else (weights, ids, counts)
+
+
+GATE_CONFIG = dict(BLOCK_T=16, num_warps=4)
+SPLIT_MAX_BLOCKS = 64  # row blocks (1024 tokens at 16 a block) up to which the chunks are programs
+_SEMAPHORES: dict = {}  # device -> int32 [SPLIT_MAX_BLOCKS], zero between launches
+
+
+def _semaphores(device: torch.device) -> torch.Tensor | None:
+    """The split launch's per-block counters (each block's last program resets its own), made once
+    per device outside a CUDA graph capture; None while capturing before they exist."""
+    sem = _SEMAPHORES.get(device)
+    if sem is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        sem = _SEMAPHORES[device] = torch.zeros(SPLIT_MAX_BLOCKS, dtype=torch.int32, device=device)
+    return sem
+
+
+def gate_route(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool, chunk: int | None = None):
+    """The gate and the routing in one launch: x [T, H], the gate's weight [E, H] (unit stride along H,
+    x's dtype) -> (logits [T, E] in x.dtype, `minite.ref.router.gate_logits`'s sum order; then
+    `route(logits, k, normalize, chunk)`'s outputs for them).
+
+    A row's bits never depend on the batch: its chunk products are summed in chunk order whether one
+    program walks the chunks (many tokens) or each chunk is a program of its own (up to
+    SPLIT_MAX_BLOCKS blocks of rows, a decode step: the gate's weight read by many SMs at once), in
+    which case the block's last program to finish sums the partial products and routes."""
+    if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[1] or x.stride(1) != 1 or \
+            weight.stride(1) != 1:
+        raise ValueError(f"gate_route needs x [T, H] and weight [E, H] with unit stride along H, got "
+                         f"{tuple(x.shape)} {x.stride()} and {tuple(weight.shape)} {weight.stride()}")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"the gate's weight must be in x's dtype {x.dtype}, got {weight.dtype}")
+    (t, h), e = x.shape, weight.shape[0]
+    if not 1 <= k <= e:
+        raise ValueError(f"top-k must be in 1..E={e}, got {k}")
+    if x.device.type != "cuda" and not interpreted():
+        raise ValueError(f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1); got {x.device}")
+    block, e_p2 = GATE_CONFIG["BLOCK_T"], max(16, next_power_of_2(e))
+    if chunk is not None and (chunk % k or chunk // k != block):
+        raise ValueError(f"chunk must be k={k} times {block}, got {chunk}")
+    logits = torch.empty(t, e, dtype=x.dtype, device=x.device)
+    weights = torch.empty(t, k, dtype=x.dtype, device=x.device)
+    ids = torch.empty(t, k, dtype=torch.int64, device=x.device)
+    blocks, chunks = cdiv(t, block), cdiv(h, GATE_CHUNK)
+    counts = None if chunk is None else torch.empty(blocks, e_p2, dtype=torch.int32, device=x.device)
+    if t:
+        sem = _semaphores(x.device) if chunks > 1 and blocks <= SPLIT_MAX_BLOCKS else None
+        part = ids if sem is None else torch.empty(chunks, blocks * block, e_p2, dtype=torch.float32,
+                                                   device=x.device)
+        launch_kernel(_gate_route_kernel, (blocks * chunks if sem is not None else blocks,),
+                      (x, weight, part, ids if sem is None else sem, logits, weights, ids,
+                       ids if counts is None else counts, t, h, e, x.stride(0), weight.stride(0)),
+                      K=k, K_P2=next_power_of_2(k), E_P2=e_p2, NORMALIZE=normalize, BLOCK_T=block,
+                      BLOCK_H=GATE_CHUNK, SPLIT=sem is not None, COUNT=counts is not None,
+                      IEEE=x.dtype == torch.float32, num_warps=GATE_CONFIG["num_warps"],
+                      enable_fp_fusion=False)
+    return (logits, weights, ids) if chunk is None else (logits, weights, ids, counts)

@@ -1,8 +1,9 @@
 """Mixture-of-experts FFN of Qwen3-MoE: a bf16 top-k router and SwiGLU experts as NVFP4 linears.
 
 Routing (as HF Qwen3-MoE): logits = gate(x) [T, E] (bf16 Linear, never quantized); p = softmax of
-the logits in fp32; the top-k of p, renormalized to sum 1 if `norm_topk_prob`, cast to x.dtype (one
-kernel where the fused kernels run, equal logits to the lower expert: `minite.nn.router`).
+the logits in fp32; the top-k of p, renormalized to sum 1 if `norm_topk_prob`, cast to x.dtype. Where
+the fused kernels run, the gate and the routing are one kernel (`minite.nn.router.gate_route`: the
+logits summed in a fixed order over the hidden size, equal logits to the lower expert).
 Expert e computes down_e(silu(x W_gate,e^T) * (x W_up,e^T)) with gate_up_proj[e] = [W_gate,e; W_up,e].
 
 Grouped execution (one path for all experts; no Python loop over tokens): the T*k token-expert
@@ -47,11 +48,11 @@ from torch import nn
 
 from minite.execution import DEFAULT, Execution
 from minite.kernels import lazy
-from minite.nn.linear import TE_AMAX_TO_SCALE, Linear
+from minite.nn.linear import TE_AMAX_TO_SCALE
 from minite.nn.moe_combine import combine
 from minite.nn.nvfp4_matmul import grouped_nvfp4_matmul, nvfp4_matmul, use_grouped_kernels
 from minite.nn.quantized_weight import QuantizedWeight, quantize_weight, weight_key
-from minite.nn.router import route
+from minite.nn.router import Gate
 from minite.nn.swiglu import swiglu, swiglu_quantized
 from minite.recipe import Recipe, get_recipe
 from minite.ref import moe_sort as ref_moe_sort
@@ -121,7 +122,7 @@ class MoEExperts(nn.Module):
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
         self.num_experts, self.hidden_size = num_experts, hidden_size
         self.intermediate_size, self.top_k, self.norm_topk_prob = intermediate_size, top_k, norm_topk_prob
-        self.gate = Linear(hidden_size, num_experts, recipe="bf16", dtype=dtype, device=device)
+        self.gate = Gate(hidden_size, num_experts, dtype=dtype, device=device)
         e, h, i = num_experts, hidden_size, intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype, device=device))
         self.down_proj = nn.Parameter(torch.empty(e, h, i, dtype=dtype, device=device))
@@ -169,10 +170,7 @@ class MoEExperts(nn.Module):
 
     def route(self, x2: torch.Tensor) -> Routing:
         """x2 [T, H] -> Routing (HF Qwen3-MoE's softmax / top-k / renormalize)."""
-        logits = self.gate(x2)  # [T, E]
-        weights, ids, counts = route(logits, self.top_k, self.norm_topk_prob, self.recipe.execution,
-                                     chunk_counts=True)  # [T, k]
-        return Routing(logits, weights, ids, counts)
+        return Routing(*self.gate(x2, self.top_k, self.norm_topk_prob, self.recipe.execution))
 
     def forward(self, x: torch.Tensor, return_router: bool = False, quantized=None,
                 residual: torch.Tensor | None = None):

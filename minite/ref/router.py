@@ -11,11 +11,30 @@ the renormalized weights HF computes (the softmax's denominator cancels), up to 
 `minite.kernels.router.route` gives the same ids and these weights to within the GPU's exp2
 approximation (a few fp32 ulps before the cast); both engines run the kernel, so they share its bits.
 The exponential is written exp2(d * log2 e), the kernel's form.
+
+The logits themselves (`gate_logits`, where the kernels compute the gate too) are the bf16 gate
+linear with its sum over the hidden size in a fixed order, so a row's logits never depend on the
+batch (cuBLAS promises no such thing):
+
+    l[t, e] = cast(((0 + p_0) + p_1) + ... + p_{C-1}),   p_c = sum over chunk c of x[t, h] w[e, h]
+
+with chunks of GATE_CHUNK hidden units in order, each p_c in fp32 (its order within the chunk is the
+MMA's), and the cast to x's dtype.
 """
 
 import torch
 
 LOG2E = 1.4426950408889634
+GATE_CHUNK = 128
+
+
+def gate_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, H], the gate's weight [E, H] -> logits [T, E] in x.dtype: fp32 chunk products summed in
+    chunk order (module docstring)."""
+    total = torch.zeros(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+    for h in range(0, x.shape[1], GATE_CHUNK):
+        total = total + x[:, h:h + GATE_CHUNK].float() @ weight[:, h:h + GATE_CHUNK].float().t()
+    return total.to(x.dtype)
 
 
 def route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

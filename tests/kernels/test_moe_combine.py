@@ -7,7 +7,6 @@ import torch
 
 from minite.execution import Execution
 from minite.kernels import moe_combine as kc
-from minite.nn import moe as moe_module
 from minite.nn import moe_combine as nc
 from minite.nn import router
 from minite.ref.moe_combine import combine as reference
@@ -83,9 +82,9 @@ def test_autograd_op_with_residual_passes_the_gradient_to_it():
                     "torch._grouped_mm); on CUDA the agreement runs cover the MoE layer")
 def test_moe_layer_through_the_kernel_equals_the_torch_combine(monkeypatch):
     """Bitwise on the CPU interpreter (fp32): output, input and parameter gradients."""
-    # the router's torch form in both runs (its kernel rounds the weights its own way)
-    monkeypatch.setattr(moe_module, "route",
-                        lambda logits, k, norm, _, **kw: router.route(logits, k, norm, **kw))
+    # the gate and router's torch form in both runs (the kernel sums and rounds its own way)
+    real = router.gate_route
+    monkeypatch.setattr(router, "gate_route", lambda x, w, k, norm, _, **kw: real(x, w, k, norm, **kw))
     plain, fused, calls = moe_through_fused_kernels(monkeypatch, kc, "combine")
     assert calls == 1
     for a, b in zip(plain[:3] + tuple(plain[3]), fused[:3] + tuple(fused[3])):
