@@ -19,6 +19,7 @@ import triton.language as tl
 from minite.kernels import interpreted
 from minite.kernels.launch import cdiv, next_power_of_2
 from minite.kernels.launch import launch as launch_kernel
+from minite.kernels.moe_sort import CHUNK
 from minite.ref.router import GATE_CHUNK, LOG2E
 
 CONFIG = dict(BLOCK_T=16, num_warps=4)
@@ -34,18 +35,38 @@ def _route_rows(v, rows, row_ok, w_ptr, ids_ptr, counts_ptr, block, E, K: tl.con
     slots = tl.arange(0, K_P2)
     top = tl.zeros([v.shape[0], K_P2], dtype=tl.float32)
     ids = tl.zeros([v.shape[0], K_P2], dtype=tl.int64)
-    rest = v
     hits = tl.zeros([v.shape[0], E_P2], dtype=tl.int32)  # picks per row and expert (COUNT)
-    for j in tl.static_range(K):
-        mx = tl.max(rest, 1)
-        pick = tl.min(tl.where(rest == mx[:, None], cols[None, :], E_P2), 1)
-        pick = tl.minimum(pick, E - 1)  # NaN rows: no id out of range
-        top = tl.where(slots[None, :] == j, mx[:, None], top)
-        ids = tl.where(slots[None, :] == j, pick.to(tl.int64)[:, None], ids)
-        picked = cols[None, :] == pick[:, None]
-        rest = tl.where(picked, float("-inf"), rest)
-        if COUNT:
-            hits += picked.to(tl.int32)
+    dt: tl.constexpr = w_ptr.dtype.element_ty  # the logits' dtype
+    if dt.primitive_bitwidth == 16:
+        # one max a pick: a 16-bit logit's bits made monotonic (+0 for -0, which ties it) above
+        # 0xFFFF - its column, so the largest key is the largest logit, equal logits the lower expert
+        b = (v + 0.0).to(dt).to(tl.int16, bitcast=True).to(tl.int32)
+        rest = (tl.where(b >= 0, b, b ^ 0x7FFF) << 16) | (0xFFFF - cols[None, :])
+        for j in tl.static_range(K):
+            mk = tl.max(rest, 1)
+            pick = tl.minimum(0xFFFF - (mk & 0xFFFF), E - 1)
+            o = mk >> 16
+            mx = tl.where(o >= 0, o, o ^ 0x7FFF).to(tl.int16).to(dt, bitcast=True).to(tl.float32)
+            top = tl.where(slots[None, :] == j, mx[:, None], top)
+            ids = tl.where(slots[None, :] == j, pick.to(tl.int64)[:, None], ids)
+            picked = rest == mk[:, None]
+            rest = tl.where(picked, -(2**31), rest)  # below every key: a column's bits are never 0xFFFF
+            if COUNT:
+                hits += picked.to(tl.int32)
+    else:
+        rest = v
+        taken = cols[None, :] >= E  # and the picked experts (an expert at -inf still ties the rest)
+        for j in tl.static_range(K):
+            mx = tl.max(rest, 1)
+            pick = tl.min(tl.where((rest == mx[:, None]) & ~taken, cols[None, :], E_P2), 1)
+            pick = tl.minimum(pick, E - 1)  # NaN rows: no id out of range
+            top = tl.where(slots[None, :] == j, mx[:, None], top)
+            ids = tl.where(slots[None, :] == j, pick.to(tl.int64)[:, None], ids)
+            picked = cols[None, :] == pick[:, None]
+            rest = tl.where(picked, float("-inf"), rest)
+            taken = taken | picked
+            if COUNT:
+                hits += picked.to(tl.int32)
     m = tl.sum(tl.where(slots[None, :] == 0, top, 0.0), 1)  # the first pick: the row's largest logit
     e = tl.math.exp2((top - m[:, None]) * _LOG2E)
     if NORMALIZE:
@@ -160,8 +181,8 @@ def route(logits: torch.Tensor, k: int, normalize: bool, chunk: int | None = Non
     return (weights, ids) if chunk is None else (weights, ids, counts)
 
 
-GATE_CONFIG = dict(BLOCK_T=16, num_warps=4)
-SPLIT_MAX_BLOCKS = 64  # row blocks (1024 tokens at 16 a block) up to which the chunks are programs
+GATE_CONFIG = dict(num_warps=4)
+SPLIT_MAX_BLOCKS = 64  # row blocks up to which the chunks are programs (1024 tokens at top-8)
 _SEMAPHORES: dict = {}  # device -> int32 [SPLIT_MAX_BLOCKS], zero between launches
 
 
@@ -172,6 +193,14 @@ def _semaphores(device: torch.device) -> torch.Tensor | None:
     if sem is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         sem = _SEMAPHORES[device] = torch.zeros(SPLIT_MAX_BLOCKS, dtype=torch.int32, device=device)
     return sem
+
+
+def gate_rows(k: int) -> int:
+    """Rows a block of the gate's launch holds: the tokens of one of the sort's chunks where that is 16
+    or 32 (the block then counts that chunk's picks), else 16. A function of k alone: a row's bits
+    must not depend on the batch."""
+    tokens = CHUNK // k if CHUNK % k == 0 else 0
+    return tokens if tokens in (16, 32) else 16
 
 
 def gate_route(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool, chunk: int | None = None):
@@ -194,8 +223,8 @@ def gate_route(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool, c
         raise ValueError(f"top-k must be in 1..E={e}, got {k}")
     if x.device.type != "cuda" and not interpreted():
         raise ValueError(f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1); got {x.device}")
-    block, e_p2 = GATE_CONFIG["BLOCK_T"], max(16, next_power_of_2(e))
-    if chunk is not None and (chunk % k or chunk // k != block):
+    block, e_p2 = gate_rows(k), max(16, next_power_of_2(e))
+    if chunk is not None and chunk != block * k:
         raise ValueError(f"chunk must be k={k} times {block}, got {chunk}")
     logits = torch.empty(t, e, dtype=x.dtype, device=x.device)
     weights = torch.empty(t, k, dtype=x.dtype, device=x.device)

@@ -88,7 +88,7 @@ def gate_route(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool,
     chunk = None
     if chunk_counts:
         chunk = lazy.moe_sort.router_chunk(k, x.shape[0] * k, weight.shape[0])
-        if chunk is not None and chunk // k != lazy.router.GATE_CONFIG["BLOCK_T"]:
+        if chunk is not None and chunk != lazy.router.gate_rows(k) * k:
             chunk = None  # the sort counts itself
     out = _GateRoute.apply(x.contiguous(), weight, k, normalize, chunk)
     return (*out, None) if chunk_counts and chunk is None else out

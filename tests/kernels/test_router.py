@@ -48,12 +48,17 @@ def test_kernel_gives_the_references_ids_and_weights(dtype, normalize, t, e, k):
     torch.testing.assert_close(w.cpu(), want_w, rtol=RTOL[dtype], atol=0)
 
 
-def test_equal_logits_go_to_the_lower_expert():
-    x = torch.zeros(3, 16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # 16-bit: one max over packed keys
+def test_equal_logits_go_to_the_lower_expert(dtype):
+    x = torch.zeros(4, 16)
     x[2, 5:] = 1.0
-    w, ids = kr.route(x.to(device()), 4, True)
-    assert ids.cpu().tolist() == [[0, 1, 2, 3], [0, 1, 2, 3], [5, 6, 7, 8]]
-    assert torch.equal(w.cpu(), torch.full((3, 4), 0.25))
+    x[3, ::2] = -0.0  # -0 ties +0
+    x[3, 9:] = -float("inf")
+    w, ids = kr.route(x.to(dtype).to(device()), 4, True)
+    assert ids.cpu().tolist() == [[0, 1, 2, 3], [0, 1, 2, 3], [5, 6, 7, 8], [0, 1, 2, 3]]
+    assert torch.equal(w.cpu(), torch.full((4, 4), 0.25, dtype=dtype))
+    w, ids = kr.route(torch.full((1, 16), -float("inf"), dtype=dtype, device=device()), 2, True)
+    assert ids.cpu().tolist() == [[0, 1]]
 
 
 def test_reference_is_hfs_routing_up_to_the_order_of_equal_logits():
