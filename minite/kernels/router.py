@@ -124,7 +124,7 @@ def _gate_route_kernel(x_ptr, g_ptr, part_ptr, sem_ptr, logits_ptr, w_ptr, ids_p
     row_ok = rows < T
     cols = tl.arange(0, E_P2)
     tile = rows.to(tl.int64)[:, None] * E_P2 + cols[None, :]  # [BLOCK_T, E_P2] in a [T_pad, E_P2] plane
-    plane = tl.cdiv(T, BLOCK_T).to(tl.int64) * BLOCK_T * E_P2
+    plane = (T + BLOCK_T - 1) // BLOCK_T * BLOCK_T * E_P2  # no .to(): T == 1 compiles as a constant
     total = tl.zeros([BLOCK_T, E_P2], dtype=tl.float32)
     last = True
     if SPLIT:  # this program's chunk into the workspace; the block's last program to finish sums them
