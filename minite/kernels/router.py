@@ -109,8 +109,12 @@ def _chunk_product(x_ptr, g_ptr, rows, row_ok, c, T, H, E, stride_x, stride_g, E
     g = tl.load(g_ptr + cols.to(tl.int64)[:, None] * stride_g + h[None, :],
                 mask=(cols < E)[:, None] & (h < H)[None, :], other=0.0)
     if IEEE:
-        return tl.dot(x, tl.trans(g), input_precision="ieee")
-    return tl.dot(x, tl.trans(g))
+        p = tl.dot(x, tl.trans(g), input_precision="ieee")
+    else:
+        p = tl.dot(x, tl.trans(g))
+    # the select keeps the compiler from folding the caller's `total + p` into the MMA's accumulator
+    # (that would sum within the chunk onto the running total: other bits than the split launch's)
+    return tl.where(row_ok[:, None], p, 0.0)
 
 
 @triton.jit
