@@ -9,7 +9,12 @@ expert), so a row's result never depends on the batch.
 
 With `chunk`, each program also counts its picks per expert: the per-chunk counts the counting sort
 (`minite.kernels.moe_sort`) starts from, so the sort needs no counting launch of its own; a program
-then holds chunk / k rows, one chunk of the flat assignments.
+then holds chunk / k rows, one chunk of the flat assignments. 16-bit logits take one max a pick (a
+key of the logit's monotonic bits above the inverted column), fp32 logits a max and a min.
+
+`gate_route` computes the gate's logits in the same launch, in `minite.ref.router.gate_logits`'s
+chunk order (the split launch's counters are per device: its launches must not overlap in time, as
+on one stream).
 """
 
 import torch
@@ -112,8 +117,8 @@ def _chunk_product(x_ptr, g_ptr, rows, row_ok, c, T, H, E, stride_x, stride_g, E
         p = tl.dot(x, tl.trans(g), input_precision="ieee")
     else:
         p = tl.dot(x, tl.trans(g))
-    # the select keeps the compiler from folding the caller's `total + p` into the MMA's accumulator
-    # (that would sum within the chunk onto the running total: other bits than the split launch's)
+    # a select between the MMA and the caller's `total + p`: without it the unsplit launch gave other
+    # bits than the split one on the GPU (likely the sum folded into the MMA's accumulator)
     return tl.where(row_ok[:, None], p, 0.0)
 
 
