@@ -6,7 +6,7 @@ One program = one query tile of one sequence x one kv head. The tile's M rows ar
 pairs: BLOCK_M // G consecutive queries of the sequence times the G = Hq // Hkv query heads that
 share the kv head, so a decode step (one query per sequence) still fills an MMA tile (padding rows
 are masked). The program walks its sequence's keys in position order, in chunks of BLOCK_N
-(= `minite.ref.attention.KV_BLOCK`) starting at position 0, up to its last query's position:
+(`kv_block(kv_format)`, the reference's `kv_block`) starting at position 0, up to its last query's position:
 s = (q @ k^T) * scale * log2(e) in an fp32-accumulating MMA, fp32 online softmax (exp2), p cast to
 the value dtype, acc += p @ v (fp32 accumulation), out = acc / l.
 
@@ -18,7 +18,7 @@ key's / value's fp32 row scale multiplies its column of s before the softmax sca
 its cast; no other pass. bf16 keys take the
 unchanged loads and arithmetic above, so their bits are those of the unquantized kernel.
 
-Batch invariance: one fixed launch configuration per operand dtype (CONFIGS["gpu"] for bf16/fp16)
+Batch invariance: one fixed launch configuration per operand dtype and KV format (CONFIGS; `config`)
 for every call, decode or prefill, paged or contiguous; no split over keys; a row's arithmetic
 never depends on the other rows of its tile (MMA rows are independent, row reductions run along N
 only) nor on chunks past its position (they multiply by exactly 1 and add exact zeros). Hence
@@ -45,14 +45,20 @@ from minite.ref.kv_quant import QuantizedKV
 KV_IDS = {"bf16": 0, "fp8": 1, "nvfp4": 2}
 
 CONFIGS = {
-    # The one configuration of every GPU call (decode, prefill, learner; every KV format): never switch
-    # per batch. H200 sweep (benchmarks/results/h200/attention_kv_formats.json, 512 sequences decode
-    # / 8 x 1024 prefill): 2 warps beat 4 in decode (bf16 KV 0.91-0.96 of HBM against 0.86-0.92; fp8
-    # KV 1.36-1.43x, attention_fp8_configs.json: fewer warps share the softmax's row reductions);
-    # prefill timings vary between runs more than the warps move them (docs/performance.md); BLOCK_M
-    # 32 / 64 are slower in decode, which rollouts are bound by. The bitwise GPU tests run on this
-    # configuration.
+    # The one configuration of every GPU call (decode, prefill, learner) per KV format: never switch per
+    # batch. bf16 / fp16 keys and values (H200 sweep, benchmarks/results/h200/attention_kv_formats.json,
+    # 512 sequences decode / 8 x 1024 prefill): 2 warps beat 4 in decode (0.91-0.96 of HBM against
+    # 0.86-0.92); prefill timings vary between runs more than the warps move them (docs/performance.md);
+    # BLOCK_M 32 / 64 are slower in decode, which rollouts are bound by. The bitwise GPU tests run on
+    # these configurations.
     "gpu": dict(BLOCK_M=16, BLOCK_N=KV_BLOCK, num_warps=2, num_stages=2),
+    # fp8 / nvfp4 keys and values: one warp a program on 32-key chunks, eight programs an SM where the
+    # 64-key, 2-warp tile fits four (registers and shared memory); the decode kernel is bound by the
+    # latency of each program's chunk chain, not by its instructions (H100 sweep,
+    # benchmarks/results/h100/attention_decode_configs_fe1d645.json: fp8 206 against 245 us at 512
+    # sequences x 512 keys, nvfp4 535 against 622)
+    "gpu_fp8": dict(BLOCK_M=16, BLOCK_N=32, num_warps=1, num_stages=2),
+    "gpu_nvfp4": dict(BLOCK_M=16, BLOCK_N=32, num_warps=1, num_stages=2),
     # fp32 operands (fp32 models, tests): the same tiles, fewer stages (fp32 tiles are twice the size)
     "gpu_fp32": dict(BLOCK_M=64, BLOCK_N=KV_BLOCK, num_warps=8, num_stages=1),
     # The CPU interpreter: small tiles so that tiny tests walk several chunks.
@@ -246,16 +252,20 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kb_ptr, vb_ptr, out_p
             tl.store(lse_ptr + rows * stride_ln + heads, lse, mask=valid)
 
 
-def config(dtype: torch.dtype = torch.bfloat16) -> dict:
-    """The launch configuration in force for operands of `dtype` (the interpreter's on the CPU)."""
+def config(dtype: torch.dtype = torch.bfloat16, kv_format: str = "bf16") -> dict:
+    """The launch configuration in force for operands of `dtype` and keys / values in `kv_format`
+    ("bf16": the model dtype; "fp8", "nvfp4": `QuantizedKV`), the interpreter's on the CPU. Every
+    configuration holds BLOCK_M = 16 query rows, so that one `plan_tiles` serves every layer."""
     if interpreted():
         return CONFIGS["interpret"]
-    return CONFIGS["gpu_fp32"] if dtype == torch.float32 else CONFIGS["gpu"]
+    if dtype == torch.float32:
+        return CONFIGS["gpu_fp32"]
+    return CONFIGS["gpu"] if kv_format == "bf16" else CONFIGS[f"gpu_{kv_format}"]
 
 
-def kv_block() -> int:
+def kv_block(dtype: torch.dtype = torch.bfloat16, kv_format: str = "bf16") -> int:
     """Keys per online-softmax chunk of the configuration in force (the reference's `kv_block`)."""
-    return config()["BLOCK_N"]
+    return config(dtype, kv_format)["BLOCK_N"]
 
 
 def plan_tiles(query_seq: torch.Tensor, num_seqs: int, group: int,
@@ -334,7 +344,8 @@ def _launch(q, k, v, query_seq, query_pos, table, start, context_lens, block_siz
     N, Hq, D = q.shape
     Hkv = k.shape[-2]
     G = Hq // Hkv
-    cfg = config(q.dtype) if cfg is None else cfg
+    kv_format = k.format if isinstance(k, QuantizedKV) else "bf16"
+    cfg = config(q.dtype, kv_format) if cfg is None else cfg
     if G > cfg["BLOCK_M"]:
         raise ValueError(f"{G} query heads per kv head exceed the tile's BLOCK_M={cfg['BLOCK_M']}")
     out = torch.empty_like(q)
@@ -345,7 +356,7 @@ def _launch(q, k, v, query_seq, query_pos, table, start, context_lens, block_siz
     scale = D ** -0.5 if scale is None else scale
     dot_f32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and interpreted())
     grid = (tiles.shape[0] * Hkv,)
-    kv = KV_IDS[k.format] if isinstance(k, QuantizedKV) else 0
+    kv = KV_IDS[kv_format]
     if kv:  # payload and block scales as bytes; k's and v's scale tensors are laid out alike
         ks, vs = k.scale, v.scale
         kb, vb = (k.block_scales, v.block_scales) if kv == 2 else (ks, vs)

@@ -12,9 +12,10 @@ Configurations (CONFIGS, fixed; no autotuning):
 - `aligned`: one K order for every M and both weight representations (BK = 64 chunks, each a sequence
   of k16 tensor-core steps, no split-K), so an output row never depends on M, on the other rows, or
   on whether the weight was packed: the batch-invariant path. The tile's M x N shape only partitions
-  the outputs, so it is picked by M (`aligned` below ALIGNED_LARGE_M rows, `aligned_large` from
-  there); the GPU tests and the tile sweep (benchmarks/tools/sweep_gemm_tiles.py: 44 tiles, one set of
-  bits) check that rows keep their bits across it. `aligned_large` brings the operands in by TMA in a
+  the outputs, so it is picked by M and the grid (`aligned` below ALIGNED_WAVE_M rows,
+  `aligned_wave` / `aligned_waves` up to ALIGNED_LARGE_M, `aligned_large` from there); the GPU tests
+  and the tile sweep (benchmarks/tools/sweep_gemm_tiles.py: 44 tiles, one set of bits) check that
+  rows keep their bits across it. `aligned_large` brings the operands in by TMA in a
   persistent kernel (`_w4a4_tma_kernel`), the same K order (the TMA sweep checks the bits).
 - `prefill`: the fastest tile for large M (dequantized weight copy); today the same as `aligned_large`.
 - `decode`: small M (<= 64), packed weights, its own kernel (`kernels.decode_gemm`): the weight,
@@ -41,6 +42,13 @@ CONFIGS = {
     # M = 512 on the rollout shapes 5-35 % less time than on pointer loads (8 warps), the same bits
     # (benchmarks/tools/sweep_gemm_tma.py, CUDA graphs; benchmarks/results/h200/sweep_gemm_tma.json)
     "aligned": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4, TMA=True, PERSIST=0),
+    # ALIGNED_WAVE_M <= M < ALIGNED_LARGE_M (a rollout's decode steps at 512 sequences): where the
+    # `aligned` grid fits one wave (a program an SM), 6 stages; where it holds more, 128 x 128 tiles of
+    # 8 warps, two programs an SM. Qwen3-1.7B at M = 512 on the H100, CUDA graphs: o 11.4 / q|k|v 16.9 /
+    # gate|up 53.7 / down 26.3 us against 13.8 / 19.5 / 68.2 / 34.2 on `aligned` (cuBLAS 10.6 / 13.7 /
+    # 36.0 / 26.4), the same bits (benchmarks/results/h100/gemm512_tiles_fe1d645.json)
+    "aligned_wave": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=6, TMA=True, PERSIST=0),
+    "aligned_waves": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4, TMA=True, PERSIST=0),
     # M >= ALIGNED_LARGE_M: operands by TMA, one persistent program per SM (`_w4a4_tma_kernel`):
     # 0.92-1.02x cuBLAS at Qwen3-8B shapes, M 4096-16384, where the same tile on pointer loads ran
     # 0.78-0.89x (benchmarks/results/h200/sweep_gemm_tma.json; the same bits at every shape)
@@ -55,6 +63,7 @@ CONFIGS = {
     "interpret": dict(BM=16, BN=32, BK=32, GROUP_M=2, num_warps=4, num_stages=1),
 }
 ALIGNED_LARGE_M = 2048
+ALIGNED_WAVE_M = 512
 
 
 @triton.jit
@@ -214,6 +223,10 @@ def pick_config(config, m: int, n: int, k: int | None = None, packed: bool = Fal
         return CONFIGS["interpret"]
     if config == "aligned" and m >= ALIGNED_LARGE_M:
         config = "aligned_large"
+    elif config == "aligned" and m >= ALIGNED_WAVE_M:
+        one_wave = cdiv(m, CONFIGS["aligned"]["BM"]) * cdiv(n, CONFIGS["aligned"]["BN"]) <= _sm_count(
+            torch.cuda.current_device() if torch.cuda.is_available() else None)
+        config = "aligned_wave" if one_wave else "aligned_waves"
     cfg = dict(CONFIGS[config])
     if config == "decode":
         cfg["BM"] = 16 if m <= 16 else (32 if m <= 32 else 64)

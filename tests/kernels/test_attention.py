@@ -67,7 +67,7 @@ def test_kernel_matches_reference(dtype):
     dev = device()
     args = paged_case([1, 9, 40, 33], [0, 3, 0, 31], Hq=4, Hkv=2, D=16, block_size=4, dtype=dtype, dev=dev)
     got = paged_attention(*args)
-    want = ref.paged_attention(*args, kv_block=kv_block())
+    want = ref.paged_attention(*args, kv_block=kv_block(dtype))
     assert got.dtype == dtype and got.shape == args[0].shape
     torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=ATOL[dtype])
     if dtype == torch.float32:
@@ -82,7 +82,7 @@ def test_kernel_odd_group_and_decode_padding():
     lens = lens.clone()
     lens[2] = 0
     got = paged_attention(q, kc, vc, qseq, qpos, tables, lens)
-    want = ref.paged_attention(q, kc, vc, qseq, qpos, tables, lens, kv_block=kv_block())
+    want = ref.paged_attention(q, kc, vc, qseq, qpos, tables, lens, kv_block=kv_block(torch.float32))
     torch.testing.assert_close(got, want, rtol=0, atol=ATOL[torch.float32])
     assert torch.equal(got[2], torch.zeros_like(got[2]))
 
@@ -98,7 +98,8 @@ def test_contiguous_equals_paged():
     starts = torch.tensor([0, 13, 43], device=dev)
     packed = contiguous_attention(q, keys, values, qseq, qpos, starts, lens_t)
     assert torch.equal(packed, paged_attention(q, kc, vc, qseq, qpos, tables, lens_t))
-    want = ref.contiguous_attention(q, keys, values, qseq, qpos, starts, lens_t, kv_block=kv_block())
+    want = ref.contiguous_attention(q, keys, values, qseq, qpos, starts, lens_t,
+                                    kv_block=kv_block(torch.float16))
     torch.testing.assert_close(packed.float(), want.float(), rtol=0, atol=ATOL[torch.float16])
 
 

@@ -120,17 +120,19 @@ def test_gpu_error_bound_against_reference():
 
 
 @pytest.mark.gpu
-def test_gpu_batch_invariance_aligned():
-    """Rows bitwise equal across M in {1, 7, 64, 300, 4096} and both weight representations, on
-    heavy-tailed data where accumulation order matters."""
-    k, n = 4096, 1024
+@pytest.mark.parametrize("n", [1024, 4096])
+def test_gpu_batch_invariance_aligned(n):
+    """Rows bitwise equal across M in {1, 7, 64, 300, 512, 1024, 4096} (every `aligned` tile: at 512
+    rows N = 1024 fits one wave, 4096 does not) and both weight representations, on heavy-tailed data
+    where accumulation order matters."""
+    k = 4096
     x = heavy(4096, k, 2).cuda()
     wq = kq.quantize(heavy(n, k, 3).cuda(), "tensor")
     a, sa = kq.quantize_unscaled(x)
     copy = kg.unscaled_copy(wq)
     full = kg.w4a4_gemm(a, sa, copy, wq.global_scale)
     assert torch.isfinite(full.float()).all()
-    for m in (1, 7, 64, 300, 4096):
+    for m in (1, 7, 64, 300, 512, 1024, 4096):
         for rows in (slice(0, m), slice(4096 - m, 4096)):
             a_m, sa_m = kq.quantize_unscaled(x[rows])
             assert torch.equal(a_m, a[rows]) and torch.equal(sa_m, sa[rows])

@@ -25,8 +25,8 @@ def _tiles():
     if device() == "cpu":
         tile = kg.CONFIGS["interpret"]
         return [tile, dict(tile, BN=64), dict(tile, TMA=True, PERSIST=0)]
-    return [kg.pick_config("aligned", 300, 1), kg.pick_config("aligned", 4096, 1),
-            dict(BM=64, BN=64, BK=64, GROUP_M=4, num_warps=4, num_stages=3)]
+    return [kg.pick_config("aligned", 300, 1), kg.pick_config("aligned", 4096, 1), kg.CONFIGS["aligned_wave"],
+            kg.CONFIGS["aligned_waves"], dict(BM=64, BN=64, BK=64, GROUP_M=4, num_warps=4, num_stages=3)]
 
 
 @pytest.mark.parametrize("widths", [(48, 16, 16), (32, 96), (40, 24, 8)])
@@ -53,7 +53,8 @@ def test_each_segment_has_its_own_gemms_bits(widths, epilogue):
 
 def test_aligned_configs_share_bk():
     """The fused projections pad their concatenated copy to one BK for every M."""
-    assert kg.CONFIGS["aligned"]["BK"] == kg.CONFIGS["aligned_large"]["BK"]
+    assert {kg.CONFIGS[c]["BK"] for c in ("aligned", "aligned_wave", "aligned_waves", "aligned_large")} == {
+        kg.CONFIGS["aligned"]["BK"]}
 
 
 def test_bad_widths_raise():

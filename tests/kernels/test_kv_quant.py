@@ -68,12 +68,12 @@ def test_kernel_on_quantized_kv_matches_the_reference(fmt, dtype):
     args, _ = quantized_case(fmt, dtype, [1, 9, 40, 33], [0, 3, 0, 31], Hq=4, Hkv=2, D=16, block_size=4)
     q, kq, vq = args[:3]
     got = paged_attention(*args)
-    want = ref.paged_attention(*args, kv_block=kv_block())
+    want = ref.paged_attention(*args, kv_block=kv_block(dtype, fmt))
     assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=ATOL[dtype])
     # the folded scales compute attention over the dequantized values
     plain = ref.paged_attention(q, kq.dequantize(torch.float32), vq.dequantize(torch.float32), *args[3:],
-                                kv_block=kv_block())
+                                kv_block=kv_block(dtype, fmt))
     torch.testing.assert_close(got.float(), plain.float(), rtol=0, atol=2 * ATOL[dtype])
 
 
