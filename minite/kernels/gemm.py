@@ -44,11 +44,12 @@ CONFIGS = {
     "aligned": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4, TMA=True, PERSIST=0),
     # ALIGNED_WAVE_M <= M < ALIGNED_LARGE_M (a rollout's decode steps at 512 sequences): where the
     # `aligned` grid fits one wave (a program an SM), 6 stages; where it holds more, 128 x 128 tiles of
-    # 8 warps, two programs an SM. Qwen3-1.7B at M = 512 on the H100, CUDA graphs: o 11.4 / q|k|v 16.9 /
-    # gate|up 53.7 / down 26.3 us against 13.8 / 19.5 / 68.2 / 34.2 on `aligned` (cuBLAS 10.6 / 13.7 /
-    # 36.0 / 26.4), the same bits (benchmarks/results/h100/gemm512_tiles_fe1d645.json)
+    # 8 warps, one persistent program an SM. Qwen3-1.7B at M = 512 on the H100, CUDA graphs: o 11.6 /
+    # q|k|v 17.0 / gate|up 45.7 / down 26.9 us against 13.7 / 19.5 / 68.7 / 34.1 on `aligned` (cuBLAS
+    # 10.7 / 14.0 / 37.1 / 26.9), the same bits (benchmarks/results/h100/gemm512_tiles_*.json)
     "aligned_wave": dict(BM=64, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=6, TMA=True, PERSIST=0),
-    "aligned_waves": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4, TMA=True, PERSIST=0),
+    "aligned_waves": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=4, TMA=True, PERSIST=1,
+                          FLATTEN=True),
     # M >= ALIGNED_LARGE_M: operands by TMA, one persistent program per SM (`_w4a4_tma_kernel`):
     # 0.92-1.02x cuBLAS at Qwen3-8B shapes, M 4096-16384, where the same tile on pointer loads ran
     # 0.78-0.89x (benchmarks/results/h200/sweep_gemm_tma.json; the same bits at every shape)
