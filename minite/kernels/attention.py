@@ -46,16 +46,18 @@ KV_IDS = {"bf16": 0, "fp8": 1, "nvfp4": 2}
 
 CONFIGS = {
     # The one configuration of every GPU call (decode, prefill, learner) per KV format: never switch per
-    # batch. One warp a program on 32-key chunks: eight programs an SM where the 64-key, 2-warp tile fit
-    # four (registers and shared memory); the kernel is bound by the latency of each program's chain of
-    # chunks, not by its instructions. H100, Qwen3-1.7B heads, paired CUDA graphs
-    # (benchmarks/results/h100/attention_decode_configs_fe1d645.json, attention_configs_round2_*.json),
-    # against 64 keys on 2 warps: decode at 512 sequences x 512 keys fp8 213 against 245 us, nvfp4 540
-    # against 624, bf16 361 against 361; 128 x 384 fp8 45 / 54, bf16 73 / 75; the learner's packed 16 x
-    # 1024 tokens bf16 565 against 692, fp8 783 / 853. Two warps on 64-key chunks beat four (H200,
-    # attention_kv_formats.json); 16-key chunks and more stages do not pay. The bitwise GPU tests run on
-    # these configurations.
-    "gpu": dict(BLOCK_M=16, BLOCK_N=32, num_warps=1, num_stages=2),
+    # batch. bf16 / fp16 keys and values: two warps on 64-key chunks (two beat four in decode, H200,
+    # benchmarks/results/h200/attention_kv_formats.json). One warp on 32-key chunks ran the learner's
+    # packed 16 x 1024 tokens in 565 against 692 us and decode 512 x 512 in the same 361 us (H100,
+    # attention_configs_round2_0eaa9f5.json); not taken until the engines' agreement is checked on it.
+    "gpu": dict(BLOCK_M=16, BLOCK_N=KV_BLOCK, num_warps=2, num_stages=2),
+    # fp8 / nvfp4: one warp a program on 32-key chunks, eight programs an SM where the 64-key, 2-warp
+    # tile fit four (registers and shared memory); the kernel is bound by the latency of each program's
+    # chain of chunks, not by its instructions. H100, Qwen3-1.7B heads, paired CUDA graphs
+    # (attention_decode_configs_fe1d645.json, attention_configs_round2_0eaa9f5.json), against 64 keys on
+    # 2 warps: decode 512 x 512 fp8 206-213 against 245 us, nvfp4 535-540 against 622-624; 128 x 384
+    # fp8 45 / 54; packed 16 x 1024 fp8 783 / 853. 16-key and 128-key chunks and more stages do not
+    # pay. The bitwise GPU tests run on these configurations.
     "gpu_fp8": dict(BLOCK_M=16, BLOCK_N=32, num_warps=1, num_stages=2),
     "gpu_nvfp4": dict(BLOCK_M=16, BLOCK_N=32, num_warps=1, num_stages=2),
     # fp32 operands (fp32 models, tests): the same tiles, fewer stages (fp32 tiles are twice the size)

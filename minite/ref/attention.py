@@ -50,7 +50,7 @@ import torch
 
 from minite.ref.kv_quant import QuantizedKV
 
-# The default keys per chunk of the online softmax (the fp32 kernel's BLOCK_N); the kernel's chunk for
+# The default keys per chunk of the online softmax (the bf16 / fp32 kernel's BLOCK_N); the kernel's chunk for
 # each operand dtype and KV format is `minite.kernels.attention.kv_block(dtype, kv_format)`.
 KV_BLOCK = 64
 LOG2E = math.log2(math.e)
