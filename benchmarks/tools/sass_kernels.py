@@ -54,8 +54,8 @@ def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, aligned=
     """(SASS text, ptxas -v summary and the launch's shared memory) of fn for sm_90 (num_stages: Triton's
     default unless given); pointers and the `aligned` ints are declared 16-divisible, as Triton's
     launcher specializes them at run time."""
-    names = list(signature)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+    names = list(fn.arg_names)  # attributes are indexed by the argument's place among all of fn's
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in signature
              if signature[n].startswith("*") or n in aligned}
     sig = dict(signature, **{k: "constexpr" for k in constexprs})
     options = dict(num_warps=num_warps)
@@ -189,18 +189,19 @@ def gemm(k: int) -> None:
 
 
 def attention(_k: int) -> None:
-    """The decode attention kernel (`attention._attention_kernel`, CONFIGS["gpu"], paged, head_dim 128,
-    2 query heads per kv head) for each KV format: its main loop's loads (LDGSTS: asynchronous copies
-    the pipeliner issues ahead; LDG: loads the loop waits on), conversions, MMAs, registers, spills."""
+    """The decode attention kernel (`attention._attention_kernel`, paged, head_dim 128, 2 query heads per
+    kv head) for each KV format on that format's GPU configuration: its main loop's loads (LDGSTS:
+    asynchronous copies the pipeliner issues ahead; LDG: loads the loop waits on), conversions, MMAs,
+    registers, spills."""
     from minite.kernels import attention as ka
 
-    cfg = ka.CONFIGS["gpu"]
     names = list(ka._attention_kernel.arg_names)
     pointers = {"q_ptr": "*bf16", "out_ptr": "*bf16", "lse_ptr": "*fp32", "tiles_ptr": "*i32",
                 "pos_ptr": "*i64", "table_ptr": "*i64", "start_ptr": "*i64", "ctx_ptr": "*i64",
                 "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
     for kv, name in ((0, "bf16"), (1, "fp8"), (2, "nvfp4")):
         kv_ptr = "*bf16" if kv == 0 else "*u8"
+        cfg = ka.CONFIGS["gpu" if kv == 0 else f"gpu_{name}"]
         const = dict(G=2, HKV=8, D=128, BLOCK_SIZE=16, PAGED=True, STORE_LSE=False, KV=kv, HW=True,
                      DOT_F32=False, PRECISION="tf32", WHILE_LOOP=False, BLOCK_M=cfg["BLOCK_M"],
                      BLOCK_N=cfg["BLOCK_N"])
@@ -221,7 +222,7 @@ def attention(_k: int) -> None:
                                      num_stages=cfg["num_stages"])
         ops = main_loop_ops(sass)
         total = sum(ops.values())
-        print(f"attention, {name} KV: main loop {total} instructions per 64-key chunk, "
+        print(f"attention, {name} KV: main loop {total} instructions per {cfg['BLOCK_N']}-key chunk, "
               f"LDGSTS {ops['LDGSTS']}, LDG {ops['LDG']}, F2F {ops['F2F'] + ops['F2FP']}, "
               f"HMMA {ops['HMMA']}, STS {ops['STS']} ({summary})")
         print("   ", ", ".join(f"{op} {n}" for op, n in ops.most_common(14)))
