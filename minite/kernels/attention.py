@@ -79,14 +79,16 @@ def _e4m3_signed(b):
 
 @triton.jit
 def _e4m3_words(ptr, rows, in_seq, D: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr):
-    """E4M3 rows [BLOCK_N, D] loaded as 32-bit words -> exact values [BLOCK_N, D] in DT (bf16 / fp16).
+    """E4M3 rows [BLOCK_N, D] loaded as 32-bit words -> exact values [BLOCK_N, D] in DT (bf16 / fp16 /
+    fp32).
     Converting whole words in registers, before the layout change to the dot operand, keeps the
     value tile's shared-memory reads vectorized (loaded as bytes in the operand layout, the keys-major
     value tile is read a byte at a time)."""
     w = tl.load((ptr + rows).to(tl.pointer_type(tl.int32)) + tl.arange(0, D // 4)[None, :],
                 mask=in_seq[:, None], other=0)
-    # one word -> its four bytes' values, byte 0 first: two packed E4M3 -> fp16 conversions (exact)
-    if DT == tl.float16:
+    # one word -> its four bytes' values, byte 0 first: two packed E4M3 -> fp16 conversions (exact;
+    # fp32 operands widen those)
+    if DT != tl.bfloat16:
         b0, b1, b2, b3 = tl.inline_asm_elementwise("""{
     .reg .b16 lo, hi;
     .reg .b32 h0, h1;
@@ -115,7 +117,7 @@ def _e4m3_words(ptr, rows, in_seq, D: tl.constexpr, BLOCK_N: tl.constexpr, DT: t
     mov.b32 {$0, $1}, r0;
     mov.b32 {$2, $3}, r1;
 }""", "=h,=h,=h,=h,r", [w], dtype=(tl.bfloat16,) * 4, is_pure=True, pack=1)
-    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [BLOCK_N, D])
+    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [BLOCK_N, D]).to(DT)
 
 
 @triton.jit

@@ -89,6 +89,22 @@ def test_gradients_pass_straight_through_the_quantization(fmt, kernel):
     assert k.grad.abs().sum() > 0 and v.grad.abs().sum() > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_fp32_operands_read_a_quantized_cache(fmt):
+    """fp32 q, k, v on quantized keys and values (the fp8 words widened from fp16): the kernel's
+    forward on the GPU matches attention over the dequantized values."""
+    from minite.nn.attention import KernelAttention, PackedLayout, varlen_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(80, h, 128, generator=g, device="cuda") for h in (4, 2, 2))
+    pos = torch.cat([torch.arange(23), torch.arange(57)]).cuda()
+    cu = torch.tensor([0, 23, 80], device="cuda")
+    out = KernelAttention.apply(q, k, v, PackedLayout(pos, cu), fmt)
+    kd, vd = (quantize_kv(t, fmt).dequantize() for t in (k, v))
+    torch.testing.assert_close(out, varlen_attention(q, kd, vd, pos, cu), rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_cpu_training_step_with_the_config_override(tmp_path, fmt):
     from minite.rl.trainer import Trainer
