@@ -72,11 +72,14 @@ def _e2m1_to_float(c, DOT_F16: tl.constexpr):
     """Unpacked E2M1 codes (integers 0..15) -> fp16 / bf16 values, built from their bits."""
     c = c.to(tl.uint16)
     mag = c & 7
+    # one return: Triton types every return of a function alike, constexpr branches included
     if DOT_F16:
         bits = tl.where(mag >= 2, (mag << 9) + 0x3800, mag * 0x3800) | ((c & 8) << 12)
-        return bits.to(tl.float16, bitcast=True)
-    bits = tl.where(mag >= 2, (mag << 6) + 0x3F00, mag * 0x3F00) | ((c & 8) << 12)
-    return bits.to(tl.bfloat16, bitcast=True)
+        out = bits.to(tl.float16, bitcast=True)
+    else:
+        bits = tl.where(mag >= 2, (mag << 6) + 0x3F00, mag * 0x3F00) | ((c & 8) << 12)
+        out = bits.to(tl.bfloat16, bitcast=True)
+    return out
 
 
 @triton.jit
