@@ -188,35 +188,35 @@ def gemm(k: int) -> None:
                       f"({summary})")
 
 
-def attention(_k: int) -> None:
-    """The decode attention kernel (`attention._attention_kernel`, paged, head_dim 128, 2 query heads per
-    kv head) for each KV format on that format's GPU configuration: its main loop's loads (LDGSTS:
-    asynchronous copies the pipeliner issues ahead; LDG: loads the loop waits on), conversions, MMAs,
-    registers, spills."""
+def attention_args(kv: int, operand: str = "bf16") -> tuple[dict, dict, dict]:
+    """(signature, constexprs, launch configuration) of the paged decode attention kernel
+    (`attention._attention_kernel`, head_dim 128, 2 query heads per kv head) for KV format id `kv`
+    (0 bf16, 1 fp8, 2 nvfp4) and q / out of dtype `operand` (bf16, fp16, fp32), as the GPU runs it."""
     from minite.kernels import attention as ka
 
-    names = list(ka._attention_kernel.arg_names)
-    pointers = {"q_ptr": "*bf16", "out_ptr": "*bf16", "lse_ptr": "*fp32", "tiles_ptr": "*i32",
+    name = {0: "bf16", 1: "fp8", 2: "nvfp4"}[kv]
+    cfg = ka.CONFIGS["gpu_fp32" if operand == "fp32" else "gpu" if kv == 0 else f"gpu_{name}"]
+    const = dict(G=2, HKV=8, D=128, BLOCK_SIZE=16, PAGED=True, STORE_LSE=False, KV=kv, HW=True,
+                 DOT_F32=operand == "fp32", PRECISION="ieee" if operand == "fp32" else "tf32",
+                 WHILE_LOOP=False, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
+    kv_ptr = f"*{operand}" if kv == 0 else "*u8"
+    pointers = {"q_ptr": f"*{operand}", "out_ptr": f"*{operand}", "lse_ptr": "*fp32", "tiles_ptr": "*i32",
                 "pos_ptr": "*i64", "table_ptr": "*i64", "start_ptr": "*i64", "ctx_ptr": "*i64",
-                "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
+                "ks_ptr": "*fp32", "vs_ptr": "*fp32", "k_ptr": kv_ptr, "v_ptr": kv_ptr, "kb_ptr": kv_ptr,
+                "vb_ptr": kv_ptr}
+    sig = {n: pointers.get(n, "fp32" if n == "qk_scale" else "i32")
+           for n in ka._attention_kernel.arg_names if n not in const}
+    return sig, const, cfg
+
+
+def attention(_k: int) -> None:
+    """The decode attention kernel (`attention_args`, bf16 operands) for each KV format on that format's
+    GPU configuration: its main loop's loads (LDGSTS: asynchronous copies the pipeliner issues ahead;
+    LDG: loads the loop waits on), conversions, MMAs, registers, spills."""
+    from minite.kernels import attention as ka
+
     for kv, name in ((0, "bf16"), (1, "fp8"), (2, "nvfp4")):
-        kv_ptr = "*bf16" if kv == 0 else "*u8"
-        cfg = ka.CONFIGS["gpu" if kv == 0 else f"gpu_{name}"]
-        const = dict(G=2, HKV=8, D=128, BLOCK_SIZE=16, PAGED=True, STORE_LSE=False, KV=kv, HW=True,
-                     DOT_F32=False, PRECISION="tf32", WHILE_LOOP=False, BLOCK_M=cfg["BLOCK_M"],
-                     BLOCK_N=cfg["BLOCK_N"])
-        sig = {}
-        for n in names:
-            if n in const:
-                continue
-            if n in ("k_ptr", "v_ptr", "kb_ptr", "vb_ptr"):
-                sig[n] = kv_ptr
-            elif n in pointers:
-                sig[n] = pointers[n]
-            elif n == "qk_scale":
-                sig[n] = "fp32"
-            else:
-                sig[n] = "i32"
+        sig, const, cfg = attention_args(kv)
         sass, summary = compile_sass(ka._attention_kernel, sig, const, cfg["num_warps"],
                                      aligned=tuple(n for n in sig if n.startswith("stride")),
                                      num_stages=cfg["num_stages"])
@@ -228,13 +228,34 @@ def attention(_k: int) -> None:
         print("   ", ", ".join(f"{op} {n}" for op, n in ops.most_common(14)))
 
 
+def attention_builds(_k: int) -> None:
+    """Build the attention kernel for sm_90 for every operand dtype and KV format; exit 1 if one fails
+    (a GPU-only compile error found without a GPU)."""
+    from minite.kernels import attention as ka
+
+    failed = []
+    for operand in ("bf16", "fp16", "fp32"):
+        for kv, name in ((0, "bf16"), (1, "fp8"), (2, "nvfp4")):
+            sig, const, cfg = attention_args(kv, operand)
+            try:
+                _, summary = compile_sass(ka._attention_kernel, sig, const, cfg["num_warps"],
+                                          num_stages=cfg["num_stages"])
+                print(f"{operand} operands, {name} KV: built ({summary})")
+            except Exception as e:  # noqa: BLE001 - report every variant, then fail
+                failed.append(f"{operand}/{name}")
+                print(f"{operand} operands, {name} KV: FAILED {str(e).strip().splitlines()[-1]}")
+    if failed:
+        raise SystemExit(f"attention did not build for {', '.join(failed)}")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("what", nargs="?", default="quantize",
-                   choices=["quantize", "decode", "grouped", "gemm", "attention"])
+                   choices=["quantize", "decode", "grouped", "gemm", "attention", "attention_builds"])
     p.add_argument("--k", type=int, default=4096, help="row width / reduction length (elements)")
     args = p.parse_args()
-    dict(quantize=quantize, decode=decode, grouped=grouped, gemm=gemm, attention=attention)[args.what](args.k)
+    dict(quantize=quantize, decode=decode, grouped=grouped, gemm=gemm, attention=attention,
+         attention_builds=attention_builds)[args.what](args.k)
 
 
 if __name__ == "__main__":

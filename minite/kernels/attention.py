@@ -126,6 +126,7 @@ def _kv_tile(ptr, bs_ptr, slots, in_seq, kvh, stride_s, stride_h, stride_bs, str
     """Keys or values of slots [BLOCK_N], kv head kvh, from their quantized payload -> the exact
     unscaled values [BLOCK_N, D] in DT (KV 1: E4M3 bytes; 2: packed E2M1 codes times E4M3 block scales)."""
     rows = slots[:, None] * stride_s + kvh * stride_h
+    f16: tl.constexpr = DT != tl.bfloat16
     # one return (Triton types every return alike, constexpr branches included)
     if KV == 1 and HW:
         out = _e4m3_words(ptr, rows, in_seq, D, BLOCK_N, DT)
@@ -134,7 +135,6 @@ def _kv_tile(ptr, bs_ptr, slots, in_seq, kvh, stride_s, stride_h, stride_bs, str
         out = _e4m3_signed(b).to(DT)
     else:
         p = tl.load(ptr + rows + tl.arange(0, D // 2)[None, :], mask=in_seq[:, None], other=0)  # [N, D/2]
-        f16: tl.constexpr = DT != tl.bfloat16
         v = tl.reshape(tl.join(_e2m1_to_float(p & 15, f16), _e2m1_to_float(p >> 4, f16)), [BLOCK_N, D])
         sb = tl.load(bs_ptr + slots[:, None] * stride_bs + kvh * stride_bh + tl.arange(0, D // 16)[None, :],
                      mask=in_seq[:, None], other=0)
