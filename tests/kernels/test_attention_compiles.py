@@ -1,8 +1,8 @@
 """The attention kernel builds for the GPU (sm_90, Triton's compiler and ptxas, no GPU needed) for every
-operand dtype and KV cache format, so a GPU-only compile error shows up on the CPU: fp16 / fp32
-operands on quantized caches once failed there (a helper returned other dtypes in constexpr branches,
-which the interpreter does not check). In a process of its own: the tests' interpreter mode replaces
-the kernels by Python functions."""
+operand dtype and KV cache format, so a GPU-only compile error shows up on the CPU: the compiler types
+every return of a helper alike, constexpr branches included, which the interpreter does not check
+(a helper returning fp16 in one branch and bf16 in another builds only there). In a process of its
+own: the tests' interpreter mode replaces the kernels by Python functions."""
 
 import os
 import subprocess
