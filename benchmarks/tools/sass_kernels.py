@@ -228,34 +228,46 @@ def attention(_k: int) -> None:
         print("   ", ", ".join(f"{op} {n}" for op, n in ops.most_common(14)))
 
 
-def attention_builds(_k: int) -> None:
-    """Build the attention kernel for sm_90 for every operand dtype and KV format; exit 1 if one fails
-    (a GPU-only compile error found without a GPU)."""
+def builds(k: int) -> None:
+    """Build for sm_90 the kernels whose helpers branch on the operand dtype: decode attention for
+    every operand dtype and KV format, the W4A4 GEMM on packed weights for bf16 and fp16 activations;
+    exit 1 if one fails (a GPU-only compile error found without a GPU)."""
     from minite.kernels import attention as ka
 
-    failed = []
+    variants = []
     for operand in ("bf16", "fp16", "fp32"):
         for kv, name in ((0, "bf16"), (1, "fp8"), (2, "nvfp4")):
             sig, const, cfg = attention_args(kv, operand)
-            try:
-                _, summary = compile_sass(ka._attention_kernel, sig, const, cfg["num_warps"],
-                                          num_stages=cfg["num_stages"])
-                print(f"{operand} operands, {name} KV: built ({summary})")
-            except Exception as e:  # noqa: BLE001 - report every variant, then fail
-                failed.append(f"{operand}/{name}")
-                print(f"{operand} operands, {name} KV: FAILED {str(e).strip().splitlines()[-1]}")
+            variants.append((f"attention, {operand} operands, {name} KV", ka._attention_kernel, sig, const,
+                             cfg["num_warps"], cfg["num_stages"]))
+    tile = kgemm.CONFIGS["aligned"]
+    for operand in ("bf16", "fp16"):
+        const = dict(K=k, EPILOGUE=0, W_PACKED=True, DOT_F16=operand == "fp16", SEGMENTED=False,
+                     **{key: tile[key] for key in ("BM", "BN", "BK", "GROUP_M")})
+        sig = {n: GEMM_SIGNATURE[n] for n in kgemm._w4a4_kernel.arg_names if n not in const}
+        sig.update(a_ptr=f"*{operand}", out_ptr=f"*{operand}", w_ptr="*u8", ws_ptr="*u8")
+        variants.append((f"W4A4 GEMM, packed weights, {operand} activations", kgemm._w4a4_kernel, sig, const,
+                         tile["num_warps"], tile["num_stages"]))
+    failed = []
+    for label, fn, sig, const, warps, stages in variants:
+        try:
+            _, summary = compile_sass(fn, sig, const, warps, num_stages=stages)
+            print(f"{label}: built ({summary})")
+        except Exception as e:  # noqa: BLE001 - report every variant, then fail
+            failed.append(label)
+            print(f"{label}: FAILED {str(e).strip().splitlines()[-1]}")
     if failed:
-        raise SystemExit(f"attention did not build for {', '.join(failed)}")
+        raise SystemExit(f"did not build: {'; '.join(failed)}")
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("what", nargs="?", default="quantize",
-                   choices=["quantize", "decode", "grouped", "gemm", "attention", "attention_builds"])
+                   choices=["quantize", "decode", "grouped", "gemm", "attention", "builds"])
     p.add_argument("--k", type=int, default=4096, help="row width / reduction length (elements)")
     args = p.parse_args()
     dict(quantize=quantize, decode=decode, grouped=grouped, gemm=gemm, attention=attention,
-         attention_builds=attention_builds)[args.what](args.k)
+         builds=builds)[args.what](args.k)
 
 
 if __name__ == "__main__":
