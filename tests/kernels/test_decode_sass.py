@@ -22,14 +22,19 @@ def _sass_tools() -> bool:
     return all(os.path.exists(os.path.join(bin_dir, tool)) for tool in ("ptxas", "nvdisasm"))
 
 
-@pytest.mark.skipif(not _sass_tools(), reason="Triton's ptxas / nvdisasm not installed")
-def test_decode_loop_keeps_its_weight_operand_in_registers():
+def run_sass_tool(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`benchmarks/tools/sass_kernels.py ARGS` in a process that compiles (no interpreter)."""
     env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}  # compile, not interpret
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root
     script = os.path.join(root, "benchmarks", "tools", "sass_kernels.py")
-    out = subprocess.run([sys.executable, script, "decode"],
-                         capture_output=True, text=True, env=env, cwd=root, timeout=600, check=True).stdout
+    return subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=env, cwd=root,
+                          timeout=900, check=check)
+
+
+@pytest.mark.skipif(not _sass_tools(), reason="Triton's ptxas / nvdisasm not installed")
+def test_decode_loop_keeps_its_weight_operand_in_registers():
+    out = run_sass_tool("decode").stdout
     pattern = (r"decode M<=(\d+) \{'BM': \d+, 'BN': \d+, 'BK': (\d+)\}: "
                r".*?STS (\d+), LDS (\d+), HGMMA (\d+) \((.*)\)")
     loops = re.findall(pattern, out)
@@ -44,12 +49,7 @@ def test_decode_loop_keeps_its_weight_operand_in_registers():
 def test_grouped_decode_loop_keeps_its_weight_operand_in_registers():
     """The MoE grouped decode kernel (rows read through the sorted index, as the experts run) at
     each of its tiles: the same loop, no shared-memory stores, wgmma."""
-    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root
-    script = os.path.join(root, "benchmarks", "tools", "sass_kernels.py")
-    out = subprocess.run([sys.executable, script, "grouped"],
-                         capture_output=True, text=True, env=env, cwd=root, timeout=600, check=True).stdout
+    out = run_sass_tool("grouped").stdout
     loops = re.findall(r"grouped decode.*?STS (\d+), LDS (\d+), HGMMA (\d+)", out)
     assert len(loops) == 3, out
     assert all(int(sts) == 0 and int(hgmma) > 0 for sts, _, hgmma in loops), out

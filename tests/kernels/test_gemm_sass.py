@@ -4,27 +4,18 @@ compiler rejects: a helper returning a tuple from one branch did), runs wgmma in
 loop, and the TMA kernels (the ones the GPU runs on aligned operands) do not spill registers (the
 first segmented epilogue, with 64-bit offsets per element, spilled 2.8 KB a thread at 128 x 256)."""
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from tests.kernels.test_decode_sass import _sass_tools
+from tests.kernels.test_decode_sass import _sass_tools, run_sass_tool
 
 pytest.importorskip("triton")
 
 
 @pytest.mark.skipif(not _sass_tools(), reason="Triton's ptxas / nvdisasm not installed")
 def test_gemm_kernels_compile_for_sm90_without_spills():
-    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}  # compile, not interpret
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root
-    script = os.path.join(root, "benchmarks", "tools", "sass_kernels.py")
-    out = subprocess.run([sys.executable, script, "gemm",
-                          "--k", "2048"], capture_output=True, text=True, env=env, cwd=root, timeout=900,
-                         check=True).stdout
+    out = run_sass_tool("gemm", "--k", "2048").stdout
     rows = re.findall(r"gemm (\w+) (tma|pointer) segmented=(True|False): main loop HGMMA (\d+) \((.*)\)", out)
     assert len(rows) == 8, out
     for config, kernel, segmented, hgmma, ptxas in rows:

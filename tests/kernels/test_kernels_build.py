@@ -5,22 +5,14 @@ compiler types every return of a helper alike, constexpr branches included, whic
 does not check (a helper returning fp16 in one branch and bf16 in another builds only there). In a
 process of its own: the tests' interpreter mode replaces the kernels by Python functions."""
 
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.kernels.test_decode_sass import _sass_tools
+from tests.kernels.test_decode_sass import _sass_tools, run_sass_tool
 
 
 @pytest.mark.skipif(not _sass_tools(), reason="Triton's ptxas / nvdisasm not installed")
 def test_dtype_branching_kernels_build_for_sm90():
-    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}  # compile, not interpret
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root
-    script = os.path.join(root, "benchmarks", "tools", "sass_kernels.py")
-    run = subprocess.run([sys.executable, script, "builds"], capture_output=True, text=True,
-                         env=env, cwd=root, timeout=900)
+    run = run_sass_tool("builds", check=False)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count(": built") == 11, run.stdout
