@@ -228,11 +228,25 @@ def attention(_k: int) -> None:
         print("   ", ", ".join(f"{op} {n}" for op, n in ops.most_common(14)))
 
 
+def qk_norm_rope_args(operand: str) -> tuple[dict, dict]:
+    """(signature, constexprs) of the q/k norm + RoPE kernel (`qk_norm_rope._qk_norm_rope_kernel`, head_dim
+    128) for q / k of dtype `operand`: its one build, whatever it stores."""
+    from minite.kernels import qk_norm_rope as kq
+
+    bytes_ = ("kc_ptr", "vc_ptr", "kb_ptr", "vb_ptr")
+    sig = {n: "*u8" if n in bytes_ else "*fp32" if n in ("ks_ptr", "vs_ptr") else "*i64" if n == "slot_ptr"
+           else f"*{operand}" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32"
+           for n in kq._qk_norm_rope_kernel.arg_names if n not in ("D", "BLOCK_R", "HW")}
+    return sig, dict(D=128, BLOCK_R=kq.ELEMS // 128, HW=True)
+
+
 def builds(k: int) -> None:
     """Build for sm_90 the kernels whose helpers branch on the operand dtype: decode attention for
-    every operand dtype and KV format, the W4A4 GEMM on packed weights for bf16 and fp16 activations;
-    exit 1 if one fails (a GPU-only compile error found without a GPU)."""
+    every operand dtype and KV format, the q/k norm + RoPE with its cache stores for each, the W4A4 GEMM
+    on packed weights for bf16 and fp16 activations; exit 1 if one fails (a GPU-only compile error found
+    without a GPU)."""
     from minite.kernels import attention as ka
+    from minite.kernels import qk_norm_rope as kq
 
     variants = []
     for operand in ("bf16", "fp16", "fp32"):
@@ -240,6 +254,8 @@ def builds(k: int) -> None:
             sig, const, cfg = attention_args(kv, operand)
             variants.append((f"attention, {operand} operands, {name} KV", ka._attention_kernel, sig, const,
                              cfg["num_warps"], cfg["num_stages"]))
+        sig, const = qk_norm_rope_args(operand)
+        variants.append((f"q/k norm + RoPE, {operand}", kq._qk_norm_rope_kernel, sig, const, 4, None))
     tile = kgemm.CONFIGS["aligned"]
     for operand in ("bf16", "fp16"):
         const = dict(K=k, EPILOGUE=0, W_PACKED=True, DOT_F16=operand == "fp16", SEGMENTED=False,

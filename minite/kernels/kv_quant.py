@@ -24,6 +24,32 @@ ELEMS = 4096  # values per program (BLOCK_R = ELEMS // D rows)
 
 
 @triton.jit
+def _quantize_rows(x, pay_ptr, bs_ptr, sc_ptr, pay_row, bs_row, sc_row, ok, D: tl.constexpr,
+                   NVFP4: tl.constexpr, HW: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Whole rows x [BLOCK_R, D] (fp32) quantized and stored: payload at byte offsets pay_row [BLOCK_R],
+    block scales at bs_row (nvfp4), the fp32 row scale at sc_row. Every step but the row amax is per
+    element and the amax is exact, so the bits do not depend on the layout the compiler gives x."""
+    cols = tl.arange(0, D)
+    amax = tl.max(tl.abs(x), axis=1)
+    if NVFP4:
+        s_enc, scale = _global_scales(amax, 0)
+        codes, sb_byte, _ = _quantize_chunk(x, s_enc[:, None], scale[:, None], pay_row, cols, 0, D, 0, False,
+                                            False, HW, BLOCK_R, D)
+        even, odd = tl.split(tl.reshape(codes, [BLOCK_R, D // 2, 2]))
+        tl.store(pay_ptr + pay_row[:, None] + tl.arange(0, D // 2)[None, :], (even | (odd << 4)).to(tl.uint8),
+                 mask=ok[:, None])
+        tl.store(bs_ptr + bs_row[:, None] + tl.arange(0, D // 16)[None, :], sb_byte.to(tl.uint8),
+                 mask=ok[:, None])
+    else:
+        scale = tl.where(amax == 0.0, 1.0, tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
+        v = tl.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+        byte, _ = _to_e4m3(tl.abs(v), HW)  # saturates at 448: the reference's clamp
+        byte = byte | ((v.to(tl.int32, bitcast=True) >> 24) & 0x80)
+        tl.store(pay_ptr + pay_row[:, None] + cols[None, :], byte.to(tl.uint8), mask=ok[:, None])
+    tl.store(sc_ptr + sc_row, scale, mask=ok)
+
+
+@triton.jit
 def _kv_quant_kernel(x_ptr, slots_ptr, pay_ptr, bs_ptr, sc_ptr, R, H, stride_xn, stride_xh, stride_pn,
                      stride_ph, stride_bn, stride_bh, stride_sn, stride_sh, D: tl.constexpr,
                      NVFP4: tl.constexpr, HW: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -35,26 +61,9 @@ def _kv_quant_kernel(x_ptr, slots_ptr, pay_ptr, bs_ptr, sc_ptr, R, H, stride_xn,
     x = tl.load(x_ptr + n[:, None] * stride_xn + h[:, None] * stride_xh + cols[None, :], mask=ok[:, None],
                 other=0.0).to(tl.float32)
     slot = tl.load(slots_ptr + n, mask=ok, other=0).to(tl.int64)
-    amax = tl.max(tl.abs(x), axis=1)
-    if NVFP4:
-        s_enc, scale = _global_scales(amax, 0)
-        codes, sb_byte, _ = _quantize_chunk(x, s_enc[:, None], scale[:, None], rows, cols, 0, D, 0, False,
-                                            False, HW, BLOCK_R, D)
-        even, odd = tl.split(tl.reshape(codes, [BLOCK_R, D // 2, 2]))
-        pcols = tl.arange(0, D // 2)
-        tl.store(pay_ptr + slot[:, None] * stride_pn + h[:, None] * stride_ph + pcols[None, :],
-                 (even | (odd << 4)).to(tl.uint8), mask=ok[:, None])
-        bcols = tl.arange(0, D // 16)
-        tl.store(bs_ptr + slot[:, None] * stride_bn + h[:, None] * stride_bh + bcols[None, :],
-                 sb_byte.to(tl.uint8), mask=ok[:, None])
-    else:
-        scale = tl.where(amax == 0.0, 1.0, tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
-        v = tl.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-        byte, _ = _to_e4m3(tl.abs(v), HW)  # saturates at 448: the reference's clamp
-        byte = byte | ((v.to(tl.int32, bitcast=True) >> 24) & 0x80)
-        tl.store(pay_ptr + slot[:, None] * stride_pn + h[:, None] * stride_ph + cols[None, :],
-                 byte.to(tl.uint8), mask=ok[:, None])
-    tl.store(sc_ptr + slot * stride_sn + h * stride_sh, scale, mask=ok)
+    _quantize_rows(x, pay_ptr, bs_ptr, sc_ptr, slot * stride_pn + h * stride_ph,
+                   slot * stride_bn + h * stride_bh, slot * stride_sn + h * stride_sh, ok, D, NVFP4, HW,
+                   BLOCK_R)
 
 
 def quantize_kv(x: torch.Tensor, kv_format: str, out: QuantizedKV | None = None,

@@ -197,14 +197,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, context, quantized=None) -> torch.Tensor:
         """x `[..., T, H]` -> `[..., T, H]` under the forward's `minite.nn.context.ForwardContext`
         (positions `[..., T]`; not imported here: the context's backends import this module). A cached
-        step's new keys join the cache before any query reads it: fresh and cached keys alike (a bf16
-        cache in the norm and rotation's launch)."""
+        step's new keys join the cache before any query reads it (written, or quantized, in the norm and
+        rotation's launch): fresh and cached keys alike."""
         cache = context.kv_cache
-        rows = cache.rows(self.layer_index) if cache is not None else None
-        store = None if rows is None else (*rows, context.slots)
+        store = None if cache is None else (*cache.rows(self.layer_index), context.slots)
         q, k, v = self.project_qkv(x, context.positions, quantized, store)
-        if cache is not None and rows is None:
-            cache.write(self.layer_index, context.slots, k, v)
         return self.o_proj(context.attention(self.layer_index, q, k, v))
 
 

@@ -30,7 +30,7 @@ import torch
 
 from minite.execution import DEFAULT, Execution
 from minite.nn.kv_quant import quantize_kv
-from minite.ref.kv_quant import bytes_per_token, check_format, zeros
+from minite.ref.kv_quant import QuantizedKV, bytes_per_token, check_format, zeros
 
 CPU_DEFAULT_TOKENS = 16384
 
@@ -106,24 +106,21 @@ class KVCache:
         for a 2-byte dtype; fp8: 2 * Hkv * (D + 4); nvfp4: 2 * Hkv * (D / 2 + D / 16 + 4))."""
         return num_layers * block_size * bytes_per_token(kv_format, num_kv_heads, head_dim, dtype)
 
-    def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Layer `layer`'s k and v slots `[slots, Hkv, D]` (views) where a bf16 cache is written in
-        place by the attention layer's norm and rotation (`minite.nn.qk_norm_rope`); None for a
-        quantized format (`write` quantizes)."""
+    def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | tuple[QuantizedKV, QuantizedKV]:
+        """Layer `layer`'s k and v slots `[slots, Hkv, D]` (views; `QuantizedKV` for a quantized format),
+        written in place by the attention layer's norm and rotation (`minite.nn.qk_norm_rope`)."""
         if self.kv_format != "bf16":
-            return None
+            return self.k[layer].flatten(0, 1), self.v[layer].flatten(0, 1)
         flat = (-1, *self.k.shape[-2:])
         return self.k[layer].view(flat), self.v[layer].view(flat)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v `[N, Hkv, D]` at flat slots `[N]` of layer `layer` (quantized for fp8 / nvfp4)."""
-        if self.kv_format != "bf16":
-            for x, cache in ((k, self.k), (v, self.v)):
-                quantize_kv(x, self.kv_format, self.execution, out=cache[layer].flatten(0, 1), slots=slots)
-            return
-        k_rows, v_rows = self.rows(layer)
-        k_rows[slots] = k
-        v_rows[slots] = v
+        for x, rows in zip((k, v), self.rows(layer)):
+            if self.kv_format != "bf16":
+                quantize_kv(x, self.kv_format, self.execution, out=rows, slots=slots)
+            else:
+                rows[slots] = x
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """block_tables `[B, W]` -> k, v `[B, W * block_size, Hkv, D]` in position order (quantized

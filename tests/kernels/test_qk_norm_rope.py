@@ -1,14 +1,17 @@
 """The one-launch q/k RMSNorm + RoPE (CPU interpreter): close to the reference (the sum of squares in
 its own order), the rotation's bits given the norm, batch invariant, the cache store writes exactly
-the values returned, gradients close to the reference's autograd; the model's attention runs it."""
+the values returned (quantized caches: the KV quantizer's bits of them), gradients close to the
+reference's autograd; the model's attention runs it."""
 
 import pytest
 import torch
 
 from minite.execution import Execution
 from minite.kernels import qk_norm_rope as kq
+from minite.kernels.kv_quant import quantize_kv as kernel_quantize_kv
 from minite.nn import rope
 from minite.nn.qk_norm_rope import qk_norm_rope
+from minite.ref import kv_quant as ref_kv
 from minite.ref.qk_norm_rope import qk_norm_rope as reference
 from tests.kernels.helpers import model_through_fused_kernels
 
@@ -82,6 +85,43 @@ def test_store_writes_the_returned_keys_and_the_values():
         kq.qk_norm_rope(q, k, wq, wk, 1e-6, cos, sin, store=(v, kc[:, :1], vc[:, :1], slots))
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.view(torch.uint8)
+
+
+def _assert_same_fields(a, b):
+    assert all(torch.equal(_bits(x), _bits(y)) for x, y in zip(a.fields(), b.fields()))
+
+
+@pytest.mark.parametrize("kv_format", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_store_holds_the_kv_quantizers_bits(kv_format, dtype):
+    """The store quantizes the returned k and the values row by row, as the KV quantizer does from
+    them (the learner's forward): every field bitwise, other slots untouched; the fallback (reference
+    ops, reference quantizer) writes the same values' bits."""
+    q, k, wq, wk, cos, sin = _inputs(dtype, lead=(5,))
+    v = (torch.randn(k.shape) * 4).to(dtype)
+    v[1, 0] = 0  # a zero row: scale 1
+    v[2, 1, :16] *= 1e3  # one block much larger than the rest of its row
+    v[3, 0, 20] = 1e4  # the row's amax in its second half
+    slots = torch.tensor([7, 0, 11, 3, 4])
+    kc, vc = ref_kv.zeros(kv_format, (12,), 2, 32, "cpu"), ref_kv.zeros(kv_format, (12,), 2, 32, "cpu")
+    qo, ko = kq.qk_norm_rope(q, k, wq, wk, 1e-6, cos, sin, store=(v, kc, vc, slots))
+    assert torch.equal(qo, kq.qk_norm_rope(q, k, wq, wk, 1e-6, cos, sin)[0])
+    untouched = torch.ones(12, dtype=torch.bool)
+    untouched[slots] = False
+    for got, x in ((kc, ko), (vc, v)):
+        _assert_same_fields(got[slots], kernel_quantize_kv(x, kv_format))
+        assert not any(_bits(f[untouched]).any() for f in got.fields())
+    kr, vr = ref_kv.zeros(kv_format, (12,), 2, 32, "cpu"), ref_kv.zeros(kv_format, (12,), 2, 32, "cpu")
+    qk_norm_rope(q, k, wq, wk, 1e-6, cos, sin, Execution(elementwise="ref"), store=(v, kr, vr, slots))
+    _assert_same_fields(vr, vc)
+    other = "nvfp4" if kv_format == "fp8" else "fp8"
+    with pytest.raises(ValueError, match="do not fit"):
+        kq.qk_norm_rope(q, k, wq, wk, 1e-6, cos, sin, store=(v, kc, ref_kv.zeros(other, (12,), 2, 32, "cpu"),
+                                                               slots))
+
+
 def test_gradient_close_to_the_reference():
     q, k, wq, wk, cos, sin = _inputs(torch.float32)
     leaves = [t.clone().requires_grad_() for t in (q, k, wq, wk)]
@@ -101,22 +141,31 @@ def test_model_runs_the_fused_kernel(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_engines_share_the_bits_and_the_store():
-    """bf16 at the 1.7B shape: with and without the store the same q and k bits, the cache gets them."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(512, 16, 128, device="cuda", generator=g).to(torch.bfloat16)
-    k = torch.randn(512, 8, 128, device="cuda", generator=g).to(torch.bfloat16)
-    v = torch.randn(512, 8, 128, device="cuda", generator=g).to(torch.bfloat16)
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8", "nvfp4"])
+def test_gpu_every_store_keeps_the_engines_bits(kv_format):
+    """The 1.7B shape, q / k / v views of one projection's output as the model hands them over: with
+    each cache format's store the same q and k bits as the learner's store-free launch, and the cache
+    holds them (bf16) or the KV quantizer's fields of them and of v (fp8 / nvfp4), bitwise."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    qkv = torch.randn(512, 32, 128, device="cuda", generator=g).to(torch.bfloat16)
+    qkv[..., 24:, :] *= 3
+    q, k, v = qkv[:, :16], qkv[:, 16:24], qkv[:, 24:]
     w = (1 + 0.2 * torch.randn(128, device="cuda", generator=g)).to(torch.bfloat16)
     cos, sin = rope.rope_cos_sin(torch.randint(0, 40000, (512,), device="cuda", generator=g), 128, 1e6,
                                  torch.bfloat16)
-    kc, vc = torch.zeros(1024, 8, 128, device="cuda", dtype=torch.bfloat16), torch.zeros_like(
-        torch.empty(1024, 8, 128, device="cuda", dtype=torch.bfloat16))
-    slots = torch.randperm(1024, device="cuda")[:512]
+    if kv_format == "bf16":
+        kc, vc = (torch.zeros(1024, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    else:
+        kc, vc = (ref_kv.zeros(kv_format, (1024,), 8, 128, "cuda") for _ in range(2))
+    slots = torch.randperm(1024, device="cuda", generator=g)[:512]
     plain = kq.qk_norm_rope(q, k, w, w, 1e-6, cos, sin)
     stored = kq.qk_norm_rope(q, k, w, w, 1e-6, cos, sin, store=(v, kc, vc, slots))
     assert torch.equal(plain[0], stored[0]) and torch.equal(plain[1], stored[1])
-    assert torch.equal(kc[slots], plain[1]) and torch.equal(vc[slots], v)
+    if kv_format == "bf16":
+        assert torch.equal(kc[slots], plain[1]) and torch.equal(vc[slots], v)
+    else:
+        for got, x in ((kc, plain[1]), (vc, v)):
+            _assert_same_fields(got[slots], kernel_quantize_kv(x, kv_format))
     want = reference(q, k, w, w, 1e-6, cos, sin)
     for a, b in zip(plain, want):
         torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=0.05)
