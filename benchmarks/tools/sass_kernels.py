@@ -14,9 +14,13 @@ this way).
   interpreter takes code the GPU compiler rejects), their MMAs, registers and spills.
 
 - attention: the decode attention kernel for each KV format (bf16, fp8, nvfp4): which loads the
-  loop issues asynchronously, its conversions, MMAs, registers and spills.
+  loop issues asynchronously, its conversions, MMAs, registers and spills;
+- builds: the kernels whose code branches on the operand dtype or the store, built for every variant.
 
-    python -m benchmarks.tools.sass_kernels [quantize|decode|grouped|gemm|attention] [--k 4096]
+    python -m benchmarks.tools.sass_kernels [quantize|decode|grouped|gemm|attention|builds] [--k 4096]
+
+With another Triton version first on the path (the GPU machine's: `pip install --target DIR
+triton==3.6.0`, then `PYTHONPATH=DIR:.`), the same reports for that compiler.
 """
 
 import argparse

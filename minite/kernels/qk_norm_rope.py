@@ -34,9 +34,11 @@ from minite.kernels.launch import launch as launch_kernel
 from minite.kernels.rounding import round_to
 from minite.ref.kv_quant import QuantizedKV
 
-# The store argument: which store, at run time. Not 0, 1 or a multiple of 16, which Triton specializes
-# on: every launch, store or not, runs the same machine code (module docstring).
-NO_STORE, COPY, STORE_IDS = 2, 3, {"fp8": 4, "nvfp4": 5}
+# the store argument: which store, chosen at run time (module docstring)
+NO_STORE, COPY, STORE_IDS = 0, 1, {"fp8": 2, "nvfp4": 3}
+# arguments Triton would otherwise specialize on (a value of 1, divisibility by 16): with them, every
+# launch of a head dim and dtype, store or not, any batch, runs one build
+UNSPECIALIZED = ("store", "n_tok", "q_blocks")
 
 ELEMS = 4096  # elements per program: ELEMS // D rows
 
@@ -92,11 +94,11 @@ def _store_rows(ko_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, kb_ptr, vb_ptr, s
     r = tl.load(slot_ptr + tok, mask=ok, other=0) * H + head  # the (slot, head) row of the cache
     k = tl.load(ko_ptr + (tok * H + head)[:, None] * D + cols, mask=ok[:, None], other=0.0)
     v = tl.load(v_ptr + tok[:, None] * stride_v + head[:, None] * D + cols, mask=ok[:, None], other=0.0)
-    if store == 3:  # COPY
+    if store == 1:  # COPY
         dt = tl.pointer_type(ko_ptr.dtype.element_ty)
         tl.store(kc_ptr.to(dt) + r[:, None] * D + cols, k, mask=ok[:, None])
         tl.store(vc_ptr.to(dt) + r[:, None] * D + cols, v, mask=ok[:, None])
-    elif store == 4:  # fp8
+    elif store == 2:  # fp8
         _quantize_rows(k.to(tl.float32), kc_ptr, kb_ptr, ks_ptr, r * D, r, r, ok, D, False, HW, BLOCK_R)
         _quantize_rows(v.to(tl.float32), vc_ptr, vb_ptr, vs_ptr, r * D, r, r, ok, D, False, HW, BLOCK_R)
     else:
@@ -105,7 +107,7 @@ def _store_rows(ko_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, kb_ptr, vb_ptr, s
         _quantize_rows(v.to(tl.float32), vc_ptr, vb_ptr, vs_ptr, pay_row, bs_row, r, ok, D, True, HW, BLOCK_R)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, kc_ptr,
                          vc_ptr, ks_ptr, vs_ptr, kb_ptr, vb_ptr, slot_ptr, store, n_tok, HQ, HKV, q_blocks,
                          stride_q, stride_k, stride_v, stride_c, eps, D: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -118,7 +120,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, 
     else:
         _norm_rope_rows(k_ptr, wk_ptr, cos_ptr, sin_ptr, ko_ptr, n_tok * HKV, HKV, stride_k, stride_c,
                         pid - q_blocks, eps, D, BLOCK_R)
-        if store != 2:  # NO_STORE
+        if store != 0:  # NO_STORE
             tl.debug_barrier()  # the program's rotated keys, stored above, are read back whole
             _store_rows(ko_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, kb_ptr, vb_ptr, slot_ptr, store,
                         n_tok * HKV, HKV, stride_v, pid - q_blocks, D, HW, BLOCK_R)

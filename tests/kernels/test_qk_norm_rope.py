@@ -122,6 +122,37 @@ def test_quantized_store_holds_the_kv_quantizers_bits(kv_format, dtype):
                                                                slots))
 
 
+def _specialization(args) -> list:
+    """What Triton compiles a launch's arguments into: tensor dtypes and 16-byte alignment, ints'
+    classes (== 1, divisible by 16), the other arguments' types."""
+    return [(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
+            else (a == 1, a % 16 == 0) if isinstance(a, int) else type(a) for a in args]
+
+
+def test_every_store_and_batch_launches_one_build(monkeypatch):
+    """The learner's store-free launch, the sampler's with each cache format and a one-token step all
+    specialize alike, so they run one build (whose layouts fix the norm's summation order): only the
+    arguments Triton is told not to specialize differ."""
+    launches = []
+    monkeypatch.setattr(kq, "launch_kernel", lambda kernel, grid, args, **meta: launches.append((args, meta)))
+    for n in (8, 1):
+        qkv = torch.randn(n, 8, 32).to(torch.bfloat16)
+        q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
+        w = torch.ones(32, dtype=torch.bfloat16)
+        cos, sin = rope.rope_cos_sin(torch.arange(n), 32, 1e6, torch.bfloat16)
+        slots = torch.arange(n)
+        kq.qk_norm_rope(q, k, w, w, 1e-6, cos, sin)
+        caches = [torch.zeros(16, 2, 32, dtype=torch.bfloat16)] + [ref_kv.zeros(f, (16,), 2, 32, "cpu")
+                                                                   for f in ("fp8", "nvfp4")]
+        for c in caches:
+            kq.qk_norm_rope(q, k, w, w, 1e-6, cos, sin, store=(v, c, c, slots))
+    names = kq._qk_norm_rope_kernel.arg_names
+    free = [names.index(a) for a in kq.UNSPECIALIZED]
+    specs = [[s for i, s in enumerate(_specialization(args)) if i not in free] for args, _ in launches]
+    assert all(s == specs[0] for s in specs) and all(meta == launches[0][1] for _, meta in launches)
+    assert sorted({args[names.index("store")] for args, _ in launches}) == [0, 1, 2, 3]
+
+
 def test_gradient_close_to_the_reference():
     q, k, wq, wk, cos, sin = _inputs(torch.float32)
     leaves = [t.clone().requires_grad_() for t in (q, k, wq, wk)]
