@@ -15,9 +15,10 @@ this way).
 
 - attention: the decode attention kernel for each KV format (bf16, fp8, nvfp4): which loads the
   loop issues asynchronously, its conversions, MMAs, registers and spills;
-- builds: the kernels whose code branches on the operand dtype or the store, built for every variant.
+- builds: the kernels whose code branches on the operand dtype or the store, built for every variant;
+- layouts: the kernels the two engines launch in different variants: their reductions' layouts.
 
-    python -m benchmarks.tools.sass_kernels [quantize|decode|grouped|gemm|attention|builds] [--k 4096]
+    python -m benchmarks.tools.sass_kernels [quantize|decode|grouped|gemm|attention|builds|layouts]
 
 With another Triton version first on the path (the GPU machine's: `pip install --target DIR
 triton==3.6.0`, then `PYTHONPATH=DIR:.`), the same reports for that compiler.
@@ -25,6 +26,7 @@ triton==3.6.0`, then `PYTHONPATH=DIR:.`), the same reports for that compiler.
 
 import argparse
 import collections
+import itertools
 import os
 import re
 import subprocess
@@ -53,11 +55,10 @@ SIGNATURE = {"w_ptr": "*i32", "codes_ptr": "*u8", "scales_ptr": "*u8", "vals_ptr
              "stride_wr": "i32", "rows_per_gs": "i32"}
 
 
-def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, aligned=(),
-                 num_stages: int | None = None) -> tuple[str, str]:
-    """(SASS text, ptxas -v summary and the launch's shared memory) of fn for sm_90 (num_stages: Triton's
-    default unless given); pointers and the `aligned` ints are declared 16-divisible, as Triton's
-    launcher specializes them at run time."""
+def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, aligned=(),
+                 num_stages: int | None = None):
+    """fn compiled for sm_90 (num_stages: Triton's default unless given); pointers and the `aligned`
+    ints are declared 16-divisible, as Triton's launcher specializes them at run time."""
     names = list(fn.arg_names)  # attributes are indexed by the argument's place among all of fn's
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in signature
              if signature[n].startswith("*") or n in aligned}
@@ -65,8 +66,35 @@ def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, aligned=
     options = dict(num_warps=num_warps)
     if num_stages is not None:
         options["num_stages"] = num_stages
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def reduction_layouts(ttgir: str) -> list[str]:
+    """Each sum's operand type in a kernel's TTGIR (shape and register layout, named layouts spelled
+    out), in program order, with the reduced axis: what fixes a sum's order. Max / min reductions are
+    exact in any order and left out."""
+    defs = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", ttgir, re.M))
+    out, axis, adds = [], None, False
+    for line in ttgir.splitlines():
+        start = re.search(r'"tt\.reduce"\(.*<\{axis = (\d+) : i32\}>', line)
+        if start:
+            axis, adds = start.group(1), False
+        elif axis is not None and re.search(r"arith\.add[fi] ", line):
+            adds = True
+        elif axis is not None and line.lstrip().startswith("}) : ("):
+            operand = line.split("}) : (", 1)[1].split(") ->", 1)[0]
+            if adds:
+                named = re.sub(r"#\w+", lambda m: defs.get(m.group(0), m.group(0)), operand)
+                out.append(f"axis {axis}: {named}")
+            axis = None
+    return out
+
+
+def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, aligned=(),
+                 num_stages: int | None = None) -> tuple[str, str]:
+    """(SASS text, ptxas -v summary and the launch's shared memory) of fn for sm_90 (`compile_sm90`)."""
+    k = compile_sm90(fn, signature, constexprs, num_warps, aligned, num_stages)
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:
         cubin, ptx = os.path.join(d, "k.cubin"), os.path.join(d, "k.ptx")
@@ -280,14 +308,61 @@ def builds(k: int) -> None:
         raise SystemExit(f"did not build: {'; '.join(failed)}")
 
 
+NORM_PAIRS_SIGNATURE = dict(x_ptr="*i32", w_ptr="*i32", out_ptr="*i32", vals_ptr="*i32", scales_ptr="*u8",
+                            sdec_ptr="*fp32", amax_ptr="*fp32", res_ptr="*i32", h_ptr="*i32", n_rows="i32",
+                            stride_xw="i32", stride_rw="i32", eps="fp32", D="i32")
+
+
+def layouts(_k: int) -> None:
+    """The kernels the two engines launch in different variants, built for sm_90 in each: the layouts of
+    their reductions (hence the reductions' order, hence their bits) must not depend on the variant.
+    The norm on 16-bit words (`norm_pairs`: the sampler's residual add or not, rows a multiple of the
+    block or not, quantizing or not) at hidden sizes 2048 and 4096; attention per KV format (paged or
+    packed keys, with or without the backward's log-sum-exp). Exit 1 where a kernel's variants differ.
+    The q/k norm + RoPE kernel is one build for every launch (`qk_norm_rope.UNSPECIALIZED`)."""
+    from minite.kernels import attention as ka
+    from minite.kernels import norm_pairs as kn
+
+    groups = {}
+    for d in (2048, 4096):
+        kw = d // 2
+        bw = max(8, 1 << (kw - 1).bit_length())
+        br = max(1, kn.WORDS // bw)
+        warps = min(16, max(1, br * bw // (32 * kn.WORDS_PER_THREAD)))
+        for resid, even, quant in itertools.product((False, True), repeat=3):
+            const = dict(KW=kw, QUANT=quant, CHAIN=0, RESIDUAL=resid, BF16=True, VALS_BF16=True, HW=True,
+                         EVEN=even, BLOCK_R=br, NB=bw // 8)
+            k = compile_sm90(kn._norm_pairs_kernel, NORM_PAIRS_SIGNATURE, const, warps,
+                             aligned=("stride_xw", "stride_rw", "D"))
+            groups.setdefault(f"norm_pairs, D {d}", []).append(reduction_layouts(k.asm["ttgir"]))
+    for kv, name in ((0, "bf16"), (1, "fp8"), (2, "nvfp4")):
+        sig, const, cfg = attention_args(kv)
+        for paged, lse in itertools.product((False, True), repeat=2):
+            k = compile_sm90(ka._attention_kernel, sig, dict(const, PAGED=paged, STORE_LSE=lse),
+                             cfg["num_warps"], aligned=tuple(n for n in sig if n.startswith("stride")),
+                             num_stages=cfg["num_stages"])
+            groups.setdefault(f"attention, {name} KV", []).append(reduction_layouts(k.asm["ttgir"]))
+    differ = []
+    for label, variants in groups.items():
+        same = all(v == variants[0] for v in variants)
+        print(f"{label}: {len(variants)} variants, {len(variants[0])} reductions, "
+              f"{'one layout each' if same else 'LAYOUTS DIFFER'}")
+        if not same:
+            differ.append(label)
+            for v in variants:
+                print("   ", v)
+    if differ:
+        raise SystemExit(f"reduction layouts depend on the variant: {'; '.join(differ)}")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("what", nargs="?", default="quantize",
-                   choices=["quantize", "decode", "grouped", "gemm", "attention", "builds"])
+                   choices=["quantize", "decode", "grouped", "gemm", "attention", "builds", "layouts"])
     p.add_argument("--k", type=int, default=4096, help="row width / reduction length (elements)")
     args = p.parse_args()
     dict(quantize=quantize, decode=decode, grouped=grouped, gemm=gemm, attention=attention,
-         builds=builds)[args.what](args.k)
+         builds=builds, layouts=layouts)[args.what](args.k)
 
 
 if __name__ == "__main__":
