@@ -305,7 +305,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     a block adjacent; tensors of q's dtype, or both `QuantizedKV` of one format), query_seq /
     query_pos [N] (a sequence's rows consecutive), block_tables [S, W] int32/int64, context_lens [S]
     -> [N, Hq, D] in q's dtype. `tiles`: `plan_tiles(...)` computed once and reused across layers;
-    `cfg`: a launch configuration (benchmarks only)."""
+    `cfg`: a launch configuration (benchmarks only; `maxnreg` caps the registers a thread)."""
     _check_common(q, k_cache, v_cache, query_seq, query_pos, context_lens, "k_cache", 4)
     S, block_size = context_lens.shape[0], k_cache.shape[1]
     if block_tables.ndim != 2 or block_tables.shape[0] != S or block_tables.dtype not in (torch.int32,
@@ -381,8 +381,13 @@ def _launch(q, k, v, query_seq, query_pos, table, start, context_lens, block_siz
         HW=not interpreted(), DOT_F32=dot_f32,
         PRECISION="ieee" if dot_f32 else "tf32", WHILE_LOOP=interpreted(),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        num_stages=cfg["num_stages"], **_register_cap(cfg))
     return out
+
+
+def _register_cap(cfg: dict) -> dict:
+    """The launch's `maxnreg` where the configuration caps the registers a thread (more programs an SM)."""
+    return {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not interpreted() else {}
 
 
 def _check_kv(k, v, q, kname):
