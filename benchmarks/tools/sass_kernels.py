@@ -71,16 +71,16 @@ def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, aligned=
 
 
 def reduction_layouts(ttgir: str) -> list[str]:
-    """Each sum's operand type in a kernel's TTGIR (shape and register layout, named layouts spelled
-    out), in program order, with the reduced axis: what fixes a sum's order. Max / min reductions are
-    exact in any order and left out."""
+    """Each floating-point sum's operand type in a kernel's TTGIR (shape and register layout, named
+    layouts spelled out), in program order, with the reduced axis: what fixes a sum's order. Integer
+    sums and max / min reductions are exact in any order and left out."""
     defs = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", ttgir, re.M))
     out, axis, adds = [], None, False
     for line in ttgir.splitlines():
         start = re.search(r'"tt\.reduce"\(.*<\{axis = (\d+) : i32\}>', line)
         if start:
             axis, adds = start.group(1), False
-        elif axis is not None and re.search(r"arith\.add[fi] ", line):
+        elif axis is not None and "arith.addf " in line:
             adds = True
         elif axis is not None and line.lstrip().startswith("}) : ("):
             operand = line.split("}) : (", 1)[1].split(") ->", 1)[0]
@@ -315,13 +315,16 @@ NORM_PAIRS_SIGNATURE = dict(x_ptr="*i32", w_ptr="*i32", out_ptr="*i32", vals_ptr
 
 def layouts(_k: int) -> None:
     """The kernels the two engines launch in different variants, built for sm_90 in each: the layouts of
-    their reductions (hence the reductions' order, hence their bits) must not depend on the variant.
+    their floating-point sums (hence the sums' order, hence their bits) must not depend on the variant.
     The norm on 16-bit words (`norm_pairs`: the sampler's residual add or not, rows a multiple of the
-    block or not, quantizing or not) at hidden sizes 2048 and 4096; attention per KV format (paged or
-    packed keys, with or without the backward's log-sum-exp). Exit 1 where a kernel's variants differ.
+    block or not, quantizing or not) at hidden sizes 2048 and 4096; the MoE gate + routing (chunks as
+    programs of their own or not, counting for the sort or not; top-k renormalized or not); attention
+    per KV format (paged or packed keys, with or without the backward's log-sum-exp). Exit 1 where a
+    kernel's variants differ (conservative: a sum exact in any order, one term and zeros, counts too).
     The q/k norm + RoPE kernel is one build for every launch (`qk_norm_rope.UNSPECIALIZED`)."""
     from minite.kernels import attention as ka
     from minite.kernels import norm_pairs as kn
+    from minite.kernels import router as kr
 
     groups = {}
     for d in (2048, 4096):
@@ -335,6 +338,16 @@ def layouts(_k: int) -> None:
             k = compile_sm90(kn._norm_pairs_kernel, NORM_PAIRS_SIGNATURE, const, warps,
                              aligned=("stride_xw", "stride_rw", "D"))
             groups.setdefault(f"norm_pairs, D {d}", []).append(reduction_layouts(k.asm["ttgir"]))
+    gate_sig = dict(x_ptr="*bf16", g_ptr="*bf16", part_ptr="*fp32", sem_ptr="*i32", logits_ptr="*bf16",
+                    w_ptr="*bf16", ids_ptr="*i64", counts_ptr="*i32", T="i32", H="i32", E="i32",
+                    stride_x="i32", stride_g="i32")
+    for norm, split, count in itertools.product((True, False), repeat=3):  # 128 experts, top 8
+        const = dict(K=8, K_P2=8, E_P2=128, NORMALIZE=norm, BLOCK_T=kr.gate_rows(8), BLOCK_H=kr.GATE_CHUNK,
+                     SPLIT=split, COUNT=count, IEEE=False)
+        k = compile_sm90(kr._gate_route_kernel, gate_sig, const, kr.GATE_CONFIG["num_warps"],
+                         aligned=("H", "stride_x", "stride_g"))
+        label = f"gate + routing, 128 experts, top-8 {'renormalized' if norm else 'of the softmax'}"
+        groups.setdefault(label, []).append(reduction_layouts(k.asm["ttgir"]))
     for kv, name in ((0, "bf16"), (1, "fp8"), (2, "nvfp4")):
         sig, const, cfg = attention_args(kv)
         for paged, lse in itertools.product((False, True), repeat=2):

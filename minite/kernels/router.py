@@ -151,11 +151,15 @@ def _gate_route_kernel(x_ptr, g_ptr, part_ptr, sem_ptr, logits_ptr, w_ptr, ids_p
             total += _chunk_product(x_ptr, g_ptr, rows, row_ok, c, T, H, E, stride_x, stride_g, E_P2,
                                     BLOCK_H, IEEE)
     if last:
-        logits = total.to(logits_ptr.dtype.element_ty)
         col_ok = cols < E
-        tl.store(logits_ptr + rows.to(tl.int64)[:, None] * E + cols[None, :], logits,
-                 mask=row_ok[:, None] & col_ok[None, :])
-        v = tl.where(col_ok[None, :], logits.to(tl.float32), float("-inf"))
+        dst = logits_ptr + rows.to(tl.int64)[:, None] * E + cols[None, :]
+        tl.store(dst, total.to(logits_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        # routed from the logits read back, not from the sum's registers: the split and the unsplit
+        # launch hold the sum in other layouts (the MMA's or a load's), and the softmax's sum over the
+        # experts (NORMALIZE off) would follow them into other orders, other bits
+        tl.debug_barrier()
+        v = tl.load(dst, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        v = tl.where(col_ok[None, :], v, float("-inf"))
         _route_rows(v, rows, row_ok, w_ptr, ids_ptr, counts_ptr, block, E, K, K_P2, E_P2, NORMALIZE, COUNT)
 
 

@@ -23,9 +23,11 @@ def test_dtype_branching_kernels_build_for_sm90():
 @pytest.mark.skipif(not _sass_tools(), reason="Triton's ptxas / nvdisasm not installed")
 def test_engine_variants_sum_in_one_layout():
     """The kernels the learner and the sampler launch in different variants (the norm with or without
-    the residual add, whole blocks of rows or not; attention on paged or packed keys, with or without
-    the log-sum-exp) lay each sum out alike in every variant, so the engines' sums run in one order.
-    A build that broke this (the q/k norm with an fp8 cache store) held q and k a last bit apart."""
+    the residual add, whole blocks of rows or not; the MoE gate split over programs at a decode step
+    or not; attention on paged or packed keys, with or without the log-sum-exp) lay each sum out alike
+    in every variant, so the engines' sums run in one order. Builds that broke this: the q/k norm with
+    an fp8 cache store (q and k a last bit apart on an H100), the gate routing from the sum's registers
+    (the softmax over the experts in the MMA's layout unsplit, a load's split)."""
     run = run_sass_tool("layouts", check=False)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count("one layout each") == 5, run.stdout
+    assert run.stdout.count("one layout each") == 7, run.stdout

@@ -103,18 +103,19 @@ def test_gate_gives_the_references_logits_and_routes_them(dtype, t, h, e, k):
     torch.testing.assert_close(wt.cpu(), want_w, rtol=RTOL[dtype], atol=0)
 
 
-def test_gate_rows_have_the_same_bits_split_or_not():
+@pytest.mark.parametrize("normalize", [True, False])
+def test_gate_rows_have_the_same_bits_split_or_not(normalize):
     """Up to SPLIT_MAX_BLOCKS blocks each chunk is a program, beyond one program walks the chunks: the
     same sums in the same order, so a row's logits, weights and counts do not depend on the batch."""
     x, w = _gate_inputs(kr.SPLIT_MAX_BLOCKS * 16 + 20, 384, 16, torch.float32)
     x, w = x.to(device()), w.to(device())
-    big = kr.gate_route(x, w, 2, True)
+    big = kr.gate_route(x, w, 2, normalize)
     for t in (1, 40):
-        small = kr.gate_route(x[:t].contiguous(), w, 2, True)
+        small = kr.gate_route(x[:t].contiguous(), w, 2, normalize)
         for a, b in zip(small, big):
             assert torch.equal(a, b[:t])
     assert not kr._SEMAPHORES[x.device].any()  # every block's counter back at zero
-    again = kr.gate_route(x[:40].contiguous(), w, 2, True)
+    again = kr.gate_route(x[:40].contiguous(), w, 2, normalize)
     assert all(torch.equal(a, b) for a, b in zip(again, small))
 
 
@@ -177,6 +178,21 @@ def test_gpu_decode_step_shape():
     w2, ids2, counts = kr.route(x.cuda(), 8, True, 128)  # counting for the sort in the same launch
     assert torch.equal(w2, w) and torch.equal(ids2, ids)
     assert torch.equal(counts.long().cpu(), F.one_hot(ids.cpu().reshape(-1, 128), 128).sum(1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("normalize", [True, False])
+def test_gpu_gate_weights_keep_their_bits_split_or_not(normalize):
+    """128 experts, top-8, bf16: a decode step's rows (the split launch) route with the bits they get
+    among 2048 tokens (one program a block), the top-k renormalized or not (then the softmax's sum runs
+    over every expert, in the layout of the logits read back in both launches)."""
+    x, w = _gate_inputs(2048, 2048, 128, torch.bfloat16)
+    x, w = x.cuda(), w.cuda()
+    big = kr.gate_route(x, w, 8, normalize)
+    for t in (1, 64, 128):
+        for a, b in zip(kr.gate_route(x[:t].contiguous(), w, 8, normalize), big):
+            assert torch.equal(a, b[:t])
 
 
 @pytest.mark.gpu
