@@ -23,6 +23,7 @@
 #                    and of the o projection in row tiles (128 rows)
 #   gemm_tiles gemm_tma decode_tiles quantize_tiles      the tile sweeps in benchmarks/tools/
 #   pair_attention   dense rollouts, attention at 4 against 2 warps, paired (bf16 and aligned/fp8 sampler-only)
+#   attention_regcap decode attention on fp8 / nvfp4 caches with registers capped, paired, bitwise-checked
 #   agreement        aligned learner vs sampler on 4 layers of qwen3-1.7b and qwen3-30b-a3b
 #   agreement_full   bf16/bf16, aligned/aligned, te/vllm on all 28 layers of qwen3-1.7b
 #   diagnose         minite diagnose at full depth, te/vllm and aligned/aligned
@@ -102,6 +103,7 @@ for part in "$@"; do
     decode_tiles) py 300 benchmarks.tools.sweep_decode_tiles --out "$x/decode_tiles.json" ;;
     quantize_tiles) py 150 benchmarks.tools.sweep_quantize --out "$x/quantize_tiles.json" ;;
     pair_attention) py 240 benchmarks.tools.pair_attention_config --out "$x/attention_warps_rollout_paired.json" ;;
+    attention_regcap) py 150 benchmarks.tools.probe_attention_regcap --out "$x/attention_regcap.json" ;;
     ncu_decode)
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -n 1)
       while read -r spec; do
