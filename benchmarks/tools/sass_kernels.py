@@ -317,10 +317,11 @@ def layouts(_k: int) -> None:
     """The kernels the two engines launch in different variants, built for sm_90 in each: the layouts of
     their floating-point sums (hence the sums' order, hence their bits) must not depend on the variant.
     The norm on 16-bit words (`norm_pairs`: the sampler's residual add or not, rows a multiple of the
-    block or not, quantizing or not) at hidden sizes 2048 and 4096; the MoE gate + routing (chunks as
-    programs of their own or not, counting for the sort or not; top-k renormalized or not); attention
-    per KV format (paged or packed keys, with or without the backward's log-sum-exp). Exit 1 where a
-    kernel's variants differ (conservative: a sum exact in any order, one term and zeros, counts too).
+    block or not, quantizing or not, one row) at hidden sizes 2048 and 4096; the MoE gate + routing
+    (chunks as programs of their own or not, counting for the sort or not, one token; top-k
+    renormalized or not); attention per KV format (paged or packed keys, with or without the
+    backward's log-sum-exp). Exit 1 where a kernel's variants differ (conservative: a sum exact in any
+    order, one term and zeros, counts too).
     The q/k norm + RoPE kernel is one build for every launch (`qk_norm_rope.UNSPECIALIZED`)."""
     from minite.kernels import attention as ka
     from minite.kernels import norm_pairs as kn
@@ -332,19 +333,25 @@ def layouts(_k: int) -> None:
         bw = max(8, 1 << (kw - 1).bit_length())
         br = max(1, kn.WORDS // bw)
         warps = min(16, max(1, br * bw // (32 * kn.WORDS_PER_THREAD)))
-        for resid, even, quant in itertools.product((False, True), repeat=3):
+        # every variant, and one row (Triton compiles an integer argument of 1 as a constant: a single
+        # sequence's decode step) in the sampler's
+        variants = [(*v, False) for v in itertools.product((False, True), repeat=3)]
+        for resid, even, quant, one in variants + [(True, False, True, True)]:
             const = dict(KW=kw, QUANT=quant, CHAIN=0, RESIDUAL=resid, BF16=True, VALS_BF16=True, HW=True,
-                         EVEN=even, BLOCK_R=br, NB=bw // 8)
-            k = compile_sm90(kn._norm_pairs_kernel, NORM_PAIRS_SIGNATURE, const, warps,
+                         EVEN=even, BLOCK_R=br, NB=bw // 8, **({"n_rows": 1} if one else {}))
+            sig = {n: t for n, t in NORM_PAIRS_SIGNATURE.items() if n not in const}
+            k = compile_sm90(kn._norm_pairs_kernel, sig, const, warps,
                              aligned=("stride_xw", "stride_rw", "D"))
             groups.setdefault(f"norm_pairs, D {d}", []).append(reduction_layouts(k.asm["ttgir"]))
     gate_sig = dict(x_ptr="*bf16", g_ptr="*bf16", part_ptr="*fp32", sem_ptr="*i32", logits_ptr="*bf16",
                     w_ptr="*bf16", ids_ptr="*i64", counts_ptr="*i32", T="i32", H="i32", E="i32",
                     stride_x="i32", stride_g="i32")
-    for norm, split, count in itertools.product((True, False), repeat=3):  # 128 experts, top 8
+    gate_variants = [(*v, False) for v in itertools.product((True, False), repeat=3)]
+    for norm, split, count, one in gate_variants + [(True, True, True, True), (False, True, True, True)]:
         const = dict(K=8, K_P2=8, E_P2=128, NORMALIZE=norm, BLOCK_T=kr.gate_rows(8), BLOCK_H=kr.GATE_CHUNK,
-                     SPLIT=split, COUNT=count, IEEE=False)
-        k = compile_sm90(kr._gate_route_kernel, gate_sig, const, kr.GATE_CONFIG["num_warps"],
+                     SPLIT=split, COUNT=count, IEEE=False, **({"T": 1} if one else {}))
+        sig = {n: t for n, t in gate_sig.items() if n not in const}
+        k = compile_sm90(kr._gate_route_kernel, sig, const, kr.GATE_CONFIG["num_warps"],
                          aligned=("H", "stride_x", "stride_g"))
         label = f"gate + routing, 128 experts, top-8 {'renormalized' if norm else 'of the softmax'}"
         groups.setdefault(label, []).append(reduction_layouts(k.asm["ttgir"]))
